@@ -1,0 +1,105 @@
+"""Every private torch API decompshard touches, in one place.
+
+Supported: torch 2.13.x (the reference). The names below moved between 2.10 and 2.13;
+anything that fails to import here fails loudly at import time with the version in the
+message instead of deep inside a sweep.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+SUPPORTED = ((2, 13),)
+
+try:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy
+    from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlaceholder
+    from torch.distributed.tensor.placement_types import (
+        Partial as TorchPartial,
+        Replicate as TorchReplicate,
+        Shard as TorchShard,
+        _StridedShard as TorchStridedShard,
+    )
+except ImportError as e:  # pragma: no cover - exercised only on unsupported torch
+    raise ImportError(
+        f"decompshard supports torch {SUPPORTED}; torch {torch.__version__} lacks a "
+        f"private DTensor API it needs: {e}"
+    ) from e
+
+
+def sharding_propagator() -> Any:
+    """DTensor's process-wide ShardingPropagator (holds every registered strategy)."""
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+def single_dim_strategy_info(op: torch._ops.OpOverload) -> Any | None:
+    return sharding_propagator().op_single_dim_strategy_funcs.get(op)
+
+
+def op_strategy_func(op: torch._ops.OpOverload) -> Any | None:
+    return sharding_propagator().op_strategy_funcs.get(op)
+
+
+def has_native_strategy(op: torch._ops.OpOverload) -> bool:
+    sp = sharding_propagator()
+    return (
+        op in sp.op_single_dim_strategy_funcs
+        or op in sp.op_strategy_funcs
+        or op in sp.op_to_rules
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def fake_one_rank_mesh(device_type: str = "cpu") -> Any:
+    """A size-1 mesh that needs no process group: what torch's own fallback uses."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh(device_type, [0], _init_backend=False, _rank=0)
+
+
+def torch_decomposition_table() -> dict:
+    from torch._decomp import decomposition_table
+
+    return decomposition_table
+
+
+def from_torch_placement(p: Any):
+    """torch placement (or single-dim placeholder) -> decompshard's alphabet.
+
+    Returns `NotImplemented` for placements the single-dim alphabet cannot express
+    faithfully (a _StridedShard produced from a plain Shard, say); callers drop such rules.
+    """
+    from .placements import R, Partial, ShardPlaceholder
+
+    if p is None:
+        return None
+    if isinstance(p, _ShardingPlaceholder):
+        return ShardPlaceholder(p.dim)
+    if isinstance(p, TorchStridedShard):
+        return NotImplemented
+    if isinstance(p, TorchShard):
+        return ShardPlaceholder(p.dim)
+    if isinstance(p, TorchReplicate):
+        return R
+    if isinstance(p, TorchPartial):
+        return Partial(p.reduce_op) if p.reduce_op in ("sum", "avg", "max", "min") else NotImplemented
+    return NotImplemented
+
+
+def to_torch_placement(p: Any) -> Any:
+    """decompshard placement -> torch placement (S(d) becomes a plain Shard(d))."""
+    from .placements import Partial, Replicate, ShardPlaceholder
+
+    if isinstance(p, ShardPlaceholder):
+        return TorchShard(p.dim)
+    if isinstance(p, Partial):
+        return TorchPartial(p.reduce_op)
+    if isinstance(p, Replicate):
+        return TorchReplicate()
+    raise TypeError(f"not a placement: {p!r}")

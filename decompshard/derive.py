@@ -1,0 +1,217 @@
+"""derive_rules: the one entry point from an op and its arguments to verified-by-construction
+single-dim rules.
+
+    trace (once per op + metadata)  ->  propagate over the alphabet  ->  local-shape check
+
+Both the trace and the result are cached per (op, input metadata, non-tensor args), so
+DTensor's dispatch, the coverage sweep and `explain` all pay the derivation once.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .dispatch_modes import trace
+from .dispatch_modes.graph import PrimGraph
+from .dispatch_modes.tracing import tensor_meta
+from .errors import UnsupportedOp
+from .localcheck import check_local
+from .placements import MaybePlacement, SingleDimRule, format_placement, format_rule
+from .propagate import Propagation, Rejection, propagate
+from .rules import clear_cache as clear_rule_cache
+from .rules import has_rule, rules_for
+
+OpOverload = torch._ops.OpOverload
+
+
+@dataclass(frozen=True)
+class RejectedCandidate:
+    """A candidate that needed redistribution somewhere, and where."""
+
+    inputs: tuple[MaybePlacement, ...]  # None: not decided when it died
+    reason: str
+    node: int | None = None
+
+    def __str__(self) -> str:
+        ins = ", ".join("*" if p is None else format_placement(p) for p in self.inputs)
+        return f"{ins}: {self.reason}"
+
+
+@dataclass
+class DerivedRules:
+    op: OpOverload
+    rules: list[SingleDimRule] = field(default_factory=list)
+    rejected: list[RejectedCandidate] = field(default_factory=list)
+    unsupported_reason: str | None = None
+    seconds: float = 0.0
+    graph: PrimGraph | None = field(default=None, repr=False)
+
+    def as_strings(self) -> list[str]:
+        return [format_rule(r) for r in self.rules]
+
+    def __len__(self) -> int:
+        return len(self.rules)
+
+    def __iter__(self):
+        return iter(self.rules)
+
+    def __str__(self) -> str:
+        from tabulate import tabulate
+
+        head = f"{self.op}: "
+        if self.unsupported_reason:
+            return head + f"unsupported: {self.unsupported_reason}"
+        if not self.rules:
+            return head + "replicate-only (no non-trivial rule survives)"
+        rows = [(format_rule(r).split(" -> ")[0], format_rule(r).split(" -> ")[1], r.source) for r in self.rules]
+        table = tabulate(rows, headers=["inputs", "outputs", "note"], tablefmt="simple")
+        return head + f"{len(self.rules)} rules (all-Replicate implied)\n{table}"
+
+    __repr__ = __str__
+
+
+def resolve_op(op: OpOverload | str) -> OpOverload:
+    """`aten.addmv.default` / `aten::addmv.default` / an OpOverload -> the OpOverload."""
+    if isinstance(op, OpOverload):
+        return op
+    if not isinstance(op, str):
+        raise ValueError(f"expected an aten OpOverload or its name, got {type(op).__name__}")
+    name = op.strip().replace("::", ".")
+    parts = name.split(".")
+    if parts[:1] == ["torch"] and parts[1:2] == ["ops"]:
+        parts = parts[2:]
+    if len(parts) == 2:
+        parts.append("default")
+    if len(parts) != 3 or not all(p.isidentifier() for p in parts):
+        raise ValueError(f"malformed op name {op!r}: expected e.g. 'aten.addmv.default'")
+    ns, packet, overload = parts
+    try:
+        return getattr(getattr(getattr(torch.ops, ns), packet), overload)
+    except (AttributeError, RuntimeError):
+        raise ValueError(f"unknown op {op!r}: no such operator overload in torch.ops") from None
+
+
+# ------------------------------------------------------------------------ caches
+
+_TRACES: dict[Any, PrimGraph | UnsupportedOp] = {}
+_DERIVED: dict[Any, DerivedRules] = {}
+
+
+def _key(op: OpOverload, args: tuple, kwargs: dict) -> Any:
+    flat, spec = tree_flatten((args, kwargs))
+    leaves = tuple(tensor_meta(x) if isinstance(x, torch.Tensor) else _hashable(x) for x in flat)
+    return (op, leaves, str(spec))
+
+
+def _hashable(x: Any) -> Any:
+    try:
+        hash(x)
+        return x
+    except TypeError:
+        return repr(x)
+
+
+def traced(op: OpOverload, args: tuple, kwargs: dict) -> PrimGraph:
+    """The op's PrimGraph at these shapes (cached; raises UnsupportedOp)."""
+    key = _key(op, args, kwargs)
+    hit = _TRACES.get(key)
+    if hit is None:
+        try:
+            hit = trace(op, args, kwargs, has_rule)
+        except UnsupportedOp as e:
+            hit = e
+        _TRACES[key] = hit
+    if isinstance(hit, UnsupportedOp):
+        raise hit
+    return hit
+
+
+def clear_caches() -> None:
+    """Forget every trace, derived rule set and primitive rule table (cold timings)."""
+    _TRACES.clear()
+    _DERIVED.clear()
+    clear_rule_cache()
+
+
+# ------------------------------------------------------------------------ derive
+
+
+def derive_rules(op: OpOverload | str, *args: Any, **kwargs: Any) -> DerivedRules:
+    """The op's derived single-mesh-dim rules for these (real, meta or fake) arguments.
+
+    Raises ValueError for a malformed or unknown op name; an op that cannot be derived
+    returns an empty rule set with `unsupported_reason` set.
+    """
+    op = resolve_op(op)
+    key = _key(op, args, kwargs)
+    hit = _DERIVED.get(key)
+    if hit is not None:
+        return hit
+    start = time.perf_counter()
+    result = DerivedRules(op)
+    try:
+        result.graph = traced(op, args, kwargs)
+    except UnsupportedOp as e:
+        result.unsupported_reason = e.reason
+    else:
+        _solve(result, args, kwargs)
+    result.seconds = time.perf_counter() - start
+    _DERIVED[key] = result
+    return result
+
+
+def _solve(result: DerivedRules, args: tuple, kwargs: dict) -> None:
+    graph = result.graph
+    prop = propagate(graph, rules_for)
+    result.rejected.extend(_rejections(graph, prop))
+    meta_args, meta_kwargs = tree_map(
+        lambda x: torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+        if isinstance(x, torch.Tensor) else x,
+        (args, kwargs),
+    )
+    trace_at = lambda a, k: traced(graph.op, a, k)  # noqa: E731
+    found: dict[tuple, SingleDimRule] = {}
+    for cand in prop.survivors:
+        verdict = check_local(graph, cand, meta_args, meta_kwargs, trace_at)
+        if not verdict.ok:
+            result.rejected.append(RejectedCandidate(cand.inputs, verdict.reason))
+            continue
+        rule = SingleDimRule(
+            cand.inputs, verdict.outputs, even_only=verdict.even_only,
+            source=verdict.reason or "derived",
+        )
+        if rule.is_trivial():
+            continue
+        prev = found.get(rule.key())
+        if prev is None or (prev.even_only and not rule.even_only):
+            found[rule.key()] = rule
+    result.rules = sorted(found.values(), key=_rule_order)
+
+
+def _rejections(graph: PrimGraph, prop: Propagation) -> list[RejectedCandidate]:
+    out = []
+    for rej in prop.rejections:
+        if rej.node < 0:
+            out.append(RejectedCandidate(rej.inputs, "placement not allowed for this input"))
+            continue
+        node = graph.nodes[rej.node]
+        arriving = ", ".join("?" if p is None else format_placement(p) for p in rej.arriving)
+        out.append(
+            RejectedCandidate(
+                rej.inputs, f"no rule of node {rej.node} ({node.op}) accepts ({arriving})", rej.node
+            )
+        )
+    return out
+
+
+def _rule_order(rule: SingleDimRule) -> tuple:
+    def rank(p: MaybePlacement) -> tuple:
+        s = format_placement(p)
+        return ({"R": 0, "S": 1, "P": 2, "N": 3}[s[0]], s)
+
+    return (tuple(rank(p) for p in rule.inputs), tuple(rank(p) for p in rule.outputs), rule.even_only)

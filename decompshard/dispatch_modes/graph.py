@@ -1,0 +1,96 @@
+"""PrimGraph: what one run of a decomposition did, recorded once and reused everywhere.
+
+The graph is placement-free: the same recording serves every candidate placement, the
+explain trace and the local-shape check. Values are numbered in creation order; every
+value is a graph input, a constant (made without reading any input), or a node output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .._compat import TensorMeta
+
+INPUT, CONST, NODE = "input", "const", "node"
+
+
+@dataclass(frozen=True)
+class ValueInfo:
+    id: int
+    kind: str  # INPUT | CONST | NODE
+    meta: TensorMeta
+
+
+@dataclass(frozen=True)
+class PrimNode:
+    """One primitive call.
+
+    `args`/`kwargs` are the call's arguments with every tensor replaced by its
+    TensorMeta (the form torch's strategy functions take); `inputs` are the value ids of
+    those tensors in flattened schema order; `outputs` has one entry per leaf of the
+    flattened result: a value id, or None for a non-tensor leaf.
+    """
+
+    index: int
+    op: torch._ops.OpOverload
+    args: tuple
+    kwargs: dict
+    inputs: tuple[int, ...]
+    outputs: tuple[int | None, ...]
+    constant: bool  # every tensor input is a constant: the outputs are constants too
+
+    def non_tensor_leaves(self) -> list[Any]:
+        leaves = torch.utils._pytree.tree_leaves(
+            (self.args, self.kwargs), is_leaf=lambda x: isinstance(x, TensorMeta)
+        )
+        return [x for x in leaves if not isinstance(x, TensorMeta)]
+
+
+@dataclass
+class PrimGraph:
+    op: torch._ops.OpOverload
+    inputs: tuple[int, ...]  # value id per tensor input of the op, schema order
+    outputs: tuple[int | None, ...]  # value id per output leaf; None: not a tensor
+    values: list[ValueInfo] = field(default_factory=list)
+    nodes: list[PrimNode] = field(default_factory=list)
+
+    def meta(self, vid: int) -> TensorMeta:
+        return self.values[vid].meta
+
+    def is_const(self, vid: int) -> bool:
+        return self.values[vid].kind == CONST
+
+    def producer(self) -> dict[int, int]:
+        """value id -> index of the node that produced it."""
+        return {v: n.index for n in self.nodes for v in n.outputs if v is not None}
+
+    def last_use(self) -> dict[int, int]:
+        """value id -> index of the last node reading it (graph outputs live forever)."""
+        last: dict[int, int] = {}
+        for n in self.nodes:
+            for v in n.inputs:
+                last[v] = n.index
+        for v in self.outputs:
+            if v is not None:
+                last[v] = len(self.nodes)
+        return last
+
+    def signature(self) -> list[tuple]:
+        """Op sequence and non-tensor args: two traces with equal signatures took the
+        same path through the decomposition."""
+        return [(n.op, len(n.inputs), len(n.outputs)) for n in self.nodes]
+
+    def format(self) -> str:
+        lines = []
+        for n in self.nodes:
+            ins = ", ".join(f"%{v}" for v in n.inputs)
+            outs = ", ".join("_" if v is None else f"%{v}" for v in n.outputs)
+            extra = [repr(x) for x in n.non_tensor_leaves()]
+            lines.append(
+                f"{n.index:3d}: {outs} = {n.op}({ins}{'; ' + ', '.join(extra) if extra else ''})"
+                + ("  [const]" if n.constant else "")
+            )
+        return "\n".join(lines)

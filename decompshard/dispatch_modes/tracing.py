@@ -1,0 +1,175 @@
+"""Trace once: run an op's decomposition on meta tensors and record its primitive calls.
+
+Why a dispatch mode and not torch's own fallback: torch re-runs the decomposition once
+per candidate placement and asks the full sharding propagator at every inner op. We run
+it once per (op, input metadata, non-tensor args), record a small placement-free graph,
+and let the solver try every candidate against that graph with table look-ups.
+
+What counts as a primitive is decided by the caller (`is_primitive`: "has a rule of its
+own"); everything else is decomposed again, recursively, inside the same mode.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from .._compat import TensorMeta, torch_decomposition_table
+from ..errors import DataDependent, UnsupportedOp
+from .graph import CONST, INPUT, NODE, PrimGraph, PrimNode, ValueInfo
+
+aten = torch.ops.aten
+OpOverload = torch._ops.OpOverload
+
+# Ops whose result depends on tensor *values* in a way that shapes cannot express.
+_DATA_DEPENDENT_OPS = {aten._local_scalar_dense.default, aten.item.default}
+
+
+def tensor_meta(t: torch.Tensor) -> TensorMeta:
+    return TensorMeta(tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def to_meta(x: Any) -> Any:
+    """A meta tensor with the same shape, strides and dtype; other values unchanged."""
+    if isinstance(x, torch.Tensor):
+        if any(not isinstance(s, int) for s in x.shape):
+            raise UnsupportedOp("dynamic (symbolic) shapes are not supported")
+        return torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype, device="meta")
+    return x
+
+
+def find_decomposition(op: OpOverload) -> Callable | None:
+    """Lookup order: torch's decomposition table, CompositeImplicitAutograd, then ours."""
+    table = torch_decomposition_table()
+    if op in table:
+        return table[op]
+    if op._can_decompose():
+        return op.decompose
+    from ..decomps import PROJECT_DECOMPOSITIONS
+
+    return PROJECT_DECOMPOSITIONS.get(op)
+
+
+def has_decomposition(op: OpOverload) -> bool:
+    return find_decomposition(op) is not None
+
+
+def _is_mutating(op: OpOverload) -> bool:
+    return any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
+
+
+class _Recorder:
+    """Maps live meta tensors to value ids and appends nodes (SSA: a mutated tensor gets
+    a fresh id)."""
+
+    def __init__(self, op: OpOverload):
+        self.graph = PrimGraph(op=op, inputs=(), outputs=())
+        self._vid: dict[int, int] = {}
+        self._keep: list[torch.Tensor] = []  # keeps ids stable while the trace runs
+
+    def new_value(self, t: torch.Tensor, kind: str) -> int:
+        vid = len(self.graph.values)
+        self.graph.values.append(ValueInfo(vid, kind, tensor_meta(t)))
+        self._vid[id(t)] = vid
+        self._keep.append(t)
+        return vid
+
+    def value_of(self, t: torch.Tensor) -> int:
+        vid = self._vid.get(id(t))
+        if vid is None:  # made outside the mode (e.g. torch.tensor(...) in Python)
+            vid = self.new_value(t, CONST)
+        return vid
+
+
+class TracingMode(TorchDispatchMode):
+    def __init__(self, recorder: _Recorder, is_primitive: Callable[[OpOverload], bool]):
+        super().__init__()
+        self.rec = recorder
+        self.is_primitive = is_primitive
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _DATA_DEPENDENT_OPS or torch.Tag.data_dependent_output in func.tags:
+            raise DataDependent(f"data-dependent: the decomposition calls {func}")
+        if torch.Tag.dynamic_output_shape in func.tags:
+            raise DataDependent(f"data-dependent: {func} has a value-dependent output shape")
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            raise UnsupportedOp(f"random: {func} draws random numbers")
+        if not self.is_primitive(func):
+            decomp = find_decomposition(func)
+            if decomp is not None:
+                with self:
+                    out = decomp(*args, **kwargs)
+                if out is not NotImplemented:
+                    return out
+        return self._record(func, args, kwargs)
+
+    def _record(self, func, args, kwargs):
+        flat_in, _ = tree_flatten((args, kwargs))
+        in_ids = tuple(self.rec.value_of(x) for x in flat_in if isinstance(x, torch.Tensor))
+        try:
+            out = func(*args, **kwargs)
+        except (DataDependent, UnsupportedOp):
+            raise
+        except Exception as e:  # no meta kernel, or the op rejects these shapes
+            raise UnsupportedOp(f"{func} failed on meta tensors: {_one_line(e)}") from e
+        constant = all(self.rec.graph.values[v].kind == CONST for v in in_ids)
+        kind = CONST if constant else NODE
+        flat_out, _ = tree_flatten(out)
+        out_ids = tuple(
+            self.rec.new_value(t, kind) if isinstance(t, torch.Tensor) else None for t in flat_out
+        )
+        meta_args, meta_kwargs = tree_map(
+            lambda x: tensor_meta(x) if isinstance(x, torch.Tensor) else x, (args, kwargs)
+        )
+        g = self.rec.graph
+        g.nodes.append(
+            PrimNode(len(g.nodes), func, meta_args, meta_kwargs, in_ids, out_ids, constant)
+        )
+        return out
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:200]
+
+
+def trace(
+    op: OpOverload, args: tuple, kwargs: dict, is_primitive: Callable[[OpOverload], bool]
+) -> PrimGraph:
+    """Record `op`'s decomposition at the given (global) shapes.
+
+    Raises UnsupportedOp (no decomposition, random op, data-dependent control flow,
+    a primitive with no meta kernel) with a one-line reason.
+    """
+    decomp = find_decomposition(op)
+    if decomp is None:
+        raise UnsupportedOp(f"no decomposition: {op} has neither a decomposition nor a strategy")
+    rec = _Recorder(op)
+    flat, spec = tree_flatten((args, kwargs))
+    meta_flat = [to_meta(x) for x in flat]
+    input_ids = tuple(
+        rec.new_value(x, INPUT) for x in meta_flat if isinstance(x, torch.Tensor)
+    )
+    rec.graph.inputs = input_ids
+    margs, mkwargs = tree_unflatten(meta_flat, spec)
+    mode = TracingMode(rec, is_primitive)
+    try:
+        with mode:
+            out = decomp(*margs, **mkwargs)
+    except (DataDependent, UnsupportedOp):
+        raise
+    except Exception as e:
+        if "data-dependent" in str(e) or "meta tensor" in str(e) and "item" in str(e):
+            raise DataDependent(f"data-dependent: {_one_line(e)}") from e
+        raise UnsupportedOp(f"decomposition failed on meta tensors: {_one_line(e)}") from e
+    if out is NotImplemented:
+        raise UnsupportedOp(f"no decomposition: {op}'s decomposition declined these arguments")
+    flat_out, _ = tree_flatten(out)
+    rec.graph.outputs = tuple(
+        rec.value_of(t) if isinstance(t, torch.Tensor) else None for t in flat_out
+    )
+    return rec.graph

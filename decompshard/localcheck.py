@@ -1,0 +1,199 @@
+"""Does a candidate survive the decomposition run on *local* shapes?
+
+The solver reasons on the global trace, but DTensor runs the original op on each rank's
+local shard with the original non-tensor arguments. So a decomposition that computes
+sizes from its inputs (`view(x, [b, g, c // g, ...])` in channel_shuffle, `sum / numel`
+in a mean loss, `arange(n)`) computes *different* things per rank. We re-trace at the
+local shapes of every rank for world sizes 2 and 3 and demand that the local graph is the
+global one seen through the candidate's placements:
+
+- same primitive sequence (a different path means the decomposition branched on a size);
+- every value's local shape is the shard of its global shape the placement implies;
+- non-tensor arguments are identical, except sizes of shape-defining ops (checked by the
+  shape rule above), full-range slice ends, and one recognised pattern: a P(sum) value
+  divided by (or multiplied by the inverse of) a count proportional to the shard's size.
+  That is a mean over a sharded dim; it is exactly P(avg) when shards are even, so the
+  rule is kept with its outputs turned P(sum) -> P(avg) and marked [even].
+
+A rank whose shard is empty (size 2 over 3 ranks) only has its outputs compared:
+decompositions legitimately take short-cuts on empty tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .dispatch_modes.graph import PrimGraph
+from .errors import UnsupportedOp
+from .placements import P, Partial, is_shard, local_shape
+from .propagate import Survivor
+
+aten = torch.ops.aten
+
+# Ops whose int arguments are the output shape: checked through the output shape.
+SHAPE_ARG_OPS = {
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
+    aten.view_copy.default, aten.expand_copy.default, aten._reshape_alias.default,
+    aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
+    aten.empty.memory_format, aten.zeros.default, aten.ones.default, aten.full.default,
+    aten.empty_strided.default, aten.new_empty_strided.default, aten.unflatten.int,
+}
+_SCALE_DIV = {aten.div.Tensor, aten.div.Scalar}
+_SCALE_MUL = {aten.mul.Tensor, aten.mul.Scalar}
+WORLD_SIZES = (2, 3)
+
+
+@dataclass(frozen=True)
+class LocalVerdict:
+    ok: bool
+    outputs: tuple  # the candidate's outputs, P(sum) -> P(avg) when a mean was found
+    even_only: bool
+    reason: str = ""
+
+
+def local_args(args: tuple, kwargs: dict, shapes: Sequence[tuple[int, ...]]) -> tuple[tuple, dict]:
+    """The op's arguments with tensor i replaced by a meta tensor of `shapes[i]`."""
+    flat, spec = tree_flatten((args, kwargs))
+    it = iter(shapes)
+    flat = [
+        torch.empty(next(it), dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
+        for x in flat
+    ]
+    return tree_unflatten(flat, spec)
+
+
+def check_local(
+    graph: PrimGraph,
+    cand: Survivor,
+    args: tuple,
+    kwargs: dict,
+    trace_at: Callable[[tuple, dict], PrimGraph],
+    world_sizes: Sequence[int] = WORLD_SIZES,
+) -> LocalVerdict:
+    if not any(is_shard(p) for p in cand.inputs):
+        return LocalVerdict(True, cand.outputs, cand.even_only)  # local shapes == global
+    scaled = False
+    for W in world_sizes:
+        seen: set[tuple] = set()
+        for r in range(W):
+            shapes = tuple(
+                local_shape(graph.meta(v).shape, p, W, r) for v, p in zip(graph.inputs, cand.inputs)
+            )
+            if shapes in seen:
+                continue
+            seen.add(shapes)
+            where = f"rank {r} of {W}"
+            try:
+                local = trace_at(*local_args(args, kwargs, shapes))
+            except UnsupportedOp as e:
+                return _fail(cand, f"on {where} the decomposition fails: {e.reason}")
+            if any(0 in shp and 0 not in graph.meta(v).shape for v, shp in zip(graph.inputs, shapes)):
+                reason, node_scaled = _compare_outputs_only(graph, local, cand, W, r), False
+            else:
+                reason, node_scaled = _compare(graph, local, cand, W, r, shapes)
+            if reason:
+                return _fail(cand, f"on {where}: {reason}")
+            scaled |= node_scaled
+    if not scaled:
+        return LocalVerdict(True, cand.outputs, cand.even_only)
+    tensor_outs = [p for p in cand.outputs if p is not None]
+    if not tensor_outs or any(p != P("sum") for p in tensor_outs):
+        return _fail(cand, "a mean over a sharded dim reaches an output that is not P(sum)")
+    outs = tuple(None if p is None else P("avg") for p in cand.outputs)
+    return LocalVerdict(True, outs, True, "mean over a sharded dim: P(avg) when shards are even")
+
+
+def _fail(cand: Survivor, reason: str) -> LocalVerdict:
+    return LocalVerdict(False, cand.outputs, cand.even_only, reason)
+
+
+def _compare(g: PrimGraph, l: PrimGraph, cand: Survivor, W: int, r: int, shapes) -> tuple[str, bool]:
+    """('' or the first disagreement, whether a mean-scaling node was found)."""
+    if [n.op for n in g.nodes] != [n.op for n in l.nodes]:
+        return "the decomposition takes a different path on local shapes", False
+    fraction = _shard_fraction(g, cand, shapes)
+    scaled = False
+    for gn, ln in zip(g.nodes, l.nodes):
+        for gv, lv in zip(gn.outputs, ln.outputs):
+            if gv is None or lv is None:
+                continue
+            p = cand.env.get(gv)
+            if p is None and not gn.constant:
+                continue
+            want = local_shape(g.meta(gv).shape, p, W, r)
+            got = tuple(l.meta(lv).shape)
+            if got != want:
+                return (
+                    f"node {gn.index} ({gn.op}) makes shape {list(got)} locally, "
+                    f"but {p} of {list(g.meta(gv).shape)} needs {list(want)}"
+                ), False
+        diffs = [(a, b) for a, b in zip(gn.non_tensor_leaves(), ln.non_tensor_leaves()) if a != b]
+        if not diffs or gn.op in SHAPE_ARG_OPS:
+            continue
+        if gn.op is aten.slice.Tensor and _full_range_slice(gn, ln, g, l):
+            continue
+        if _is_mean_scaling(gn, diffs, cand, fraction):
+            scaled = True
+            continue
+        a, b = diffs[0]
+        return (
+            f"node {gn.index} ({gn.op}) takes a size-dependent argument: "
+            f"{a!r} globally, {b!r} locally"
+        ), False
+    return "", scaled
+
+
+def _compare_outputs_only(g: PrimGraph, l: PrimGraph, cand: Survivor, W: int, r: int) -> str:
+    """A rank with an empty shard: decompositions often short-cut on empty tensors, so only
+    the op's outputs are compared. A non-empty P(max)/P(min) output computed from nothing
+    has no trustworthy value (the max of an empty set), so it fails."""
+    if len(g.outputs) != len(l.outputs):
+        return "the decomposition returns a different number of outputs on an empty shard"
+    for gv, lv, p in zip(g.outputs, l.outputs, cand.outputs):
+        if gv is None or lv is None:
+            continue
+        want = local_shape(g.meta(gv).shape, p, W, r)
+        got = tuple(l.meta(lv).shape)
+        if got != want:
+            return f"an empty shard gives output shape {list(got)}, {p} needs {list(want)}"
+        if isinstance(p, Partial) and p.reduce_op in ("max", "min") and math.prod(got) > 0:
+            return f"{p} output computed from an empty shard has no defined value"
+    return ""
+
+
+def _shard_fraction(g: PrimGraph, cand: Survivor, shapes) -> float | None:
+    """numel(local)/numel(global), if every sharded input agrees on it."""
+    fracs = set()
+    for v, p, shp in zip(g.inputs, cand.inputs, shapes):
+        if is_shard(p):
+            n = math.prod(g.meta(v).shape)
+            fracs.add(round(math.prod(shp) / n, 12) if n else None)
+    return fracs.pop() if len(fracs) == 1 else None
+
+
+def _is_mean_scaling(node, diffs: list[tuple[Any, Any]], cand: Survivor, fraction) -> bool:
+    if node.op not in _SCALE_DIV | _SCALE_MUL or fraction in (None, 0):
+        return False
+    if len(node.inputs) != 1 or cand.env.get(node.inputs[0]) != P("sum"):
+        return False
+    for a, b in diffs:
+        if not isinstance(a, (int, float)) or not isinstance(b, (int, float)) or a == 0 or b == 0:
+            return False
+        ratio = b / a if node.op in _SCALE_DIV else a / b
+        if not math.isclose(ratio, fraction, rel_tol=1e-9):
+            return False
+    return True
+
+
+def _full_range_slice(gn, ln, g: PrimGraph, l: PrimGraph) -> bool:
+    """slice(x, dim, start, end) whose end covers the whole dim both globally and locally."""
+    ga, la = gn.non_tensor_leaves(), ln.non_tensor_leaves()
+    if len(ga) < 3 or ga[:2] != la[:2] or (len(ga) > 3 and ga[3:] != la[3:]):
+        return False
+    dim = ga[0] % len(g.meta(gn.inputs[0]).shape)
+    return ga[2] >= g.meta(gn.inputs[0]).shape[dim] and la[2] >= l.meta(ln.inputs[0]).shape[dim]

@@ -1,0 +1,237 @@
+"""The alphabet of single-mesh-dim placements, and the rule type everything else speaks.
+
+decompshard reasons about one mesh dimension at a time. On one mesh dim a tensor is
+Replicate (`R`), sharded on tensor dim d (`S(d)`, a placeholder for *any* sharding type:
+Shard, _StridedShard, ...), or a pending reduction (`P(sum)`, `P(avg)`, `P(max)`,
+`P(min)`). These are our own small frozen types rather than torch's classes because the
+solver hashes and compares millions of them, and because `S(d)` deliberately means "any
+sharding kind" where torch's `Shard(d)` means one specific kind.
+
+The string form is a contract (tools and tests parse it)::
+
+    "R, S(0), R -> S(0)"            tensor inputs in schema order -> tensor outputs
+    "S(0), S(0) -> P(avg) [even]"   holds only when every sharded dim splits evenly
+    "S(0) -> S(0), None"            an output that is not a tensor, or is masked off
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence, Union
+
+REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "max", "min")
+
+
+@dataclass(frozen=True, slots=True)
+class Replicate:
+    def __str__(self) -> str:
+        return "R"
+
+    def __repr__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class ShardPlaceholder:
+    """Sharded on tensor dim `dim`, by whatever sharding kind the runtime input has."""
+
+    dim: int
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+    __repr__ = __str__
+
+
+@dataclass(frozen=True, slots=True)
+class Partial:
+    """Each rank holds a part; the true value is `reduce_op` over the ranks."""
+
+    reduce_op: str
+
+    def __post_init__(self) -> None:
+        if self.reduce_op not in REDUCE_OPS:
+            raise ValueError(
+                f"unknown Partial reduce op {self.reduce_op!r}; expected one of {REDUCE_OPS}"
+            )
+
+    def __str__(self) -> str:
+        return f"P({self.reduce_op})"
+
+    __repr__ = __str__
+
+
+Placement = Union[Replicate, ShardPlaceholder, Partial]
+# `None` stands for "not a tensor" (non-tensor outputs, masked-off outputs).
+MaybePlacement = Union[Placement, None]
+
+R = Replicate()
+S = ShardPlaceholder
+P = Partial
+PARTIALS: tuple[Partial, ...] = tuple(Partial(op) for op in REDUCE_OPS)
+
+
+def alphabet(ndim: int, *, partials: bool = True) -> tuple[Placement, ...]:
+    """Every single-dim placement a tensor of rank `ndim` can take, Replicate first."""
+    shards = tuple(ShardPlaceholder(d) for d in range(ndim))
+    return (R, *shards, *(PARTIALS if partials else ()))
+
+
+def is_shard(p: MaybePlacement) -> bool:
+    return isinstance(p, ShardPlaceholder)
+
+
+def is_partial(p: MaybePlacement) -> bool:
+    return isinstance(p, Partial)
+
+
+def is_replicate(p: MaybePlacement) -> bool:
+    return isinstance(p, Replicate)
+
+
+def placement_class(p: MaybePlacement) -> str:
+    """Coarse class used in recall reports: 'R', 'S', 'P(sum)', 'P(avg)', ..."""
+    if isinstance(p, Partial):
+        return str(p)
+    if isinstance(p, ShardPlaceholder):
+        return "S"
+    if isinstance(p, Replicate):
+        return "R"
+    return "None"
+
+
+# --------------------------------------------------------------------------- rules
+
+
+@dataclass(frozen=True)
+class SingleDimRule:
+    """One way an op can run on one mesh dim with no redistribution.
+
+    `inputs` follow the op's tensor inputs in schema order (lists flattened), `outputs`
+    its tensor outputs. `even_only` marks a rule that is right only when every sharded
+    dim splits evenly across the mesh (e.g. a mean over a sharded dim giving P(avg)).
+    `source` says where the rule came from; it is not part of the rule's identity.
+    """
+
+    inputs: tuple[MaybePlacement, ...]
+    outputs: tuple[MaybePlacement, ...]
+    even_only: bool = False
+    source: str = field(default="", compare=False, hash=False)
+
+    def is_trivial(self) -> bool:
+        """All-Replicate in and out: implied for every op, never listed."""
+        return all(p is None or isinstance(p, Replicate) for p in self.inputs) and all(
+            p is None or isinstance(p, Replicate) for p in self.outputs
+        )
+
+    def key(self) -> tuple[tuple[MaybePlacement, ...], tuple[MaybePlacement, ...]]:
+        """Identity without the [even] condition, for comparing rule sets."""
+        return (self.inputs, self.outputs)
+
+    def __str__(self) -> str:
+        return format_rule(self)
+
+
+def format_placement(p: MaybePlacement) -> str:
+    return "None" if p is None else str(p)
+
+
+def format_rule(rule: SingleDimRule) -> str:
+    lhs = ", ".join(format_placement(p) for p in rule.inputs)
+    rhs = ", ".join(format_placement(p) for p in rule.outputs)
+    return f"{lhs} -> {rhs}" + (" [even]" if rule.even_only else "")
+
+
+_PLACEMENT_RE = re.compile(r"^(?:(R)|S\((-?\d+)\)|P\((\w+)\)|(None))$")
+
+
+def parse_placement(text: str) -> MaybePlacement:
+    """Parse `R`, `S(d)`, `P(sum|avg|max|min)` or `None`; raise ValueError otherwise."""
+    s = text.strip()
+    m = _PLACEMENT_RE.match(s)
+    if not m:
+        raise ValueError(
+            f"malformed placement {text!r}: expected R, S(<dim>), P(sum|avg|max|min) or None"
+        )
+    if m.group(1):
+        return R
+    if m.group(2) is not None:
+        dim = int(m.group(2))
+        if dim < 0:
+            raise ValueError(f"malformed placement {text!r}: shard dim must be >= 0")
+        return ShardPlaceholder(dim)
+    if m.group(3) is not None:
+        return Partial(m.group(3))  # raises ValueError for unknown reduce ops
+    return None
+
+
+def parse_placements(text: str, sep: str = ",") -> tuple[MaybePlacement, ...]:
+    """Parse a separated list of placements, e.g. "R, S(1), S(0)"."""
+    if not text.strip():
+        return ()
+    return tuple(parse_placement(part) for part in _split_top_level(text, sep))
+
+
+def parse_rule(text: str) -> SingleDimRule:
+    """Inverse of `format_rule`: "S(1), S(0) -> P(sum) [even]"."""
+    s = text.strip()
+    even = False
+    if s.endswith("[even]"):
+        even, s = True, s[: -len("[even]")].rstrip()
+    if s.count("->") != 1:
+        raise ValueError(f"malformed rule {text!r}: expected exactly one '->'")
+    lhs, rhs = s.split("->")
+    return SingleDimRule(parse_placements(lhs), parse_placements(rhs), even_only=even)
+
+
+def _split_top_level(text: str, sep: str) -> list[str]:
+    """Split on `sep` outside parentheses ("S(0), P(sum)" -> ["S(0)", "P(sum)"])."""
+    parts, depth, cur = [], 0, []
+    for ch in text:
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        if ch == sep and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    parts.append("".join(cur))
+    return parts
+
+
+# ------------------------------------------------------------------ shard geometry
+
+
+def shard_size(size: int, world_size: int, rank: int) -> int:
+    """Local size of a dim of global `size` split torch.chunk-style, as DTensor does.
+
+    ceil(size / W) per rank, the last non-empty rank takes the rest, later ranks get 0.
+    """
+    return shard_size_and_offset(size, world_size, rank)[0]
+
+
+def shard_size_and_offset(size: int, world_size: int, rank: int) -> tuple[int, int]:
+    chunk = -(-size // world_size) if size else 0
+    offset = min(chunk * rank, size)
+    return max(0, min(chunk, size - offset)), offset
+
+
+def splits_evenly(size: int, world_size: int) -> bool:
+    return size % world_size == 0
+
+
+def local_shape(
+    shape: Sequence[int], placement: MaybePlacement, world_size: int, rank: int
+) -> tuple[int, ...]:
+    """The shape rank `rank` holds of a tensor of global `shape` under `placement`."""
+    out = list(shape)
+    if isinstance(placement, ShardPlaceholder):
+        out[placement.dim] = shard_size(shape[placement.dim], world_size, rank)
+    return tuple(out)
+
+
+def rules_as_strings(rules: Iterable[SingleDimRule]) -> list[str]:
+    return [format_rule(r) for r in rules]

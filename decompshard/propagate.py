@@ -1,0 +1,167 @@
+"""The solver: which input placements flow through a recorded graph with no redistribution.
+
+A state is a partial assignment: placements of the op's inputs seen so far plus the
+placements of values still live. Nodes are visited in recorded (topological) order; at
+each node every rule whose inputs match the state exactly extends it (assigning graph
+inputs the node reads for the first time), and a state no rule matches dies there — the
+death is recorded as a Rejection, which `explain` turns into a readable reason. States
+equal on everything still needed are merged, which keeps ops with 4-6 inputs fast.
+
+The solver never asks where a rule came from and never re-runs the decomposition.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from .dispatch_modes.graph import PrimGraph, PrimNode
+from .placements import MaybePlacement, Placement, R, SingleDimRule, alphabet, is_partial
+
+UNSET = object()  # graph input not read yet
+MAX_REJECTIONS = 2000
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A candidate (possibly partial: None = not yet decided) that died at `node`."""
+
+    inputs: tuple[MaybePlacement, ...]
+    node: int
+    arriving: tuple[MaybePlacement, ...]  # placements of the node's inputs (None: undecided)
+
+
+@dataclass
+class Survivor:
+    """A full candidate: input placements, output placements, and how it got there."""
+
+    inputs: tuple[MaybePlacement, ...]
+    outputs: tuple[MaybePlacement, ...]
+    even_only: bool
+    env: dict[int, MaybePlacement]  # placement of every value it touched
+    path: tuple[int, ...]  # index of the matched rule in each node's table
+
+
+@dataclass
+class Propagation:
+    survivors: list[Survivor] = field(default_factory=list)
+    rejections: list[Rejection] = field(default_factory=list)
+    n_rejections: int = 0
+
+
+@dataclass
+class _State:
+    env: dict[int, MaybePlacement]
+    even: bool
+    path: tuple[int, ...]
+
+
+def input_alphabet(graph: PrimGraph, vid: int) -> tuple[Placement, ...]:
+    """Placements a graph input may take: no Partial for integer/bool tensors."""
+    meta = graph.meta(vid)
+    return alphabet(len(meta.shape), partials=meta.dtype.is_floating_point or meta.dtype.is_complex)
+
+
+def propagate(
+    graph: PrimGraph,
+    rules_for: Callable[[PrimNode], Sequence[SingleDimRule]],
+    fixed_inputs: Sequence[MaybePlacement] | None = None,
+) -> Propagation:
+    """Every assignment of input placements that matches a rule at every node.
+
+    With `fixed_inputs` (one placement per graph input) only that candidate is followed,
+    which is what `explain` and the lift's re-check need.
+    """
+    result = Propagation()
+    allowed = {v: set(input_alphabet(graph, v)) for v in graph.inputs}
+    env0: dict[int, MaybePlacement] = {v.id: R for v in graph.values if v.kind == "const"}
+    if fixed_inputs is not None:
+        for v, p in zip(graph.inputs, fixed_inputs):
+            if p not in allowed[v] and p is not None:
+                result.rejections.append(Rejection(tuple(fixed_inputs), -1, (p,)))
+                result.n_rejections += 1
+                return result
+            env0[v] = p
+    last_use = graph.last_use()
+    keep = set(graph.inputs) | {v for v in graph.outputs if v is not None}
+    states = [_State(env0, False, ())]
+
+    for node in graph.nodes:
+        if node.constant:
+            for st in states:
+                st.env.update({v: R for v in node.outputs if v is not None})
+                st.path += (0,)
+            continue
+        table = rules_for(node)
+        nxt: dict[tuple, _State] = {}
+        for st in states:
+            matched = False
+            for ri, rule in enumerate(table):
+                env = _match(rule, node, st.env, allowed)
+                if env is None:
+                    continue
+                matched = True
+                new = _State(env, st.even or rule.even_only, st.path + (ri,))
+                live = tuple(
+                    (v, env[v]) for v in sorted(env) if v in keep or last_use.get(v, -1) > node.index
+                )
+                nxt.setdefault((live, new.even), new)
+            if not matched:
+                result.n_rejections += 1
+                if len(result.rejections) < MAX_REJECTIONS:
+                    result.rejections.append(
+                        Rejection(
+                            tuple(st.env.get(v) for v in graph.inputs),
+                            node.index,
+                            tuple(st.env.get(v) for v in node.inputs),
+                        )
+                    )
+        states = list(nxt.values())
+        if not states:
+            return result
+
+    seen: set[tuple] = set()
+    for st in states:
+        choices = [
+            (st.env[v],) if v in st.env else tuple(sorted(allowed[v], key=_order))
+            for v in graph.inputs
+        ]
+        for combo in itertools.product(*choices):
+            env = dict(st.env)
+            env.update(zip(graph.inputs, combo))
+            outs = tuple(None if v is None else env.get(v, R) for v in graph.outputs)
+            key = (combo, outs, st.even)
+            if key in seen:
+                continue
+            seen.add(key)
+            result.survivors.append(Survivor(combo, outs, st.even, env, st.path))
+    return result
+
+
+def _match(rule: SingleDimRule, node: PrimNode, env: dict, allowed: dict) -> dict | None:
+    """The state extended by `rule` at `node`, or None if the rule does not fit exactly."""
+    new = None
+    for v, want in zip(node.inputs, rule.inputs):
+        have = (new or env).get(v, UNSET)
+        if have is UNSET:
+            if v not in allowed or want not in allowed[v]:
+                return None
+            new = dict(new or env)
+            new[v] = want
+        elif have != want:
+            return None
+    new = dict(new or env)
+    for v, p in zip(node.outputs, rule.outputs):
+        if v is not None:
+            new[v] = p
+    return new
+
+
+def _order(p: Placement) -> tuple:
+    """R first, then shards by dim, then partials: the order rules are listed in."""
+    if p == R:
+        return (0, 0, "")
+    if is_partial(p):
+        return (2, 0, p.reduce_op)
+    return (1, p.dim, "")

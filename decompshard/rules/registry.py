@@ -1,0 +1,113 @@
+"""The one place that decides where a primitive's rules come from.
+
+Lookup order: torch's single-dim strategies, then torch's op strategies on a fake 1-rank
+mesh, then decompshard's own rules. The first source that knows the op wins; the
+all-Replicate rule is always added (every op can run fully replicated), and so are
+decompshard's extra rules for ops torch under-serves (Partial through pure data movement). Results are
+cached per (op, input metadata, non-tensor args): a training loop pays once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..dispatch_modes.graph import PrimNode
+from ..placements import P, R, SingleDimRule, is_partial, is_shard
+from . import project_rules, torch_op_strategy, torch_single_dim
+
+SOURCES = (torch_single_dim, torch_op_strategy, project_rules)
+
+
+def has_rule(op: torch._ops.OpOverload) -> bool:
+    """A primitive for the tracer: some source has rules for it (else decompose it)."""
+    return any(src.has_rules(op) for src in SOURCES)
+
+
+def source_of(op: torch._ops.OpOverload) -> str | None:
+    for src in SOURCES:
+        if src.has_rules(op):
+            return src.SOURCE
+    return None
+
+
+_CACHE: dict[tuple, tuple[SingleDimRule, ...]] = {}
+
+
+def rules_for(node: PrimNode) -> tuple[SingleDimRule, ...]:
+    """The node's rule table, all-Replicate first, duplicates removed."""
+    try:
+        key = (node.op, _freeze((node.args, node.kwargs)), len(node.inputs), len(node.outputs))
+        hash(key)
+    except TypeError:  # an unhashable non-tensor arg: compute without caching
+        return _compute_rules(node)
+    hit = _CACHE.get(key)
+    if hit is None:
+        hit = _CACHE[key] = _compute_rules(node)
+    return hit
+
+
+def _freeze(x):
+    if isinstance(x, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in x.items()))
+    if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+        return tuple(_freeze(v) for v in x)
+    return x
+
+
+def _compute_rules(node: PrimNode) -> tuple[SingleDimRule, ...]:
+    n_in, n_out = len(node.inputs), len(node.outputs)
+    trivial = SingleDimRule((R,) * n_in, tuple(R if v is not None else None for v in node.outputs), source="implied")
+    found: list[SingleDimRule] = []
+    for src in SOURCES:
+        got = src.rules(node) if src.has_rules(node.op) else None
+        if got is not None:
+            found = got
+            break
+    found = [_even_if_averaging_shards(r) for r in found]
+    found += [a for r in found if (a := _avg_twin(r, node)) is not None]
+    found += project_rules.extra_rules(node)
+    seen = {trivial.key()}
+    table = [trivial]
+    for rule in found:
+        if len(rule.inputs) == n_in and len(rule.outputs) == n_out and rule.key() not in seen:
+            seen.add(rule.key())
+            table.append(rule)
+    return tuple(table)
+
+
+def _even_if_averaging_shards(rule: SingleDimRule) -> SingleDimRule:
+    """A rule that turns a Shard input into a P(avg) output (a mean over a sharded dim)
+    averages per-rank means: exact only when every rank holds the same number of
+    elements. Torch's strategies state it unconditionally; we attach the condition."""
+    if rule.even_only or any(is_partial(p) for p in rule.inputs):
+        return rule
+    if any(is_shard(p) for p in rule.inputs) and P("avg") in rule.outputs:
+        return SingleDimRule(rule.inputs, rule.outputs, even_only=True, source=rule.source)
+    return rule
+
+
+def _avg_twin(rule: SingleDimRule, node: PrimNode) -> SingleDimRule | None:
+    """P(sum) in -> P(sum) out claims additivity, and an additive map commutes with the
+    1/W of an average, so the same rule holds with every P(sum) read as P(avg). Torch
+    lists this for some ops (mul) and omits it for others (sum, mv)."""
+    if P("sum") not in rule.inputs or any(is_partial(p) and p != P("sum") for p in rule.inputs):
+        return None
+    if not rule.outputs or any(p not in (P("sum"), None) for p in rule.outputs):
+        return None
+    if any(m.dtype.is_floating_point is False and m.dtype.is_complex is False for m in _metas(node)):
+        return None
+    swap = lambda ps: tuple(P("avg") if p == P("sum") else p for p in ps)  # noqa: E731
+    return SingleDimRule(swap(rule.inputs), swap(rule.outputs), rule.even_only, rule.source + " (avg twin)")
+
+
+def _metas(node: PrimNode) -> list:
+    import torch.utils._pytree as pytree
+
+    from .._compat import TensorMeta
+
+    leaves = pytree.tree_leaves((node.args, node.kwargs), is_leaf=lambda x: isinstance(x, TensorMeta))
+    return [x for x in leaves if isinstance(x, TensorMeta)]
+
+
+def clear_cache() -> None:
+    _CACHE.clear()
