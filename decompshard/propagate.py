@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from .dispatch_modes.graph import PrimGraph, PrimNode
-from .placements import MaybePlacement, Placement, R, SingleDimRule, alphabet, is_partial
+from .placements import MaybePlacement, P, Placement, R, SingleDimRule, alphabet, is_partial
 
 UNSET = object()  # graph input not read yet
 MAX_REJECTIONS = 2000
@@ -63,6 +63,18 @@ def input_alphabet(graph: PrimGraph, vid: int) -> tuple[Placement, ...]:
     return alphabet(len(meta.shape), partials=meta.dtype.is_floating_point or meta.dtype.is_complex)
 
 
+def constant_alphabet(value) -> set:
+    """A constant is created by the same code on every rank, so every rank holds the same
+    value c. That is Replicate, and also P(avg), P(max), P(min) of c (the average, max and
+    min of identical copies is c); only an all-zeros constant is also P(sum)."""
+    if not (value.meta.dtype.is_floating_point or value.meta.dtype.is_complex):
+        return {R}
+    out = {R, P("avg")} | ({P("sum")} if value.zero else set())
+    if not value.meta.dtype.is_complex:
+        out |= {P("max"), P("min")}
+    return out
+
+
 def propagate(
     graph: PrimGraph,
     rules_for: Callable[[PrimNode], Sequence[SingleDimRule]],
@@ -75,7 +87,8 @@ def propagate(
     """
     result = Propagation()
     allowed = {v: set(input_alphabet(graph, v)) for v in graph.inputs}
-    env0: dict[int, MaybePlacement] = {v.id: R for v in graph.values if v.kind == "const"}
+    allowed.update({v.id: constant_alphabet(v) for v in graph.values if v.kind == "const"})
+    env0: dict[int, MaybePlacement] = {}
     if fixed_inputs is not None:
         for v, p in zip(graph.inputs, fixed_inputs):
             if p not in allowed[v] and p is not None:
@@ -88,9 +101,8 @@ def propagate(
     states = [_State(env0, False, ())]
 
     for node in graph.nodes:
-        if node.constant:
+        if node.constant:  # made locally, identical on every rank: see constant_alphabet
             for st in states:
-                st.env.update({v: R for v in node.outputs if v is not None})
                 st.path += (0,)
             continue
         table = rules_for(node)

@@ -22,6 +22,7 @@ class ValueInfo:
     id: int
     kind: str  # INPUT | CONST | NODE
     meta: TensorMeta
+    zero: bool = False  # a constant known to be all zeros (full(0), zeros_like, ...)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,22 @@ from .graph import CONST, INPUT, NODE, PrimGraph, PrimNode, ValueInfo
 aten = torch.ops.aten
 OpOverload = torch._ops.OpOverload
 
+# Constants known to be all zeros: they are valid as P(sum) too (zeros sum to zero).
+_ZERO_FACTORIES = {
+    aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default,
+}
+_FILL_FACTORIES = {  # zero when their fill value is 0
+    aten.full.default: 1, aten.full_like.default: 1, aten.new_full.default: 2,
+    aten.fill.Scalar: 1, aten.fill_.Scalar: 1, aten.scalar_tensor.default: 0,
+}
+_VALUE_PRESERVING = {
+    aten.detach.default, aten.clone.default, aten.alias.default, aten.view.default,
+    aten._to_copy.default, aten.expand.default, aten.contiguous.default,
+    aten.unsqueeze.default, aten.permute.default, aten.t.default, aten.transpose.int,
+    aten.reshape.default, aten._unsafe_view.default, aten.slice.Tensor, aten.select.int,
+    aten.lift_fresh.default,
+}
+
 # Ops whose result depends on tensor *values* in a way that shapes cannot express.
 _DATA_DEPENDENT_OPS = {aten._local_scalar_dense.default, aten.item.default}
 
@@ -70,9 +86,9 @@ class _Recorder:
         self._vid: dict[int, int] = {}
         self._keep: list[torch.Tensor] = []  # keeps ids stable while the trace runs
 
-    def new_value(self, t: torch.Tensor, kind: str) -> int:
+    def new_value(self, t: torch.Tensor, kind: str, zero: bool = False) -> int:
         vid = len(self.graph.values)
-        self.graph.values.append(ValueInfo(vid, kind, tensor_meta(t)))
+        self.graph.values.append(ValueInfo(vid, kind, tensor_meta(t), zero))
         self._vid[id(t)] = vid
         self._keep.append(t)
         return vid
@@ -94,8 +110,6 @@ class TracingMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in _DATA_DEPENDENT_OPS or torch.Tag.data_dependent_output in func.tags:
             raise DataDependent(f"data-dependent: the decomposition calls {func}")
-        if torch.Tag.dynamic_output_shape in func.tags:
-            raise DataDependent(f"data-dependent: {func} has a value-dependent output shape")
         if torch.Tag.nondeterministic_seeded in func.tags:
             raise UnsupportedOp(f"random: {func} draws random numbers")
         if not self.is_primitive(func):
@@ -110,17 +124,21 @@ class TracingMode(TorchDispatchMode):
     def _record(self, func, args, kwargs):
         flat_in, _ = tree_flatten((args, kwargs))
         in_ids = tuple(self.rec.value_of(x) for x in flat_in if isinstance(x, torch.Tensor))
-        try:
-            out = func(*args, **kwargs)
+        try:  # factories inside decompositions may name a real device: keep them on meta
+            out = func(*_on_meta(args), **_on_meta(kwargs))
         except (DataDependent, UnsupportedOp):
             raise
         except Exception as e:  # no meta kernel, or the op rejects these shapes
+            if torch.Tag.dynamic_output_shape in func.tags:
+                raise DataDependent(f"data-dependent: {func}'s output shape depends on values") from e
             raise UnsupportedOp(f"{func} failed on meta tensors: {_one_line(e)}") from e
         constant = all(self.rec.graph.values[v].kind == CONST for v in in_ids)
         kind = CONST if constant else NODE
         flat_out, _ = tree_flatten(out)
+        zero = constant and _makes_zeros(func, args, kwargs, [self.rec.graph.values[v] for v in in_ids])
         out_ids = tuple(
-            self.rec.new_value(t, kind) if isinstance(t, torch.Tensor) else None for t in flat_out
+            self.rec.new_value(t, kind, zero) if isinstance(t, torch.Tensor) else None
+            for t in flat_out
         )
         meta_args, meta_kwargs = tree_map(
             lambda x: tensor_meta(x) if isinstance(x, torch.Tensor) else x, (args, kwargs)
@@ -130,6 +148,23 @@ class TracingMode(TorchDispatchMode):
             PrimNode(len(g.nodes), func, meta_args, meta_kwargs, in_ids, out_ids, constant)
         )
         return out
+
+
+_META = torch.device("meta")
+
+
+def _on_meta(tree):
+    return tree_map(lambda x: _META if isinstance(x, torch.device) else x, tree)
+
+
+def _makes_zeros(func, args, kwargs, inputs: list[ValueInfo]) -> bool:
+    if func in _ZERO_FACTORIES:
+        return True
+    if func in _FILL_FACTORIES:
+        pos = _FILL_FACTORIES[func]
+        value = args[pos] if len(args) > pos else kwargs.get("fill_value", kwargs.get("value"))
+        return isinstance(value, (int, float, bool)) and value == 0
+    return func in _VALUE_PRESERVING and bool(inputs) and inputs[0].zero
 
 
 def _one_line(e: BaseException) -> str:
@@ -155,7 +190,7 @@ def trace(
         rec.new_value(x, INPUT) for x in meta_flat if isinstance(x, torch.Tensor)
     )
     rec.graph.inputs = input_ids
-    margs, mkwargs = tree_unflatten(meta_flat, spec)
+    margs, mkwargs = _on_meta(tree_unflatten(meta_flat, spec))
     mode = TracingMode(rec, is_primitive)
     try:
         with mode:

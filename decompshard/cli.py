@@ -1,0 +1,50 @@
+"""`decompshard <command>`: a thin dispatcher. Each command's module owns its arguments
+(`add_arguments(parser)`) and its behaviour (`run(args) -> int`), so this file never grows.
+
+Exit codes: 0 success, 2 bad arguments (one-line message on stderr), 1 internal error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = {
+    "coverage": ("decompshard.coverage.command", "op coverage tables: native, derived, unsupported and why"),
+    "explain": ("decompshard.explain_command", "why an op gets (or refuses) a sharding: a readable trace"),
+}
+
+
+class UsageError(Exception):
+    """Bad user input: printed as one line, exit code 2."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="decompshard", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    modules = {}
+    for name, (module_name, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        try:
+            modules[name] = importlib.import_module(module_name)
+        except ImportError as e:  # a command not installed in this build
+            p.set_defaults(_missing=str(e))
+            continue
+        modules[name].add_arguments(p)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if getattr(args, "_missing", None):
+        print(f"decompshard {args.command}: unavailable ({args._missing})", file=sys.stderr)
+        return 1
+    try:
+        return int(modules[args.command].run(args) or 0)
+    except (UsageError, ValueError) as e:
+        print(f"decompshard {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""derive_rules end to end on real ops, and its error behaviour on bad input."""
+
+import pytest
+import torch
+
+from decompshard import clear_caches, derive_rules, parse_rule
+from decompshard.placements import P, S
+
+aten = torch.ops.aten
+
+
+def rules_of(op, *args, **kwargs):
+    return set(derive_rules(op, *args, **kwargs).as_strings())
+
+
+def test_addmv_derives_the_communication_free_rules():
+    got = rules_of(aten.addmv.default, torch.randn(4), torch.randn(4, 12), torch.randn(12))
+    # mat sharded on its reduced dim, vec on its only dim: local mv gives partial sums.
+    assert "P(sum), S(1), S(0) -> P(sum)" in got
+    assert "S(0), S(0), R -> S(0)" in got
+    # bias replicated would be added once per rank: never P(sum).
+    assert "R, S(1), S(0) -> P(sum)" not in got
+
+
+def test_op_name_as_string_matches_overload():
+    args = (torch.randn(4), torch.randn(4, 12), torch.randn(12))
+    assert derive_rules("aten.addmv.default", *args).as_strings() == derive_rules(aten.addmv.default, *args).as_strings()
+    assert derive_rules("aten::addmv", *args).op is aten.addmv.default
+
+
+def test_meta_and_fake_inputs_give_the_same_rules_as_real():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    real = derive_rules(aten.addr.default, torch.randn(4, 6), torch.randn(4), torch.randn(6)).as_strings()
+    meta = derive_rules(aten.addr.default, *(torch.empty(s, device="meta") for s in [(4, 6), (4,), (6,)])).as_strings()
+    with FakeTensorMode():
+        fake_args = (torch.empty(4, 6), torch.empty(4), torch.empty(6))
+    fake = derive_rules(aten.addr.default, *fake_args).as_strings()
+    assert real == meta == fake and real
+
+
+def test_mean_loss_over_sharded_batch_is_even_only():
+    got = rules_of(aten.mse_loss.default, torch.randn(6, 4), torch.randn(6, 4))
+    assert "S(0), S(0) -> P(avg) [even]" in got
+    assert "S(0), S(0) -> P(avg)" not in got and "S(0), S(0) -> P(sum)" not in got
+
+
+def test_channel_shuffle_never_shards_the_grouped_channel_dim():
+    got = rules_of(aten.channel_shuffle.default, torch.randn(2, 8, 3, 3), 2)
+    assert "S(0) -> S(0)" in got and "S(2) -> S(2)" in got
+    assert not any(r.startswith("S(1)") for r in got)
+    rej = derive_rules(aten.channel_shuffle.default, torch.randn(2, 8, 3, 3), 2).rejected
+    assert any(c.inputs == (S(1),) for c in rej)
+
+
+def test_trace_keeps_partial_sums():
+    assert {"P(sum) -> P(sum)", "P(avg) -> P(avg)"} <= rules_of(aten.trace.default, torch.randn(5, 5))
+
+
+def test_copy_ops_pass_partials_through():
+    got = rules_of(aten.permute_copy.default, torch.randn(2, 3, 4), [2, 0, 1])
+    assert {"P(sum) -> P(sum)", "P(max) -> P(max)", "S(0) -> S(1)", "S(2) -> S(0)"} <= got
+
+
+def test_factory_op_inside_decomposition_is_a_constant():
+    # block_diag builds its result with zeros/new_zeros; torch's fallback aborts on it.
+    r = derive_rules(aten.block_diag.default, [torch.randn(2, 3), torch.randn(3, 2)])
+    assert r.unsupported_reason is None and r.graph is not None
+    assert any(n.constant for n in r.graph.nodes)
+
+
+def test_unknown_and_malformed_op_names_raise_value_error():
+    with pytest.raises(ValueError, match="unknown op"):
+        derive_rules("aten.not_an_op.default", torch.randn(2))
+    with pytest.raises(ValueError, match="malformed"):
+        derive_rules("addmv default!", torch.randn(2))
+    with pytest.raises(ValueError):
+        derive_rules(42, torch.randn(2))
+
+
+def test_op_without_decomposition_is_unsupported_with_reason():
+    r = derive_rules(aten.mm.default, torch.randn(2, 3), torch.randn(3, 4))
+    assert r.rules == [] and "no decomposition" in r.unsupported_reason
+
+
+def test_data_dependent_decomposition_is_reported():
+    # masked_select's output shape depends on the mask's values.
+    r = derive_rules(aten.masked_select.default, torch.randn(4), torch.rand(4) > 0.5)
+    assert r.rules == [] and r.unsupported_reason
+    assert "data-dependent" in r.unsupported_reason or "no decomposition" in r.unsupported_reason
+
+
+def test_results_are_cached_and_clear_caches_forgets_them():
+    args = (torch.randn(4, 6), torch.randn(4), torch.randn(6))
+    a = derive_rules(aten.addr.default, *args)
+    assert derive_rules(aten.addr.default, *args) is a
+    clear_caches()
+    b = derive_rules(aten.addr.default, *args)
+    assert b is not a and b.as_strings() == a.as_strings()
+
+
+def test_string_form_parses_back():
+    for text in rules_of(aten.addr.default, torch.randn(4, 6), torch.randn(4), torch.randn(6)):
+        assert str(parse_rule(text)) == text
