@@ -1,9 +1,21 @@
 """decompshard: DTensor sharding strategies derived from aten decompositions.
 
-The whole public surface is re-exported here; everything else is private.
+This file is the whole public surface; everything else is private. Follow one op from
+`enable()` (enable.py) through `lift.choose` (lift.py) to `derive_rules` (derive.py),
+which traces (dispatch_modes/), looks up primitive rules (rules/), propagates
+(propagate.py) and checks local shapes (localcheck.py).
 """
 
+import os as _os
+
 from .derive import DerivedRules, clear_caches, derive_rules, resolve_op
+from .enable import disable, enable, enabled, is_enabled
 from .placements import P, R, S, SingleDimRule, parse_rule
 
-__all__ = ["DerivedRules", "P", "R", "S", "SingleDimRule", "clear_caches", "derive_rules", "parse_rule", "resolve_op"]
+__all__ = [
+    "DerivedRules", "P", "R", "S", "SingleDimRule", "clear_caches", "derive_rules",
+    "disable", "enable", "enabled", "is_enabled", "parse_rule", "resolve_op",
+]
+
+if _os.environ.get("DECOMPSHARD_ENABLE", "") not in ("", "0"):
+    enable()

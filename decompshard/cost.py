@@ -1,0 +1,417 @@
+"""An explicit alpha-beta cost model for choosing among N-D sharding strategies.
+
+Why not torch's (``torch/distributed/tensor/_collective_utils.py``)? It prices R->P and
+R->S at 0 (so dividing a replicated input by n ties with using it as is), S(i)->S(j) as an
+all-gather + 1.0 (DTensor runs an all-to-all moving n times fewer bytes), uses one
+A100-era bandwidth whatever the group size, and ignores DTensor fusing reductions over a
+flattened mesh. This module prices what DTensor runs.
+
+Modeled:
+  * A collective over n ranks costs ``launch + hops*alpha + wire_bytes / busbw(n)``, ring /
+    pairwise: all-gather, reduce-scatter, all-to-all put (n-1)/n of the message on the wire
+    in n-1 steps, all-reduce 2(n-1)/n in 2(n-1) steps. Message size as in nccl-tests
+    (gathered output, reduce-scatter input, all-reduced tensor, per-rank all-to-all
+    buffer), for the tensor as it is on that mesh dim given the other dims' sharding,
+    largest shard (what padded collectives move). ``launch`` is a fixed per-collective
+    cost: without it two small collectives would look as cheap as one.
+  * Intra-node bus bandwidth falls with group size (NVSwitch ring efficiency, fitted to
+    nccl-tests). A group spanning nodes is bound by the NICs of its ranks on one node (one
+    NIC per GPU; same-mesh-dim groups share none under row-major layout) and each ring
+    step pays the inter-node alpha. Ranks are row-major: a mesh dim is intra-node iff the
+    group of rank 0 stays within one node of ``devices_per_node`` ranks.
+  * Local work around collectives, as read+write bytes at memory bandwidth: R->P(sum)
+    divides (``_MaskPartial`` masks); R->P(avg/max/min) is the identity in torch, free;
+    R->S clones the slice; gathering / scattering a tensor dim that is not outermost costs
+    a chunk-and-cat copy; a merged sum/avg reduction divides.
+  * Step order is DTensor's greedy planner (``generate_greedy_transform_infos``): if the
+    source has shards, mesh dims last-to-first (target Shard(d) becomes Replicate when
+    d's sharding on earlier mesh dims differs), then first-to-last for the rest.
+    Consecutive all-gathers / reduce-scatters / all-reduces with mergeable placements are
+    one collective when ``MeshShape.flattened`` holds exactly their mesh dims (all-gather
+    dims descending, reduce-scatter ascending and evenly divisible), as in
+    ``_optimize_transform_infos``. Mesh dims of size 1 are free.
+  * P(x)->P(y) and S->P, which DTensor's redistribute rejects, are priced as all-reduce /
+    all-gather to Replicate then local R->P work, with ``Cost.dtensor_supported`` False.
+    _StridedShard is sized like Shard; to / from it goes via Replicate, as DTensor does.
+
+Not modeled: overlap of compute and communication (costs add serially); contention with
+other traffic; NCCL's algorithm / protocol choice (tree, NVLS, LL): always ring, so small
+message latency is approximate; padding copies for uneven shards, allocation, launch cost
+of local work, caches; the op's own compute; DTensor's graph-based planner (non-default
+shard orders); non-row-major layouts, rail-optimized or oversubscribed networks.
+
+Units are bytes and seconds. To rank strategies, add the costs of all their inputs with
+``+`` and compare ``Cost.sort_key()``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import Sequence
+
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard, _StridedShard
+
+ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL = (
+    "all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+# kind -> multiplier on the ring's (n-1)/n bytes and (n-1) steps
+_RING: dict[str, int] = {ALL_GATHER: 1, REDUCE_SCATTER: 1, ALL_REDUCE: 2, ALL_TO_ALL: 1}
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Machine numbers the model needs; bandwidths in bytes/s, latencies in seconds."""
+
+    name: str
+    intra_node_bandwidth: float  # bus bandwidth of a 2-rank collective inside a node
+    intra_node_latency: float  # per ring step over NVLink
+    inter_node_bandwidth: float  # one GPU's NIC, effective
+    inter_node_latency: float  # per ring step when the ring crosses nodes
+    devices_per_node: int
+    memory_bandwidth: float  # HBM, effective for copy kernels (local work)
+    intra_node_scaling: float = 0.0  # fraction of bandwidth lost per doubling of ranks
+    collective_launch_latency: float = 0.0  # fixed cost of every collective
+
+
+# H100 SXM, 8 per node on NVSwitch (NVLink4), 400 Gb/s InfiniBand NIC per GPU.
+# Calibration: published nccl-tests all-gather bus bandwidth for 1 GB messages on one
+# H100 node is ~537 / 434 / 394 GB/s at 2 / 4 / 8 GPUs. busbw = 530 GB/s / (1 + 0.19
+# log2(n/2)) makes a modeled 1 GB all-gather reach 527 / 444 / 383 GB/s (-1.9 / +2.2 /
+# -2.9%; tests/test_cost.py pins 15%). The 2-GPU figure exceeds NVLink4's 450 GB/s per
+# direction: this is a fitted *effective* bandwidth, not a link spec. IB: 400 Gb/s = 50
+# GB/s raw, 90% taken as achievable. HBM3: 3.35 TB/s spec, ~3.0 TB/s for copies. Latencies
+# are order-of-magnitude NCCL small-message figures, not fitted.
+H100 = Topology(
+    name="H100", intra_node_bandwidth=530e9, intra_node_latency=0.5e-6,
+    inter_node_bandwidth=45e9, inter_node_latency=3e-6, devices_per_node=8,
+    memory_bandwidth=3.0e12, intra_node_scaling=0.19, collective_launch_latency=5e-6)
+# A100 SXM on NVSwitch (NVLink3): H100's curve shape, scaled so 8 GPUs give ~240 GB/s, the
+# middle of commonly reported nccl-tests figures (230-250; not measured here); 200 Gb/s
+# InfiniBand per GPU (25 GB/s raw, 90%); HBM2e 2.0 TB/s (~1.8 for copies).
+A100 = replace(H100, name="A100", intra_node_bandwidth=330e9, inter_node_bandwidth=22.5e9,
+               memory_bandwidth=1.8e12)
+
+
+def bus_bandwidth(group_size: int, *, inter_node: bool, topology: Topology,
+                  ranks_per_node: int = 1) -> float:
+    """Per-rank bus bandwidth (bytes/s) of a collective: nccl-tests' ``busbw``.
+
+    Across nodes a group is bound by the NICs of its ``ranks_per_node`` ranks on a node,
+    and never faster than NVLink would be for those ranks."""
+    def nvlink(n: int) -> float:
+        return topology.intra_node_bandwidth / (
+            1.0 + topology.intra_node_scaling * math.log2(max(n, 2) / 2))
+
+    if not inter_node:
+        return nvlink(group_size)
+    rpn = max(1, ranks_per_node)
+    return min(nvlink(rpn), rpn * topology.inter_node_bandwidth)
+
+
+def collective_seconds(kind: str, nbytes: float, group_size: int, *, inter_node: bool,
+                       topology: Topology, ranks_per_node: int = 1) -> float:
+    """Seconds for one collective of message size ``nbytes`` (nccl-tests convention).
+
+    Ring alpha-beta: launch + hops*alpha + wire bytes / bus bandwidth, so that a model
+    number can be compared with a measured nccl-tests ``busbw`` directly."""
+    if kind not in _RING:
+        raise ValueError(f"unknown collective {kind!r}; expected one of {tuple(_RING)}")
+    if group_size <= 1:
+        return 0.0
+    m, n = _RING[kind], group_size
+    alpha = topology.inter_node_latency if inter_node else topology.intra_node_latency
+    bw = bus_bandwidth(n, inter_node=inter_node, topology=topology,
+                       ranks_per_node=ranks_per_node)
+    return topology.collective_launch_latency + m * (n - 1) * alpha + m * (n - 1) / n * nbytes / bw
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """A device mesh as the cost model sees it: sizes, optional names, flattened groups.
+
+    ``flattened`` lists groups of mesh dims for which a flattened DeviceMesh exists
+    (``mesh["dp", "tp"]._flatten()``); only those let DTensor fuse reductions."""
+
+    sizes: tuple[int, ...]
+    names: tuple[str, ...] | None = None
+    flattened: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
+        if not self.sizes or any(s < 1 for s in self.sizes):
+            raise ValueError(f"mesh sizes must be positive, got {self.sizes}")
+        if self.names is not None and len(self.names) != len(self.sizes):
+            raise ValueError("names must have one entry per mesh dim")
+        groups = tuple(tuple(sorted(g)) for g in self.flattened)
+        for g in groups:
+            if len(g) < 2 or len(set(g)) != len(g) or not all(0 <= d < self.ndim for d in g):
+                raise ValueError(f"bad flattened group {g} for a {self.ndim}-D mesh")
+        object.__setattr__(self, "flattened", groups)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.sizes)
+
+    def group_size(self, dims: Sequence[int]) -> int:
+        return math.prod(self.sizes[d] for d in dims)
+
+    def label(self, dims: Sequence[int]) -> str:
+        shown = [self.names[d] if self.names else str(d) for d in dims]
+        return f"mesh dim {shown[0]}" if len(dims) == 1 else f"mesh dims ({', '.join(shown)})"
+
+
+@lru_cache(maxsize=4096)
+def _layout(sizes: tuple[int, ...], dims: tuple[int, ...], per_node: int) -> tuple[bool, int]:
+    """(spans nodes?, most ranks on one node) for the group of rank 0 over ``dims``."""
+    strides = [math.prod(sizes[d + 1:]) for d in range(len(sizes))]
+    ranks = [0]
+    for d in dims:
+        ranks = [r + c * strides[d] for r in ranks for c in range(sizes[d])]
+    nodes = Counter(r // per_node for r in ranks)
+    return len(nodes) > 1, max(nodes.values())
+
+
+@dataclass(frozen=True)
+class CollectiveCost:
+    """One collective DTensor would issue, kept separate so a choice can be explained."""
+
+    kind: str
+    mesh_dims: tuple[int, ...]
+    bytes: float  # message size, nccl-tests convention (see module docstring)
+    seconds: float
+    group_size: int = 1
+    inter_node: bool = False
+    label: str = ""  # "mesh dim 1", "mesh dims (dp, tp)"
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes each rank sends: what the bandwidth term is charged for."""
+        n = self.group_size
+        return _RING[self.kind] * (n - 1) / n * self.bytes if n > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class LocalWork:
+    """A local copy / division around the collectives: cheap, but it decides ties."""
+
+    what: str
+    mesh_dim: int
+    bytes: float  # memory traffic (read + write)
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Everything one redistribution costs; ``+`` sums several (one per input)."""
+
+    collectives: tuple[CollectiveCost, ...] = ()
+    local_bytes: float = 0.0
+    local_seconds: float = 0.0
+    local_work: tuple[LocalWork, ...] = ()
+    dtensor_supported: bool = True  # False: DTensor's redistribute would raise
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(c.seconds for c in self.collectives) + self.local_seconds
+
+    @property
+    def bytes_moved(self) -> float:
+        return sum(c.wire_bytes for c in self.collectives) + self.local_bytes
+
+    def sort_key(self) -> tuple[float, int, float]:
+        """Order candidates: time (to 1 ns), then fewer collectives, then fewer bytes.
+
+        Rounding makes float noise a tie, and the tie-breakers make the order total and
+        deterministic; a remaining tie is for the caller to break (rule order). Because
+        local work counts in ``bytes_moved``, a strategy needing R->P(sum) loses to one
+        that keeps the input Replicate even when the division rounds to 0 ns."""
+        return (round(self.total_seconds, 9), len(self.collectives), self.bytes_moved)
+
+    def __add__(self, other: Cost) -> Cost:
+        """Cost of doing both (e.g. redistributing every input of a strategy)."""
+        return Cost(self.collectives + other.collectives,
+                    self.local_bytes + other.local_bytes,
+                    self.local_seconds + other.local_seconds,
+                    self.local_work + other.local_work,
+                    self.dtensor_supported and other.dtensor_supported)
+
+    def explain(self) -> list[str]:
+        """Human-readable lines, one per collective and per piece of local work."""
+        lines = []
+        for c in self.collectives:
+            where = c.label or f"mesh dims {c.mesh_dims}"
+            lines.append(f"{c.kind.replace('_', '-')} over {where} ({c.group_size} ranks, "
+                         f"{'inter' if c.inter_node else 'intra'}-node): "
+                         f"{c.bytes / 1e6:.1f} MB, {c.seconds * 1e6:.1f} µs")
+        for w in self.local_work:
+            lines.append(f"local {w.what} on mesh dim {w.mesh_dim}: "
+                         f"{w.bytes / 1e6:.1f} MB read+write, {w.seconds * 1e6:.1f} µs")
+        if not self.dtensor_supported:
+            lines.append("note: DTensor's redistribute rejects this conversion")
+        return lines or ["free (nothing to do)"]
+
+
+# ---------------------------------------------------------------- placements helpers
+
+
+def _is_shard(p: Placement) -> bool:
+    return isinstance(p, (Shard, _StridedShard))
+
+
+def _normalize(p: Placement, ndim: int) -> Placement:
+    if not _is_shard(p):
+        if p.is_replicate() or p.is_partial():
+            return p
+        raise TypeError(f"unsupported placement {p!r}")
+    if not -ndim <= p.dim < ndim:
+        raise ValueError(f"{p} out of range for a {ndim}-D tensor")
+    if p.dim >= 0:
+        return p
+    if isinstance(p, _StridedShard):
+        return _StridedShard(p.dim % ndim, split_factor=p.split_factor)
+    return Shard(p.dim % ndim)
+
+
+def _local_shape(shape: Sequence[int], placements: Sequence[Placement],
+                 sizes: Sequence[int]) -> list[int]:
+    """Largest local shard: ceil-divide each sharded dim, mesh dim by mesh dim."""
+    out = list(shape)
+    for p, n in zip(placements, sizes):
+        if _is_shard(p):
+            out[p.dim] = -(-out[p.dim] // n)
+    return out
+
+
+def _comm_kind(a: Placement, b: Placement) -> str | None:
+    if a.is_partial():
+        return ALL_REDUCE if b.is_replicate() else REDUCE_SCATTER
+    if _is_shard(a):
+        return ALL_GATHER if b.is_replicate() else ALL_TO_ALL
+    return None
+
+
+def _greedy_plan(src: Sequence[Placement], dst: Sequence[Placement],
+                 sizes: Sequence[int]) -> list[tuple[int, Placement, Placement]]:
+    """Mirror of DTensor's ``generate_greedy_transform_infos`` (see module docstring)."""
+    cur, steps = list(src), []
+    if math.prod(n for p, n in zip(src, sizes) if _is_shard(p)) > 1:
+        for i in reversed(range(len(cur))):
+            tgt = dst[i]
+            if _is_shard(tgt) and [_is_shard(p) and p.dim == tgt.dim for p in cur[:i]] != [
+                    _is_shard(p) and p.dim == tgt.dim for p in dst[:i]]:
+                tgt = Replicate()  # misaligned nested sharding: clear it first
+            if cur[i] != tgt:
+                steps.append((i, cur[i], tgt))
+                cur[i] = tgt
+    steps += [(i, c, d) for i, (c, d) in enumerate(zip(cur, dst)) if c != d]
+    return steps
+
+
+def _expand(step: tuple[int, Placement, Placement]) -> tuple[list, bool]:
+    """Split steps DTensor does not do directly into two, via Replicate."""
+    i, a, b = step
+    via_r = ((a.is_partial() and b.is_partial())  # P(x)->P(y): rejected by DTensor
+             or (_is_shard(a) and b.is_partial())  # S->P: rejected by DTensor
+             or (_is_shard(a) and _is_shard(b)  # DTensor goes through R for strided
+                 and (isinstance(a, _StridedShard) or isinstance(b, _StridedShard))))
+    if not via_r:
+        return [step], True
+    return [(i, a, Replicate()), (i, Replicate(), b)], not b.is_partial()
+
+
+def _mergeable(s: tuple[int, Placement, Placement], t: tuple[int, Placement, Placement]) -> bool:
+    kind = _comm_kind(s[1], s[2])
+    if kind not in (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE) or kind != _comm_kind(t[1], t[2]):
+        return False
+    if any(isinstance(p, _StridedShard) for p in (*s[1:], *t[1:])):
+        return False
+    if s[1:] == t[1:]:
+        return True
+    return (s[2] == t[2] and s[1].is_partial() and t[1].is_partial()
+            and {s[1].reduce_op, t[1].reduce_op} <= {"sum", "avg"})
+
+
+def _try_flatten(run: list, mesh: MeshShape, shape: Sequence[int], src: list) -> bool:
+    """Whether DTensor would run ``run`` (>= 2 mergeable steps) as one collective.
+
+    Like DTensor, divisibility is checked on the source's logical shape at the run's
+    outermost mesh dim."""
+    dims = tuple(s[0] for s in run)
+    if tuple(sorted(dims)) not in mesh.flattened:
+        return False
+    kind = _comm_kind(run[0][1], run[0][2])
+    if kind == ALL_GATHER:
+        return dims == tuple(sorted(dims, reverse=True))
+    if kind == REDUCE_SCATTER:
+        full = _local_shape(shape, src[:min(dims)], mesh.sizes)[run[0][2].dim]
+        return dims == tuple(sorted(dims)) and full % mesh.group_size(dims) == 0
+    return True
+
+
+def redistribute_cost(global_shape: tuple[int, ...], itemsize: int,
+                      src: Sequence[Placement], dst: Sequence[Placement],
+                      mesh: MeshShape | Sequence[int], topology: Topology = H100) -> Cost:
+    """Cost of DTensor's redistribute from ``src`` to ``dst`` placements (one per mesh dim).
+
+    Prices the collectives DTensor runs, in its order and with its flattening, plus the
+    local copies and divisions around them, so candidates can be compared honestly."""
+    mesh = mesh if isinstance(mesh, MeshShape) else MeshShape(tuple(mesh))
+    ndim = len(global_shape)
+    if len(src) != mesh.ndim or len(dst) != mesh.ndim:
+        raise ValueError(f"need {mesh.ndim} placements, got {len(src)} and {len(dst)}")
+    src = [_normalize(p, ndim) for p in src]
+    dst = [_normalize(p, ndim) for p in dst]
+    steps, supported = [], True
+    for step in _greedy_plan(src, dst, mesh.sizes):
+        if mesh.sizes[step[0]] > 1:  # DTensor's num_chunks == 1 shortcut
+            more, ok = _expand(step)
+            steps += more
+            supported = supported and ok
+
+    colls, work, state = [], [], list(src)
+
+    def local(what: str, dim: int, b: float) -> None:
+        work.append(LocalWork(what, dim, b, b / topology.memory_bandwidth))
+
+    def leading(loc: Sequence[int], d: int) -> bool:  # chunk/cat of dim d needs a copy
+        return math.prod(loc[:d]) > 1
+
+    units, k = [], 0  # a unit is one step, or a run DTensor fuses into one collective
+    while k < len(steps):
+        run = [steps[k]]
+        while k + len(run) < len(steps) and _mergeable(run[0], steps[k + len(run)]):
+            run.append(steps[k + len(run)])
+        k += len(run)
+        fuse = len(run) > 1 and _try_flatten(run, mesh, global_shape, src)
+        units += [run] if fuse else [[s] for s in run]  # all or nothing, as DTensor
+    for run in units:
+        (i, a, b), dims = run[0], tuple(sorted(s[0] for s in run))
+        loc0 = _local_shape(global_shape, state, mesh.sizes)
+        for j, _, t in run:
+            state[j] = t
+        loc1 = _local_shape(global_shape, state, mesh.sizes)
+        before, after = float(math.prod(loc0) * itemsize), float(math.prod(loc1) * itemsize)
+        kind = _comm_kind(a, b)
+        if kind is None:  # from Replicate: local only
+            if _is_shard(b):
+                local(f"slice+clone R->{b}", i, 2 * after)
+            elif b.reduce_op not in ("avg", "max", "min"):
+                local(f"R->{b} (divide or mask)", i, 2 * before)
+            continue
+        inter, per_node = _layout(mesh.sizes, dims, topology.devices_per_node)
+        n = mesh.group_size(dims)
+        # padded: n times the largest shard for all-gather (output) / reduce-scatter (input)
+        msg = {ALL_GATHER: before * n, REDUCE_SCATTER: after * n}.get(kind, before)
+        colls.append(CollectiveCost(kind, dims, msg, collective_seconds(
+            kind, msg, n, inter_node=inter, topology=topology, ranks_per_node=per_node),
+            n, inter, mesh.label(dims)))
+        if kind in (ALL_GATHER, ALL_TO_ALL) and leading(loc1, a.dim):
+            local(f"cat gathered chunks on tensor dim {a.dim}", i, 2 * after)
+        if kind in (REDUCE_SCATTER, ALL_TO_ALL) and leading(loc0, b.dim):
+            local(f"reorder chunks of tensor dim {b.dim}", i, 2 * before)
+        if len(run) > 1 and any(s[1].is_partial() and s[1].reduce_op == "avg" for s in run):
+            local("divide merged avg", i, 2 * after)
+    lb = sum(w.bytes for w in work)
+    return Cost(tuple(colls), lb, lb / topology.memory_bandwidth, tuple(work), supported)

@@ -1,0 +1,226 @@
+"""Lift: from single-dim rules to the cheapest valid strategy on the user's N-D mesh.
+
+A strategy picks one derived rule (or all-Replicate) per mesh dim. Its inputs must be
+redistributed from their current placements to the rule's, which the cost model prices;
+the cheapest *valid* strategy wins. Valid means, on the real mesh and shapes:
+
+- an [even] rule is used only where every dim it shards splits evenly on that mesh dim
+  (after the earlier mesh dims' sharding);
+- the original op, run on each distinct set of local input shapes (meta kernel, original
+  non-tensor arguments: what DTensor will run), succeeds and returns the local output
+  shapes the strategy's output placements promise. This is what refuses pixel_shuffle on
+  channels when a rank would hold fewer than upscale_factor**2 of them.
+
+Placeholders S(d) become `Shard(d)`, or `_StridedShard(d, sf)` when the inputs already
+carry that kind on that mesh dim (the rule holds for any sharding kind).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ._compat import TorchPartial, TorchReplicate, TorchShard, TorchStridedShard
+from .cost import H100, Cost, MeshShape, Topology, redistribute_cost
+from .derive import derive_rules
+from .placements import MaybePlacement, Partial, R, ShardPlaceholder, SingleDimRule
+
+TorchPlacement = Any
+MAX_COMBOS = 4096  # strategies costed per call; beyond, rules are pre-filtered per mesh dim
+
+
+@dataclass(frozen=True)
+class MeshStrategy:
+    rules: tuple[SingleDimRule, ...]  # one per mesh dim
+    input_placements: tuple[tuple[TorchPlacement, ...], ...]  # per tensor input
+    output_placements: tuple[tuple[TorchPlacement, ...] | None, ...]  # per output leaf
+    cost: Cost
+    valid: bool = True
+    reason: str = ""
+
+    def describe(self) -> str:
+        rules = " | ".join(str(r) for r in self.rules)
+        return f"[{rules}] cost {self.cost.total_seconds * 1e6:.2f} µs" + (
+            "" if self.valid else f" (invalid: {self.reason})"
+        )
+
+
+def _fill(p: MaybePlacement, strided: dict[int, int]) -> TorchPlacement | None:
+    if p is None:
+        return None
+    if isinstance(p, ShardPlaceholder):
+        sf = strided.get(p.dim)
+        return TorchStridedShard(p.dim, split_factor=sf) if sf else TorchShard(p.dim)
+    if isinstance(p, Partial):
+        return TorchPartial(p.reduce_op)
+    return TorchReplicate()
+
+
+def _strided_factors(rule: SingleDimRule, current_dim: Sequence[TorchPlacement]) -> dict[int, int]:
+    """Split factors to keep when the inputs on this mesh dim are _StridedShard already.
+
+    Only when every placeholder input of the rule matches a _StridedShard of one split
+    factor: then the whole rule runs in that kind (placeholder semantics)."""
+    factors = set()
+    for p, cur in zip(rule.inputs, current_dim):
+        if isinstance(p, ShardPlaceholder):
+            if isinstance(cur, TorchStridedShard) and cur.dim == p.dim:
+                factors.add(cur.split_factor)
+            else:
+                return {}
+    if len(factors) != 1:
+        return {}
+    sf = factors.pop()
+    dims = {p.dim for p in rule.inputs + rule.outputs if isinstance(p, ShardPlaceholder)}
+    return {d: sf for d in dims}
+
+
+def expand(rules: Sequence[SingleDimRule], current: Sequence[Sequence[TorchPlacement]]) -> tuple[tuple, tuple]:
+    """(input placements per tensor input, output placements per output) for one
+    rule per mesh dim."""
+    n_in, n_out = len(rules[0].inputs), len(rules[0].outputs)
+    ins = [[None] * len(rules) for _ in range(n_in)]
+    outs: list[list | None] = [[None] * len(rules) for _ in range(n_out)]
+    for m, rule in enumerate(rules):
+        strided = _strided_factors(rule, [c[m] for c in current])
+        for j, p in enumerate(rule.inputs):
+            ins[j][m] = _fill(p, strided)
+        for k, p in enumerate(rule.outputs):
+            outs[k][m] = _fill(p, strided)
+    out_t = tuple(None if any(p is None for p in o) else tuple(o) for o in outs)
+    return tuple(tuple(i) for i in ins), out_t
+
+
+def local_shape_nd(shape: Sequence[int], placements: Sequence[TorchPlacement], mesh: Sequence[int], coord: Sequence[int]) -> tuple[int, ...]:
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    return tuple(_compute_local_shape_and_global_offset(tuple(shape), tuple(mesh), list(coord), list(placements))[0])
+
+
+def rank_strategies(
+    op, args: tuple, kwargs: dict, mesh_shape: Sequence[int] | MeshShape,
+    current: Sequence[Sequence[TorchPlacement]], topology: Topology = H100,
+) -> list[MeshStrategy]:
+    """Every candidate strategy, cheapest valid first (invalid ones last, with reasons)."""
+    mesh = mesh_shape if isinstance(mesh_shape, MeshShape) else MeshShape(tuple(mesh_shape))
+    derived = derive_rules(op, *args, **kwargs)
+    tensors = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+    if len(current) != len(tensors) or any(len(c) != mesh.ndim for c in current):
+        raise ValueError(
+            f"need {mesh.ndim} placements for each of the {len(tensors)} tensor inputs"
+        )
+    trivial = SingleDimRule((R,) * len(tensors), _trivial_outputs(derived), source="implied")
+    per_dim = [_candidate_rules(derived.rules, trivial, current, m) for m in range(mesh.ndim)]
+    out: list[MeshStrategy] = []
+    for order, combo in enumerate(itertools.product(*per_dim)):
+        ins, outs = expand(combo, current)
+        cost = Cost()
+        for t, src, dst in zip(tensors, current, ins):
+            cost = cost + redistribute_cost(tuple(t.shape), t.element_size(), tuple(src), dst, mesh, topology)
+        reason = _invalid_reason(derived.op, args, kwargs, combo, ins, outs, tensors, mesh.sizes)
+        out.append(MeshStrategy(tuple(combo), ins, outs, cost, not reason, reason))
+    order_of = {id(s): i for i, s in enumerate(out)}
+    out.sort(key=lambda s: (not s.valid, not s.cost.dtensor_supported, s.cost.sort_key(), order_of[id(s)]))
+    return out
+
+
+def choose(op, args, kwargs, mesh_shape, current, topology: Topology = H100) -> MeshStrategy:
+    """The cheapest valid strategy (all-Replicate is always valid, so one exists)."""
+    return rank_strategies(op, args, kwargs, mesh_shape, current, topology)[0]
+
+
+def _trivial_outputs(derived) -> tuple:
+    if derived.graph is not None:
+        return tuple(None if v is None else R for v in derived.graph.outputs)
+    if derived.rules:
+        return tuple(None if p is None else R for p in derived.rules[0].outputs)
+    return (R,)
+
+
+def _candidate_rules(rules, trivial, current, m: int) -> list[SingleDimRule]:
+    """All rules, or when the product would explode, the ones closest to the current
+    placements on this mesh dim (plus all-Replicate)."""
+    cands = [trivial, *rules]
+    n_dims = len(current[0]) if current else 1
+    if len(cands) ** n_dims <= MAX_COMBOS:
+        return cands
+    keep = max(2, int(MAX_COMBOS ** (1 / n_dims)))
+
+    def closeness(rule: SingleDimRule) -> int:
+        return sum(_same_kind(p, c[m]) for p, c in zip(rule.inputs, current))
+
+    return [trivial] + sorted(rules, key=closeness, reverse=True)[: keep - 1]
+
+
+def _same_kind(p: MaybePlacement, cur: TorchPlacement) -> bool:
+    if isinstance(p, ShardPlaceholder):
+        return isinstance(cur, (TorchShard, TorchStridedShard)) and cur.dim == p.dim
+    if isinstance(p, Partial):
+        return isinstance(cur, TorchPartial) and cur.reduce_op == p.reduce_op
+    return isinstance(cur, TorchReplicate)
+
+
+def _invalid_reason(op, args, kwargs, combo, ins, outs, tensors, mesh: tuple[int, ...]) -> str:
+    if all(all(isinstance(p, TorchReplicate) for p in i) for i in ins):
+        return ""  # everything replicated: the op runs as on one device
+    for m, rule in enumerate(combo):
+        if not rule.even_only:
+            continue
+        for t, pl in zip(tensors, ins):
+            before = local_shape_nd(t.shape, pl[:m] + (TorchReplicate(),) * (len(mesh) - m), mesh, (0,) * len(mesh))
+            p = pl[m]
+            if isinstance(p, (TorchShard, TorchStridedShard)) and before[p.dim] % mesh[m]:
+                return f"rule {rule} on mesh dim {m} needs even shards; dim {p.dim} of size {before[p.dim]} does not split over {mesh[m]}"
+    return _meta_check(op, args, kwargs, ins, outs, tensors, mesh)
+
+
+def _meta_check(op, args, kwargs, ins, outs, tensors, mesh) -> str:
+    """Run the original op's meta kernel on every distinct set of local input shapes."""
+    flat, spec = tree_flatten((args, kwargs))
+    out_global = _global_outputs(op, args, kwargs)
+    seen = set()
+    for coord in itertools.product(*(range(s) for s in mesh)):
+        shapes = tuple(local_shape_nd(t.shape, pl, mesh, coord) for t, pl in zip(tensors, ins))
+        want = tuple(
+            None if o is None or g is None else local_shape_nd(g, o, mesh, coord)
+            for g, o in zip(out_global, outs)
+        )
+        if (shapes, want) in seen:
+            continue
+        seen.add((shapes, want))
+        it = iter(shapes)
+        local_flat = [
+            torch.empty(next(it), dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
+            for x in flat
+        ]
+        la, lk = tree_unflatten(local_flat, spec)
+        try:
+            result = op(*la, **lk)
+        except Exception as e:
+            line = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+            return f"the op fails on rank {list(coord)}'s local shapes {[list(s) for s in shapes]}: {line}"
+        got = [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in tree_flatten(result)[0]]
+        for g, w in zip(got, want):
+            if w is not None and g != w:
+                return f"on rank {list(coord)} the op returns local shape {list(g)}, the strategy needs {list(w)}"
+    return ""
+
+
+def _global_outputs(op, args, kwargs) -> list:
+    flat, spec = tree_flatten((args, kwargs))
+    meta = [
+        torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
+        for x in flat
+    ]
+    a, k = tree_unflatten(meta, spec)
+    res = op(*a, **k)
+    return [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in tree_flatten(res)[0]]
+
+
+def total_elements(shape: Sequence[int]) -> int:
+    return math.prod(shape)
