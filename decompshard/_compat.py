@@ -87,7 +87,7 @@ def from_torch_placement(p: Any):
         return ShardPlaceholder(p.dim)
     if isinstance(p, TorchReplicate):
         return R
-    if isinstance(p, TorchPartial):
+    if type(p) is TorchPartial:  # subclasses (_NormPartial, _MaskPartial) combine differently
         return Partial(p.reduce_op) if p.reduce_op in ("sum", "avg", "max", "min") else NotImplemented
     return NotImplemented
 

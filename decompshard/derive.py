@@ -21,10 +21,11 @@ from .dispatch_modes.graph import PrimGraph
 from .dispatch_modes.tracing import tensor_meta
 from .errors import UnsupportedOp
 from .localcheck import check_local
-from .placements import MaybePlacement, SingleDimRule, format_placement, format_rule
+from .placements import MaybePlacement, P, R, SingleDimRule, format_placement, format_rule, is_partial
 from .propagate import Propagation, Rejection, propagate
 from .rules import clear_cache as clear_rule_cache
 from .rules import has_rule, rules_for
+from .rules.project_rules import value_checked_inputs
 
 OpOverload = torch._ops.OpOverload
 
@@ -176,6 +177,7 @@ def _solve(result: DerivedRules, args: tuple, kwargs: dict) -> None:
     )
     trace_at = lambda a, k: traced(graph.op, a, k)  # noqa: E731
     found: dict[tuple, SingleDimRule] = {}
+    value_checked = value_checked_inputs(graph.op)
     for cand in prop.survivors:
         verdict = check_local(graph, cand, meta_args, meta_kwargs, trace_at)
         if not verdict.ok:
@@ -185,12 +187,32 @@ def _solve(result: DerivedRules, args: tuple, kwargs: dict) -> None:
             cand.inputs, verdict.outputs, even_only=verdict.even_only,
             source=verdict.reason or "derived",
         )
+        if any(is_partial(p) for i, p in enumerate(rule.inputs) if i in value_checked):
+            result.rejected.append(RejectedCandidate(cand.inputs, "the kernel validates this input's values; a Partial part may fail it"))
+            continue
         if rule.is_trivial():
             continue
         prev = found.get(rule.key())
         if prev is None or (prev.even_only and not rule.even_only):
             found[rule.key()] = rule
-    result.rules = sorted(found.values(), key=_rule_order)
+    result.rules = sorted(_drop_implied(found.values()), key=_rule_order)
+
+
+_WEAKER_THAN_R = {P("avg"), P("max"), P("min")}
+
+
+def _drop_implied(rules) -> list[SingleDimRule]:
+    """Drop rules that say nothing new: all-Replicate inputs (the op can just run
+    replicated), and an output P(avg|max|min) where the same inputs give R (identical
+    copies satisfy those trivially; R is strictly more useful)."""
+    rules = [r for r in rules if any(p is not None and p != R for p in r.inputs)]
+
+    def dominated(b: SingleDimRule, a: SingleDimRule) -> bool:
+        return a is not b and a.inputs == b.inputs and a.even_only <= b.even_only and all(
+            x == y or (x == R and y in _WEAKER_THAN_R) for x, y in zip(a.outputs, b.outputs)
+        )
+
+    return [b for b in rules if not any(dominated(b, a) for a in rules)]
 
 
 def _rejections(graph: PrimGraph, prop: Propagation) -> list[RejectedCandidate]:

@@ -64,18 +64,18 @@ class DerivedStrategy:
         if any(not isinstance(s, int) for x in specs for s in x.tensor_meta.shape):
             _warn_once(f"dyn:{op}", f"decompshard: {op} has symbolic shapes; using torch's own decomposition fallback")
             return self.torch_fallback.propagate_strategy(op_schema)
-        meta_flat = [
-            torch.empty_strided(x.tensor_meta.shape, x.tensor_meta.stride, dtype=x.tensor_meta.dtype, device="meta")
-            if isinstance(x, DTensorSpec) else x
-            for x in flat
-        ]
-        args, kwargs = tree_unflatten(meta_flat, spec)
         mesh = specs[0].mesh
         current = [tuple(s.placements) for s in specs]
-        from torch.utils._python_dispatch import _disable_current_modes
-
         try:
-            with _disable_current_modes():
+            with _clean_dispatch_state():
+                # plain meta tensors: made here, not under the caller's modes (under
+                # LocalTensorMode a factory call would return a LocalTensor)
+                meta_flat = [
+                    torch.empty_strided(x.tensor_meta.shape, x.tensor_meta.stride, dtype=x.tensor_meta.dtype, device="meta")
+                    if isinstance(x, DTensorSpec) else x
+                    for x in flat
+                ]
+                args, kwargs = tree_unflatten(meta_flat, spec)
                 best = _first_runnable(op, args, kwargs, tuple(mesh.shape), current, len(op_schema.args_spec))
         except UnsupportedOp as e:  # pragma: no cover - derive reports, lift raises only on misuse
             _warn_once(f"uns:{op}", f"decompshard: {op}: {e.reason}; running replicated")
@@ -87,6 +87,32 @@ class DerivedStrategy:
         output_specs = outs[0] if len(outs) == 1 else tuple(outs)
         n_args = len(op_schema.args_spec)
         return OpStrategy([OpSpec(output_specs, input_specs=ins[:n_args], redistribute_cost=[[0.0] for _ in ins[:n_args]])])
+
+
+def _fresh_thread_dispatch_keys() -> tuple[Any, Any]:
+    """The dispatch-key TLS of a new thread: no mode, nothing excluded but autocast."""
+    box: list = []
+    t = threading.Thread(target=lambda: box.append(
+        (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())))
+    t.start()
+    t.join()
+    return box[0]
+
+
+# DTensor asks for a strategy from inside its __torch_dispatch__, where autograd and every
+# key above Python are excluded; there a CompositeImplicitAutograd op reaches the tracing
+# mode undecomposed (sdpa's math path, tagged random, then looks random). Deriving under
+# a plain thread's key state makes the (cached) result the same as a direct
+# `derive_rules` call, whatever modes the caller has active.
+_PLAIN_INCLUDE, _PLAIN_EXCLUDE = _fresh_thread_dispatch_keys()
+
+
+@contextlib.contextmanager
+def _clean_dispatch_state() -> Iterator[None]:
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch.no_grad(), torch._C._ForceDispatchKeyGuard(_PLAIN_INCLUDE, _PLAIN_EXCLUDE):
+        yield
 
 
 def _first_runnable(op, args, kwargs, mesh_shape, current, n_args):

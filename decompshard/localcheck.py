@@ -75,37 +75,63 @@ def check_local(
     trace_at: Callable[[tuple, dict], PrimGraph],
     world_sizes: Sequence[int] = WORLD_SIZES,
 ) -> LocalVerdict:
+    """Accept, accept as [even] (fails only where some sharded dim splits unevenly, and
+    holds at an even world size), or refuse with the first disagreement."""
     if not any(is_shard(p) for p in cand.inputs):
         return LocalVerdict(True, cand.outputs, cand.even_only)  # local shapes == global
-    scaled = False
+    scaled, passed_even, uneven_failure = False, False, ""
     for W in world_sizes:
-        seen: set[tuple] = set()
-        for r in range(W):
-            shapes = tuple(
-                local_shape(graph.meta(v).shape, p, W, r) for v, p in zip(graph.inputs, cand.inputs)
-            )
-            if shapes in seen:
-                continue
-            seen.add(shapes)
-            where = f"rank {r} of {W}"
-            try:
-                local = trace_at(*local_args(args, kwargs, shapes))
-            except UnsupportedOp as e:
-                return _fail(cand, f"on {where} the decomposition fails: {e.reason}")
-            if any(0 in shp and 0 not in graph.meta(v).shape for v, shp in zip(graph.inputs, shapes)):
-                reason, node_scaled = _compare_outputs_only(graph, local, cand, W, r), False
-            else:
-                reason, node_scaled = _compare(graph, local, cand, W, r, shapes)
-            if reason:
-                return _fail(cand, f"on {where}: {reason}")
-            scaled |= node_scaled
+        even = all(
+            graph.meta(v).shape[p.dim] % W == 0
+            for v, p in zip(graph.inputs, cand.inputs) if is_shard(p)
+        )
+        reason, w_scaled = _check_world_size(graph, cand, args, kwargs, trace_at, W)
+        if reason and even:
+            return _fail(cand, reason)
+        if reason:
+            uneven_failure = uneven_failure or reason
+            continue
+        passed_even |= even
+        scaled |= w_scaled
+    if uneven_failure and not passed_even:
+        return _fail(cand, uneven_failure)
+    even_only = cand.even_only or bool(uneven_failure)
+    note = f"even shards only ({uneven_failure})" if uneven_failure else ""
     if not scaled:
-        return LocalVerdict(True, cand.outputs, cand.even_only)
+        return LocalVerdict(True, cand.outputs, even_only, note)
     tensor_outs = [p for p in cand.outputs if p is not None]
     if not tensor_outs or any(p != P("sum") for p in tensor_outs):
         return _fail(cand, "a mean over a sharded dim reaches an output that is not P(sum)")
     outs = tuple(None if p is None else P("avg") for p in cand.outputs)
     return LocalVerdict(True, outs, True, "mean over a sharded dim: P(avg) when shards are even")
+
+
+def _check_world_size(graph, cand, args, kwargs, trace_at, W: int) -> tuple[str, bool]:
+    """('' or why world size W breaks the candidate, whether a mean-scaling was seen)."""
+    scaled = False
+    seen: set[tuple] = set()
+    for r in range(W):
+        shapes = tuple(
+            local_shape(graph.meta(v).shape, p, W, r) for v, p in zip(graph.inputs, cand.inputs)
+        )
+        if shapes in seen:
+            continue
+        seen.add(shapes)
+        where = f"rank {r} of {W}"
+        try:
+            local = trace_at(*local_args(args, kwargs, shapes))
+        except UnsupportedOp as e:
+            return f"on {where} the decomposition fails: {e.reason}", False
+        if any(0 in shp and 0 not in graph.meta(v).shape for v, shp in zip(graph.inputs, shapes)):
+            reason = _compare_outputs_only(graph, local, cand, W, r)
+            reason = reason or _real_kernel_on_empty_shard(graph, cand, args, kwargs, shapes, W, r)
+            node_scaled = False
+        else:
+            reason, node_scaled = _compare(graph, local, cand, W, r, shapes)
+        if reason:
+            return f"on {where}: {reason}", False
+        scaled |= node_scaled
+    return "", scaled
 
 
 def _fail(cand: Survivor, reason: str) -> LocalVerdict:
@@ -163,6 +189,32 @@ def _compare_outputs_only(g: PrimGraph, l: PrimGraph, cand: Survivor, W: int, r:
             return f"an empty shard gives output shape {list(got)}, {p} needs {list(want)}"
         if isinstance(p, Partial) and p.reduce_op in ("max", "min") and math.prod(got) > 0:
             return f"{p} output computed from an empty shard has no defined value"
+    return ""
+
+
+EMPTY_SHARD_REAL_RUN_LIMIT = 1 << 22  # elements: beyond, refuse rather than allocate
+
+
+def _real_kernel_on_empty_shard(g: PrimGraph, cand: Survivor, args, kwargs, shapes, W: int, r: int) -> str:
+    """Kernels special-case empty inputs, and not always like their decomposition or
+    meta kernel (pixel_unshuffle of a [0, 1, 6, 6] tensor returns [0, 1, 6, 6] on CPU).
+    DTensor runs the real kernel, so the real kernel decides, on zero-filled inputs."""
+    if sum(math.prod(s) for s in shapes) > EMPTY_SHARD_REAL_RUN_LIMIT:
+        return "an empty shard would need a real kernel run on large inputs; refused"
+    flat, spec = tree_flatten(local_args(args, kwargs, shapes))
+    real = [torch.zeros(x.shape, dtype=x.dtype) if isinstance(x, torch.Tensor) else x for x in flat]
+    a, k = tree_unflatten(real, spec)
+    try:
+        out = g.op(*a, **k)
+    except Exception as e:
+        return f"the op fails on an empty shard: {(str(e).splitlines() or [''])[0][:120]}"
+    leaves = tree_flatten(out)[0]
+    for leaf, gv, p in zip(leaves, g.outputs, cand.outputs):
+        if gv is None or not isinstance(leaf, torch.Tensor):
+            continue
+        want = local_shape(g.meta(gv).shape, p, W, r)
+        if tuple(leaf.shape) != want:
+            return f"on an empty shard the op returns shape {list(leaf.shape)}, {p} needs {list(want)}"
     return ""
 
 

@@ -89,6 +89,7 @@ def propagate(
     allowed = {v: set(input_alphabet(graph, v)) for v in graph.inputs}
     allowed.update({v.id: constant_alphabet(v) for v in graph.values if v.kind == "const"})
     env0: dict[int, MaybePlacement] = {}
+    floating = {v.id for v in graph.values if v.meta.dtype.is_floating_point}
     if fixed_inputs is not None:
         for v, p in zip(graph.inputs, fixed_inputs):
             if p not in allowed[v] and p is not None:
@@ -110,15 +111,13 @@ def propagate(
         for st in states:
             matched = False
             for ri, rule in enumerate(table):
-                env = _match(rule, node, st.env, allowed)
-                if env is None:
-                    continue
-                matched = True
-                new = _State(env, st.even or rule.even_only, st.path + (ri,))
-                live = tuple(
-                    (v, env[v]) for v in sorted(env) if v in keep or last_use.get(v, -1) > node.index
-                )
-                nxt.setdefault((live, new.even), new)
+                for env in _matches(rule, node, st.env, allowed, floating):
+                    matched = True
+                    new = _State(env, st.even or rule.even_only, st.path + (ri,))
+                    live = tuple(
+                        (v, env[v]) for v in sorted(env) if v in keep or last_use.get(v, -1) > node.index
+                    )
+                    nxt.setdefault((live, new.even), new)
             if not matched:
                 result.n_rejections += 1
                 if len(result.rejections) < MAX_REJECTIONS:
@@ -151,23 +150,37 @@ def propagate(
     return result
 
 
-def _match(rule: SingleDimRule, node: PrimNode, env: dict, allowed: dict) -> dict | None:
-    """The state extended by `rule` at `node`, or None if the rule does not fit exactly."""
-    new = None
+# A replicated value is also a valid P(avg), P(max) and P(min) (every rank holds the true
+# value, and the average / max / min of identical copies is that value). So a rule that
+# wants one of those accepts R as it is — no data moves.
+_R_SATISFIES = {P("avg"), P("max"), P("min")}
+
+
+def _matches(rule: SingleDimRule, node: PrimNode, env: dict, allowed: dict, floating: set) -> list[dict]:
+    """Every way `rule` extends the state at `node` (none if it does not fit)."""
+    envs = [env]
     for v, want in zip(node.inputs, rule.inputs):
-        have = (new or env).get(v, UNSET)
-        if have is UNSET:
-            if v not in allowed or want not in allowed[v]:
-                return None
-            new = dict(new or env)
-            new[v] = want
-        elif have != want:
-            return None
-    new = dict(new or env)
-    for v, p in zip(node.outputs, rule.outputs):
-        if v is not None:
-            new[v] = p
-    return new
+        nxt = []
+        for e in envs:
+            have = e.get(v, UNSET)
+            if have is UNSET:
+                if v in allowed and want in allowed[v]:
+                    nxt.append({**e, v: want})
+                if want in _R_SATISFIES and v in floating and R in allowed.get(v, ()):
+                    nxt.append({**e, v: R})
+            elif have == want or (have == R and want in _R_SATISFIES and v in floating):
+                nxt.append(e)
+        envs = nxt
+        if not envs:
+            return []
+    out = []
+    for e in envs:
+        e = dict(e)
+        for v, p in zip(node.outputs, rule.outputs):
+            if v is not None:
+                e[v] = p
+        out.append(e)
+    return out
 
 
 def _order(p: Placement) -> tuple:

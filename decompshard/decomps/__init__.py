@@ -6,6 +6,7 @@ last (after torch's decomposition table and CompositeImplicitAutograd).
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -32,7 +33,73 @@ def _cdist_forward(x1, x2, p, compute_mode):
     return aten.linalg_vector_norm.default(diff, p, [-1])
 
 
+def _cdist_backward(grad, x1, x2, p, cdist):
+    # Gradient w.r.t. x1 of cdist(x1, x2, p) (autograd calls it again with x1, x2 swapped
+    # for x2's). Same cases as ATen's cdist backward kernel: zero distances give zero.
+    diff = aten.sub.Tensor(aten.unsqueeze.default(x1, -2), aten.unsqueeze.default(x2, -3))
+    g = aten.unsqueeze.default(grad, -1)
+    d = aten.unsqueeze.default(cdist, -1)
+    zero = torch.zeros_like(diff)
+    if p == 0:
+        return torch.zeros_like(x1)
+    if p == 1:
+        term = aten.mul.Tensor(aten.sign.default(diff), g)
+    elif p == float("inf"):
+        hit = aten.eq.Tensor(aten.abs.default(diff), d)
+        term = aten.mul.Tensor(aten.mul.Tensor(aten.sign.default(diff), hit.to(diff.dtype)), g)
+    elif p == 2:
+        term = aten.where.self(aten.eq.Scalar(d, 0), zero, aten.div.Tensor(aten.mul.Tensor(diff, g), d))
+    else:
+        mag = aten.pow.Tensor_Scalar(aten.abs.default(diff), p - 1)
+        term = aten.div.Tensor(aten.mul.Tensor(aten.mul.Tensor(aten.sign.default(diff), mag), g),
+                               aten.pow.Tensor_Scalar(d, p - 1))
+        term = aten.where.self(aten.eq.Scalar(d, 0), zero, term)
+        if p < 1:  # |diff|^(p-1) blows up at diff == 0: ATen takes those terms as 0
+            term = aten.where.self(aten.eq.Scalar(diff, 0), zero, term)
+    return aten.sum.dim_IntList(term, [-2])
+
+
+def _sdpa_flash_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal,
+                             *, attn_mask=None, scale=None):
+    # Math backward of CPU flash attention (layout [B, H, L, E]). Recomputes the softmax
+    # from query and key instead of reading `logsumexp`: same values, and nothing
+    # depends on the forward's saved statistics (whose layout is backend-specific).
+    if dropout_p != 0.0:
+        return NotImplemented  # the mask of the forward's dropout is not an input
+    L, S, E = query.shape[-2], key.shape[-2], query.shape[-1]
+    sc = scale if scale is not None else 1.0 / math.sqrt(E)
+    hq, hk = query.shape[1], key.shape[1]
+    group = hq // hk
+    k, v = key, value
+    if group != 1:  # grouped-query attention: each key/value head serves `group` heads
+        k = aten.repeat_interleave.self_int(key, group, 1)
+        v = aten.repeat_interleave.self_int(value, group, 1)
+    scores = aten.mul.Scalar(torch.matmul(query, aten.transpose.int(k, -2, -1)), sc)
+    if is_causal:
+        keep = torch.ones(L, S, dtype=torch.bool, device=query.device).tril()
+        scores = aten.masked_fill.Scalar(scores, aten.logical_not.default(keep), float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = aten.masked_fill.Scalar(scores, aten.logical_not.default(attn_mask), float("-inf"))
+        else:
+            scores = aten.add.Tensor(scores, attn_mask)
+    probs = aten._safe_softmax.default(scores, -1)
+    grad_v = torch.matmul(aten.transpose.int(probs, -2, -1), grad_out)
+    grad_p = torch.matmul(grad_out, aten.transpose.int(v, -2, -1))
+    row = aten.sum.dim_IntList(aten.mul.Tensor(grad_p, probs), [-1], True)
+    grad_s = aten.mul.Tensor(probs, aten.sub.Tensor(grad_p, row))
+    grad_q = aten.mul.Scalar(torch.matmul(grad_s, k), sc)
+    grad_k = aten.mul.Scalar(torch.matmul(aten.transpose.int(grad_s, -2, -1), query), sc)
+    if group != 1:
+        b = key.shape[0]
+        grad_k = aten.sum.dim_IntList(aten.view.default(grad_k, [b, hk, group, S, E]), [2])
+        grad_v = aten.sum.dim_IntList(aten.view.default(grad_v, [b, hk, group, S, value.shape[-1]]), [2])
+    return grad_q.to(query.dtype), grad_k.to(key.dtype), grad_v.to(value.dtype)
+
+
 PROJECT_DECOMPOSITIONS: dict[torch._ops.OpOverload, Callable] = {
     aten.addbmm.default: _addbmm,
     aten._cdist_forward.default: _cdist_forward,
+    aten._cdist_backward.default: _cdist_backward,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _sdpa_flash_cpu_backward,
 }

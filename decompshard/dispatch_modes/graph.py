@@ -42,6 +42,7 @@ class PrimNode:
     inputs: tuple[int, ...]
     outputs: tuple[int | None, ...]
     constant: bool  # every tensor input is a constant: the outputs are constants too
+    out_metas: tuple[TensorMeta | None, ...] = ()  # one per output leaf
 
     def non_tensor_leaves(self) -> list[Any]:
         leaves = torch.utils._pytree.tree_leaves(

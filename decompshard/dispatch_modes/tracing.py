@@ -85,6 +85,7 @@ class _Recorder:
         self.graph = PrimGraph(op=op, inputs=(), outputs=())
         self._vid: dict[int, int] = {}
         self._keep: list[torch.Tensor] = []  # keeps ids stable while the trace runs
+        self.viewed: set[int] = set()  # ids of tensors some recorded view aliases
 
     def new_value(self, t: torch.Tensor, kind: str, zero: bool = False) -> int:
         vid = len(self.graph.values)
@@ -121,8 +122,23 @@ class TracingMode(TorchDispatchMode):
                     return out
         return self._record(func, args, kwargs)
 
+    def _refuse_writes_through_aliases(self, func, args, kwargs) -> None:
+        """The graph is SSA: a mutated tensor gets a new value id. A write into a view
+        (or into a tensor that has views) would change other values behind our back, so
+        it is refused rather than traced wrongly."""
+        if not _is_mutating(func):
+            return
+        schema_args = func._schema.arguments
+        for i, a in enumerate(schema_args):
+            if a.alias_info is None or not a.alias_info.is_write:
+                continue
+            t = args[i] if i < len(args) else kwargs.get(a.name)
+            if isinstance(t, torch.Tensor) and (t._is_view() or id(t) in self.rec.viewed):
+                raise UnsupportedOp(f"in-place {func} writes through a view; aliasing is not traced")
+
     def _record(self, func, args, kwargs):
         flat_in, _ = tree_flatten((args, kwargs))
+        self._refuse_writes_through_aliases(func, args, kwargs)
         in_ids = tuple(self.rec.value_of(x) for x in flat_in if isinstance(x, torch.Tensor))
         try:  # factories inside decompositions may name a real device: keep them on meta
             out = func(*_on_meta(args), **_on_meta(kwargs))
@@ -135,6 +151,10 @@ class TracingMode(TorchDispatchMode):
         constant = all(self.rec.graph.values[v].kind == CONST for v in in_ids)
         kind = CONST if constant else NODE
         flat_out, _ = tree_flatten(out)
+        for t in flat_out:
+            if isinstance(t, torch.Tensor) and t._is_view() and t._base is not None:
+                self.rec.viewed.add(id(t._base))
+                self.rec.viewed.add(id(t))
         zero = constant and _makes_zeros(func, args, kwargs, [self.rec.graph.values[v] for v in in_ids])
         out_ids = tuple(
             self.rec.new_value(t, kind, zero) if isinstance(t, torch.Tensor) else None
@@ -145,7 +165,10 @@ class TracingMode(TorchDispatchMode):
         )
         g = self.rec.graph
         g.nodes.append(
-            PrimNode(len(g.nodes), func, meta_args, meta_kwargs, in_ids, out_ids, constant)
+            PrimNode(
+                len(g.nodes), func, meta_args, meta_kwargs, in_ids, out_ids, constant,
+                tuple(tensor_meta(t) if isinstance(t, torch.Tensor) else None for t in flat_out),
+            )
         )
         return out
 

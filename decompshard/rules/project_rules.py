@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from ..dispatch_modes.graph import PrimNode
-from ..placements import PARTIALS, R, SingleDimRule, ShardPlaceholder
+from ..placements import PARTIALS, P, R, SingleDimRule, ShardPlaceholder
 
 SOURCE = "decompshard"
 aten = torch.ops.aten
@@ -42,12 +42,15 @@ _PARTIAL_PASSTHROUGH = {
     aten.unsqueeze.default, aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims,
     aten.expand.default, aten.select.int, aten.slice.Tensor, aten.narrow.default,
     aten.diagonal.default, aten.diagonal_copy.default, aten.flip.default, aten.roll.default,
-    aten.unfold.default, aten.as_strided.default, aten.index_select.default,
+    aten.unfold.default, aten.index_select.default,
     aten.gather.default, aten.repeat.default, aten.rot90.default,
     aten.permute_copy.default, aten.transpose_copy.int, aten.t_copy.default,
     aten.unsqueeze_copy.default, aten.squeeze_copy.default, aten.squeeze_copy.dim,
     aten.alias_copy.default, aten.view_copy.default, aten.expand_copy.default,
     aten.narrow_copy.default, aten.unfold_copy.default, aten.lift_fresh.default,
+    # selections by replicated indices: out[i] = x[idx[i]]
+    aten.index.Tensor, aten._unsafe_index.Tensor, aten.take.default,
+    aten.take_along_dim.default,
 }
 
 
@@ -57,6 +60,12 @@ def extra_rules(node: PrimNode) -> list[SingleDimRule]:
     Only the first tensor input may be Partial; every other tensor input (an index,
     say) must be Replicate, and every output gets the same Partial.
     """
+    if node.op in _SHIFT | _SCALE | _FLIP and len(node.inputs) == 1:
+        return _scalar_rules(node)
+    if node.op in _BINARY_SHIFT:
+        return _binary_shift_rules(node)
+    if node.op is aten.where.self:
+        return _where_rules(node)
     if node.op not in _PARTIAL_PASSTHROUGH or not node.inputs or not node.args:
         return []
     meta = node.args[0]
@@ -66,6 +75,82 @@ def extra_rules(node: PrimNode) -> list[SingleDimRule]:
     n_out = len(node.outputs)
     partials = [p for p in PARTIALS if not (meta.dtype.is_complex and p.reduce_op in ("max", "min"))]
     return [SingleDimRule((p, *rest), (p,) * n_out, source=SOURCE) for p in partials]
+
+
+# Tensor-scalar arithmetic. Adding a constant shifts every part: avg, max and min
+# follow (sum does not: the constant would be added once per rank). Scaling by s > 0
+# keeps max/min, s < 0 swaps them. Torch lists only some of these.
+_SHIFT = {aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar}
+_SCALE = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}
+_FLIP = {aten.rsub.Scalar, aten.rsub.Tensor}  # c - alpha * x
+
+
+def _scalar_rules(node: PrimNode) -> list[SingleDimRule]:
+    if len(node.inputs) != 1 or len(node.args) < 2 or not _is_real_number(node.args[1]):
+        return []
+    meta = node.args[0]
+    if not getattr(meta, "dtype", None) or not meta.dtype.is_floating_point:
+        return []
+    c = node.args[1]
+    alpha = node.kwargs.get("alpha", node.args[2] if len(node.args) > 2 else 1)
+    if not _is_real_number(alpha):
+        return []
+    mx, mn, avg = P("max"), P("min"), P("avg")
+    if node.op in _SHIFT:
+        pairs = [(avg, avg), (mx, mx), (mn, mn)]
+    elif node.op in _SCALE and c != 0:
+        pairs = [(avg, avg)] + ([(mx, mx), (mn, mn)] if c > 0 else [(mx, mn), (mn, mx)])
+    elif node.op in _FLIP and alpha != 0:
+        pairs = [(avg, avg)] + ([(mx, mn), (mn, mx)] if alpha > 0 else [(mx, mx), (mn, mn)])
+    else:
+        return []
+    n_out = len(node.outputs)
+    return [SingleDimRule((a,), (b,) * n_out, source=SOURCE) for a, b in pairs]
+
+
+# Tensor-tensor add/sub where one side is Replicate: a shift of every part of the other.
+_BINARY_SHIFT = {aten.add.Tensor: 1, aten.sub.Tensor: -1}
+
+
+def _binary_shift_rules(node: PrimNode) -> list[SingleDimRule]:
+    if len(node.inputs) != 2 or not all(getattr(m, "dtype", None) is not None and m.dtype.is_floating_point for m in node.args[:2]):
+        return []
+    alpha = node.kwargs.get("alpha", node.args[2] if len(node.args) > 2 else 1)
+    if not _is_real_number(alpha) or alpha == 0:
+        return []
+    sign = _BINARY_SHIFT[node.op] * (1 if alpha > 0 else -1)
+    swap = {P("max"): P("min"), P("min"): P("max"), P("avg"): P("avg")}
+    n_out = len(node.outputs)
+    rules = []
+    for p in (P("avg"), P("max"), P("min")):
+        rules.append(SingleDimRule((p, R), (p,) * n_out, source=SOURCE))  # x + alpha*c
+        q = p if sign > 0 else swap[p]  # c + alpha*x (or c - alpha*x)
+        rules.append(SingleDimRule((R, p), (q,) * n_out, source=SOURCE))
+    return rules
+
+
+# where(cond, x, y) picks every element from x or y: a Partial on both sides survives.
+def _where_rules(node: PrimNode) -> list[SingleDimRule]:
+    if len(node.inputs) != 3:
+        return []
+    n_out = len(node.outputs)
+    return [SingleDimRule((R, p, p), (p,) * n_out, source=SOURCE) for p in PARTIALS]
+
+
+# Kernels that check input *values* (binary_cross_entropy: all elements in [0, 1]): a
+# Partial part of a valid value can fail the check, so those inputs never take Partial.
+_VALUE_CHECKED = {
+    aten.binary_cross_entropy.default: {0, 1},
+    aten.binary_cross_entropy_backward.default: {1, 2},
+}
+
+
+def value_checked_inputs(op) -> set[int]:
+    return _VALUE_CHECKED.get(op, set())
+
+
+def _is_real_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
 
 
 def has_rules(op) -> bool:

@@ -69,6 +69,8 @@ def _compute_rules(node: PrimNode) -> tuple[SingleDimRule, ...]:
     seen = {trivial.key()}
     table = [trivial]
     for rule in found:
+        if not _partials_fit_dtypes(rule, node):
+            continue
         if len(rule.inputs) == n_in and len(rule.outputs) == n_out and rule.key() not in seen:
             seen.add(rule.key())
             table.append(rule)
@@ -84,6 +86,22 @@ def _even_if_averaging_shards(rule: SingleDimRule) -> SingleDimRule:
     if any(is_shard(p) for p in rule.inputs) and P("avg") in rule.outputs:
         return SingleDimRule(rule.inputs, rule.outputs, even_only=True, source=rule.source)
     return rule
+
+
+def _partials_fit_dtypes(rule: SingleDimRule, node: PrimNode) -> bool:
+    """A bool can't hold a sum (True+True is not True), an integer can't hold an exact
+    average, and complex numbers have no max/min: such Partial outputs are refused."""
+    for p, meta in zip(rule.outputs, node.out_metas):
+        if meta is None or not is_partial(p):
+            continue
+        dt = meta.dtype
+        if dt == torch.bool and p.reduce_op in ("sum", "avg"):
+            return False
+        if not (dt.is_floating_point or dt.is_complex) and p.reduce_op == "avg":
+            return False
+        if dt.is_complex and p.reduce_op in ("max", "min"):
+            return False
+    return True
 
 
 def _avg_twin(rule: SingleDimRule, node: PrimNode) -> SingleDimRule | None:

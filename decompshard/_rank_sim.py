@@ -1,0 +1,456 @@
+"""Simulate one mesh dim with plain per-rank tensors: the engine under `verify.py`.
+
+A single-dim rule is a claim about what each rank computes when it runs the ORIGINAL op
+on its local inputs. We check that claim directly: build each rank's local inputs from
+real data, run the op W times, and combine the local outputs as the output placements
+say. No DTensor, no process group: ordinary tensors are simpler to trust and ~100x
+faster, which matters because ground truth runs the op thousands of times.
+
+Everything here is about *not* being fooled (a wrong rule reported valid is the worst
+bug this package can have):
+
+* floating inputs are promoted to float64 (complex to complex128) for the reference and
+  for every rank, so a tight tolerance separates rounding from real mismatches;
+* Partial parts are random with per-element random magnitudes spanning three decades
+  (linear-looking ops that clamp or saturate get pushed past their kinks), several
+  independent draws are used, and one extra draw negates the noise of the first
+  (P(sum)/P(avg)) or moves every element's "holder" rank (P(max)/P(min));
+* P(max)/P(min) parts are strictly smaller/larger than the value on every rank but the
+  randomly chosen holder, so index-returning ops (argmax) disagree across ranks.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .placements import (
+    PARTIALS,
+    MaybePlacement,
+    Partial,
+    R,
+    Replicate,
+    ShardPlaceholder,
+    shard_size_and_offset,
+)
+
+Draw = tuple[int, bool]  # (random seed, flipped): flipped reuses seed's draw, mirrored
+Outputs = list[list[Any]]  # per rank: the flattened leaves of the op's result
+
+_HIGH_DTYPES = {torch.float64, torch.complex128}
+
+
+def draw_schedule(inputs: Sequence[MaybePlacement], draws: int, seed: int) -> tuple[Draw, ...]:
+    """Draws to run for these input placements.
+
+    Replicate/Shard inputs are deterministic, so one draw says everything. With any
+    Partial input: `draws - 1` (at least 2) independent draws plus the mirror of the
+    first, the combination the brief requires against lucky passes.
+    """
+    if not any(isinstance(p, Partial) for p in inputs):
+        return ((seed, False),)
+    n = max(int(draws), 3)
+    return tuple((seed + k, False) for k in range(n - 1)) + ((seed, True),)
+
+
+def promote(t: torch.Tensor) -> torch.Tensor:
+    """float* -> float64, complex* -> complex128; other dtypes unchanged (and detached)."""
+    t = t.detach()
+    if t.is_complex():
+        return t.to(torch.complex128)
+    if t.dtype.is_floating_point:
+        return t.to(torch.float64)
+    return t
+
+
+def input_alphabet(t: torch.Tensor) -> tuple[MaybePlacement, ...]:
+    """Candidate placements of an input: Partial only for float (max/min not complex)."""
+    shards = tuple(ShardPlaceholder(d) for d in range(t.dim()))
+    if t.is_complex():
+        return (R, *shards, Partial("sum"), Partial("avg"))
+    if t.dtype.is_floating_point:
+        return (R, *shards, *PARTIALS)
+    return (R, *shards)
+
+
+def output_partials(dtype: torch.dtype) -> tuple[str, ...]:
+    """Reduce ops an output of `dtype` can be pending: none for bool, no avg for ints
+    (DTensor has no integer average), no max/min for complex (not ordered)."""
+    if dtype == torch.bool:
+        return ()
+    if dtype.is_complex:
+        return ("sum", "avg")
+    if dtype.is_floating_point:
+        return ("sum", "avg", "max", "min")
+    return ("sum", "max", "min")
+
+
+def output_alphabet(ref: Any) -> tuple[MaybePlacement, ...]:
+    if not isinstance(ref, torch.Tensor):
+        return (None,)
+    shards = tuple(ShardPlaceholder(d) for d in range(ref.dim()))
+    return (R, *shards, *(Partial(op) for op in output_partials(ref.dtype)))
+
+
+# ------------------------------------------------------------------ local inputs
+
+
+def _finite_abs(x: torch.Tensor) -> torch.Tensor:
+    return torch.nan_to_num(x.abs(), nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def make_parts(x: torch.Tensor, p: Partial, world_size: int, draw: Draw, salt: int) -> list[torch.Tensor]:
+    """Per-rank parts whose `p.reduce_op` over ranks is exactly (up to rounding) `x`."""
+    seed, flipped = draw
+    g = torch.Generator().manual_seed((seed * 1_000_003 + salt * 7_919 + world_size) % 2**62)
+    W, op, shape = world_size, p.reduce_op, x.shape
+    is_int = not (x.dtype.is_floating_point or x.is_complex())
+    if is_int:
+        if x.dtype == torch.bool:
+            raise ValueError("Partial is not defined for bool tensors")
+        xi = x.to(torch.int64)
+        m = int(xi.abs().max()) + 2 if x.numel() else 2
+    else:
+        xi = x
+        mag = _finite_abs(x) + 1.0
+    if op in ("sum", "avg"):
+        target = xi * W if op == "avg" else xi
+        if is_int:
+            noise = torch.randint(-m, m + 1, (W - 1, *shape), generator=g)
+        else:
+            decades = 10.0 ** torch.empty((W - 1, *shape), dtype=torch.float64).uniform_(-1, 2, generator=g)
+            noise = torch.randn((W - 1, *shape), dtype=torch.float64, generator=g) * decades
+            if x.is_complex():
+                noise = torch.complex(noise, torch.randn(noise.shape, dtype=torch.float64, generator=g) * decades)
+            noise = noise * mag
+        if flipped:
+            noise = -noise
+        parts = [target - noise.sum(0), *noise.unbind(0)]
+    else:
+        holder = torch.randint(0, W, shape, generator=g)
+        if flipped:
+            holder = (holder + 1) % W
+        if is_int:
+            off = torch.randint(1, m + 1, (W, *shape), generator=g)
+        else:
+            finite = x[torch.isfinite(x)]
+            spread = float(finite.max() - finite.min()) if finite.numel() else 0.0
+            decades = 10.0 ** torch.empty((W, *shape), dtype=torch.float64).uniform_(-2, 1, generator=g)
+            off = (mag + spread) * decades
+        sign = -1 if op == "max" else 1
+        parts = [torch.where(holder == r, xi, xi + sign * off[r]) for r in range(W)]
+    return [q.to(x.dtype).contiguous() for q in parts]
+
+
+def make_local(x: torch.Tensor, p: MaybePlacement, world_size: int, draw: Draw, salt: int) -> list[torch.Tensor]:
+    """What each rank holds of `x` under placement `p` (torch.chunk layout for S(d))."""
+    if isinstance(p, Replicate):
+        return [x] * world_size
+    if isinstance(p, ShardPlaceholder):
+        out = []
+        for r in range(world_size):
+            size, off = shard_size_and_offset(x.shape[p.dim], world_size, r)
+            out.append(x.narrow(p.dim, off, size).clone(memory_format=torch.contiguous_format))
+        return out
+    if isinstance(p, Partial):
+        return make_parts(x, p, world_size, draw, salt)
+    raise ValueError(f"input placement {p!r} is not R, S(d) or P(op)")
+
+
+# ------------------------------------------------------------------ comparisons
+
+
+def _tolerances(dtype: torch.dtype) -> tuple[float, float, float]:
+    """(rtol, atol per unit of |reference|, atol per unit of |local values|).
+
+    float64 compares tightly; an op that forces a lower-precision output dtype (a
+    `dtype=` argument) gets a few ulps of that dtype: rounding W parts costs about
+    W/2 ulps of the largest part, hence the |local| term.
+    """
+    if dtype in _HIGH_DTYPES:
+        return 1e-6, 1e-8, 1e-12
+    eps = torch.finfo(dtype).eps
+    return 8 * eps, 8 * eps, 16 * eps
+
+
+def _max_abs(ts: Sequence[torch.Tensor]) -> float:
+    m = 0.0
+    for t in ts:
+        if t.numel():
+            m = max(m, float(_finite_abs(t.to(torch.complex128 if t.is_complex() else torch.float64)).max()))
+    return m
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, locals_: Sequence[torch.Tensor],
+          dtype: torch.dtype | None = None) -> bool:
+    """Exact for integer/bool; tolerance for float/complex (by the op's output `dtype`,
+    default `expected.dtype`); NaN must match NaN."""
+    if actual.shape != expected.shape:
+        return False
+    if not (expected.dtype.is_floating_point or expected.is_complex()):
+        return torch.equal(actual, expected)
+    rtol, tol_ref, tol_loc = _tolerances(dtype or expected.dtype)
+    atol = tol_ref * (_max_abs([expected]) + 1.0)
+    if locals_:  # only for sums of parts: never let huge parts loosen max/min or R/S checks
+        atol += tol_loc * _max_abs(locals_)
+    hi = torch.complex128 if expected.is_complex() else torch.float64
+    return torch.allclose(actual.to(hi), expected.to(hi), rtol=rtol, atol=atol, equal_nan=True)
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+def leaves_equal(a: list[Any], b: list[Any]) -> bool:
+    """Exact (NaN-aware) equality of two flattened results; used for reproducibility."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            if x.shape != y.shape or x.dtype != y.dtype:
+                return False
+            if x.dtype.is_floating_point or x.is_complex():
+                if not torch.allclose(x, y, rtol=0, atol=0, equal_nan=True):
+                    return False
+            elif not torch.equal(x, y):
+                return False
+        elif not _same_value(x, y):
+            return False
+    return True
+
+
+def _reduce(stack: torch.Tensor, op: str) -> torch.Tensor:
+    if op == "sum":
+        return stack.sum(0)
+    if op == "avg":
+        return stack.sum(0) / stack.shape[0]
+    return stack.amax(0) if op == "max" else stack.amin(0)
+
+
+def check_output(ref: Any, locs: Sequence[Any], q: MaybePlacement, world_size: int) -> str | None:
+    """Why the per-rank values `locs` do NOT combine under `q` into `ref`; None if they do."""
+    if not isinstance(ref, torch.Tensor):
+        if q is not None:
+            return f"is not a tensor ({type(ref).__name__}), so its placement must be None"
+        for r, v in enumerate(locs):
+            if not _same_value(v, ref):
+                return f"rank {r} returned {v!r}, single-device result is {ref!r}"
+        return None
+    if q is None:
+        return "is a tensor, placement None claims it is not"
+    for r, v in enumerate(locs):
+        if not isinstance(v, torch.Tensor):
+            return f"rank {r} returned {type(v).__name__}, expected a tensor"
+        if v.dtype != ref.dtype:
+            return f"rank {r} returned dtype {v.dtype}, single-device result has {ref.dtype}"
+    if isinstance(q, Replicate):
+        for r, v in enumerate(locs):
+            if v.shape != ref.shape:
+                return f"R: rank {r} has shape {tuple(v.shape)}, expected {tuple(ref.shape)}"
+            if not close(v, ref, ()):
+                return f"R: rank {r}'s values differ from the single-device result"
+        return None
+    if isinstance(q, ShardPlaceholder):
+        if q.dim >= ref.dim():
+            return f"S({q.dim}) is out of range for a {ref.dim()}-d output"
+        for r, v in enumerate(locs):
+            size, off = shard_size_and_offset(ref.shape[q.dim], world_size, r)
+            want = ref.narrow(q.dim, off, size)
+            if v.shape != want.shape:
+                return f"{q}: rank {r} has shape {tuple(v.shape)}, its chunk is {tuple(want.shape)}"
+            if not close(v, want, ()):
+                return f"{q}: rank {r}'s values differ from its chunk of the result"
+        return None
+    if isinstance(q, Partial):
+        if q.reduce_op not in output_partials(ref.dtype):
+            return f"{q} is not defined for {ref.dtype} outputs"
+        for r, v in enumerate(locs):
+            if v.shape != ref.shape:
+                return f"{q}: rank {r} has shape {tuple(v.shape)}, expected {tuple(ref.shape)}"
+        hi = ref.dtype
+        if ref.dtype.is_floating_point:
+            hi = torch.float64
+        elif ref.is_complex():
+            hi = torch.complex128
+        elif q.reduce_op == "sum":
+            hi = torch.int64
+        red = _reduce(torch.stack([v.to(hi) for v in locs]), q.reduce_op)
+        summed = list(locs) if q.reduce_op in ("sum", "avg") else ()
+        if not close(red, ref.to(hi), summed, ref.dtype):
+            return f"{q}: reduction over ranks differs from the single-device result"
+        return None
+    return f"unknown placement {q!r}"
+
+
+# ------------------------------------------------------------------ the op under test
+
+
+def _tie_values(x: torch.Tensor, i: int) -> torch.Tensor:
+    """Sign-preserving values in {-2, -1, 1, 2}: equal elements across inputs happen."""
+    def q(v: torch.Tensor) -> torch.Tensor:
+        return torch.where(v >= 0, 1.0, -1.0).to(v.dtype) * (1 + (v.abs() > 0.7).to(v.dtype))
+    return torch.complex(q(x.real), q(x.imag)) if x.is_complex() else q(x)
+
+
+def _special_values(x: torch.Tensor, i: int) -> torch.Tensor:
+    """NaN, +inf and -inf sprinkled over `x` (every other element keeps its value)."""
+    k = (torch.arange(x.numel()) + i).reshape(x.shape) % 6
+    nan = torch.full_like(x, float("nan"))
+    return torch.where(k == 1, nan, torch.where(k == 3, float("inf"), torch.where(k == 5, float("-inf"), x)))
+
+
+# name -> (transform of each floating input, whether Partial OUTPUT claims are judged on it)
+# Partial outputs are not judged on the special-values sample: inf parts summed with mixed
+# signs give NaN even for linear ops. That sample is there for R/S outputs computed from
+# Partial inputs (isnan(P(sum)) -> R looks valid on NaN-free data).
+VARIANTS: dict[str, tuple[Callable[[torch.Tensor, int], torch.Tensor], bool]] = {
+    "ties": (_tie_values, True),  # eq(P(sum), R) -> R looks valid when nothing is equal
+    "negated": (lambda x, i: -x, True),  # mul(P(max), R) -> P(max) looks valid if R >= 0
+    "special": (_special_values, False),
+}
+
+
+class Sample:
+    """One set of input values with its single-device reference and local-input cache."""
+
+    def __init__(self, name: str, leaves: list[Any], ref_leaves: list[Any], inputs: list[torch.Tensor],
+                 judges_partial_outputs: bool = True):
+        self.name, self.leaves, self.ref_leaves, self.inputs = name, leaves, ref_leaves, inputs
+        self.judges_partial_outputs = judges_partial_outputs
+        self.cache: dict[tuple, list[torch.Tensor]] = {}
+
+
+class OpCase:
+    """One op call (op, args, kwargs) prepared for rank simulation.
+
+    `samples[0]` is the caller's data (floating inputs promoted). Further samples derive
+    from it (see VARIANTS) and guard against data that makes a wrong rule look right; a
+    rule is valid only if it holds on every sample. A variant is dropped (and listed in
+    `dropped`) when the op raises on it, is not reproducible on it, or returns a
+    differently structured result.
+    """
+
+    def __init__(self, op: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any] | None,
+                 *, variants: bool = True):
+        self.op = op
+        self.untestable: str | None = None
+        self.dropped: list[str] = []
+        leaves, self.spec = tree_flatten((tuple(args), dict(kwargs or {})))
+        self.tensor_pos = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+        self.mutable = bool(getattr(getattr(op, "_schema", None), "is_mutable", False))
+        if torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
+            self.untestable = f"{op} is random (nondeterministic_seeded): no ground truth"
+            self.samples = [Sample("base", leaves, [], [leaves[i] for i in self.tensor_pos])]
+            self.inputs = self.samples[0].inputs
+            return
+        promoted = [promote(v) if isinstance(v, torch.Tensor) else v for v in leaves]
+        base = self._sample("base", promoted)
+        if isinstance(base, str):  # float64 unsupported? retry with the caller's dtypes
+            base = self._sample("base", [v.detach() if isinstance(v, torch.Tensor) else v for v in leaves])
+        if isinstance(base, str):
+            self.untestable = f"the op cannot be checked on the given inputs: {base}"
+            base = Sample("base", leaves, [], [leaves[i] for i in self.tensor_pos])
+        self.samples = [base]
+        self.inputs = base.inputs
+        floats = [i for i, x in enumerate(self.inputs) if x.dtype.is_floating_point or x.is_complex()]
+        if self.untestable or not variants or not floats:
+            return
+        for name, (fn, judges_partial) in VARIANTS.items():
+            new = list(base.leaves)
+            for i in floats:
+                new[self.tensor_pos[i]] = fn(self.inputs[i], i)
+            s = self._sample(name, new, judges_partial)
+            if isinstance(s, str) or not _same_structure(s.ref_leaves, base.ref_leaves):
+                self.dropped.append(f"{name}: {s if isinstance(s, str) else 'result structure differs'}")
+            else:
+                self.samples.append(s)
+
+    def _sample(self, name: str, leaves: list[Any], judges_partial: bool = True) -> Sample | str:
+        try:
+            ref = self._call(leaves)
+            if not leaves_equal(ref, self._call(leaves)):
+                return "results differ between identical calls"
+        except Exception as e:
+            return _err(e)
+        return Sample(name, leaves, ref, [leaves[i] for i in self.tensor_pos], judges_partial)
+
+    @property
+    def ref_leaves(self) -> list[Any]:
+        return self.samples[0].ref_leaves
+
+    def _call(self, leaves: list[Any]) -> list[Any]:
+        if self.mutable:
+            leaves = [v.clone() if isinstance(v, torch.Tensor) else v for v in leaves]
+        args, kwargs = tree_unflatten(leaves, self.spec)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = self.op(*args, **kwargs)
+        return tree_flatten(out)[0]
+
+    def rule_error(self, inputs: Sequence[MaybePlacement], outputs: Sequence[MaybePlacement]) -> str | None:
+        """Why a rule cannot even be simulated here (wrong arity, bad dims); None if fine."""
+        if len(inputs) != len(self.inputs):
+            return f"rule has {len(inputs)} input placements, the op call has {len(self.inputs)} tensor inputs"
+        if len(outputs) != len(self.ref_leaves):
+            return f"rule has {len(outputs)} output placements, the op returns {len(self.ref_leaves)} values"
+        for i, (p, x) in enumerate(zip(inputs, self.inputs)):
+            if p is None:
+                return f"input {i} is a tensor, placement None is not allowed for inputs"
+            if isinstance(p, ShardPlaceholder) and p.dim >= x.dim():
+                return f"input {i}: {p} is out of range for a {x.dim()}-d tensor"
+            if isinstance(p, Partial) and (x.dtype == torch.bool or (x.is_complex() and p.reduce_op in ("max", "min"))):
+                return f"input {i}: {p} is not defined for a {x.dtype} tensor"
+        return None
+
+    def sharded_sizes(self, inputs: Sequence[MaybePlacement]) -> list[int]:
+        return [int(x.shape[p.dim]) for p, x in zip(inputs, self.inputs) if isinstance(p, ShardPlaceholder)]
+
+    def run(self, sample: Sample, inputs: Sequence[MaybePlacement], world_size: int, draw: Draw) -> Outputs | str:
+        """Each rank's flattened result on `sample`, or a string saying why ranks failed."""
+        locals_ = []
+        for i, p in enumerate(inputs):
+            key = (i, p, world_size, draw if isinstance(p, Partial) else None)
+            if key not in sample.cache:
+                sample.cache[key] = make_local(sample.inputs[i], p, world_size, draw, salt=i)
+            locals_.append(sample.cache[key])
+        outs: Outputs = []
+        for r in range(world_size):
+            leaves = list(sample.leaves)
+            for i, pos in enumerate(self.tensor_pos):
+                leaves[pos] = locals_[i][r]
+            try:
+                res = self._call(leaves)
+            except Exception as e:
+                return f"the op raises on rank {r}'s local inputs: {_err(e)}"
+            if len(res) != len(self.ref_leaves):
+                return f"rank {r} returned {len(res)} values, the single-device call {len(self.ref_leaves)}"
+            outs.append(res)
+        return outs
+
+
+def _same_structure(a: list[Any], b: list[Any]) -> bool:
+    """Same leaf count, and tensors (of equal rank and dtype) in the same places."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            return False
+        if isinstance(x, torch.Tensor) and (x.dim() != y.dim() or x.dtype != y.dtype):
+            return False
+    return True
+
+
+def _err(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0][:160] if msg else ''}"

@@ -1,0 +1,353 @@
+"""Op sets and sample inputs taken from torch's OpInfo database.
+
+For every OpInfo in `torch.testing._internal.common_methods_invocations.op_db` we run its
+first few CPU float32 sample inputs under a `TorchDispatchMode` that records the aten
+calls made at the *outermost* dispatch level. A dispatch mode sees calls after
+CompositeImplicitAutograd decomposition, which is exactly the level DTensor (itself a
+`__torch_dispatch__` subclass) sees, so the recorded overloads and arguments are the
+ones a DTensor would be asked to shard.
+
+Public API::
+
+    capture_aten_samples(opinfo_filter=None, max_samples_per_opinfo=4)
+        -> dict[OpOverload, list[AtenSample]]
+    decomp_only_ops(samples) -> list[OpOverload]   # the "decomp-only OpInfo set"
+    status_of(op) -> 'native' | 'decomp' | 'none'
+
+Importing `op_db` takes a few seconds; it happens lazily, on the first capture. The
+OpInfo module sizes its samples through the globals `S`, `M`, `L`, `XS`; we leave them
+as they are.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Union
+
+import torch
+from torch._ops import OpOverload
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+__all__ = [
+    "AtenSample",
+    "capture_aten_samples",
+    "clear_capture_cache",
+    "decomp_only_ops",
+    "has_decomposition",
+    "has_dtensor_strategy",
+    "status_of",
+]
+
+OpInfoFilter = Union[None, str, Iterable[str], Callable[[Any], bool]]
+
+
+# ----------------------------------------------------------------------------- sample
+
+
+@dataclass(frozen=True, eq=False)
+class AtenSample:
+    """One aten call recorded while running an OpInfo sample.
+
+    `args`/`kwargs` are exactly what the aten overload was called with (tensors are
+    private copies taken before the call, so in-place ops later in the same OpInfo
+    sample did not alter them).
+    """
+
+    op: OpOverload
+    args: tuple
+    kwargs: dict = field(default_factory=dict)
+    opinfo_name: str = ""
+
+    def flat_args(self) -> list[Any]:
+        """All leaves of `(args, kwargs)` in schema order (lists of tensors flattened)."""
+        return tree_flatten((self.args, self.kwargs))[0]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Tensor inputs in schema order, as `tree_flatten((args, kwargs))` leaves."""
+        return [x for x in self.flat_args() if isinstance(x, torch.Tensor)]
+
+    def shapes(self) -> list[tuple[int, ...]]:
+        return [tuple(t.shape) for t in self.tensors()]
+
+    def has_tensor_input(self) -> bool:
+        return any(isinstance(x, torch.Tensor) for x in self.flat_args())
+
+    def cloned_args(self) -> tuple[tuple, dict]:
+        """Fresh copies of args/kwargs (tensors cloned exactly, storage included)."""
+        return tree_map(_exact_clone, (self.args, self.kwargs))
+
+    def run(self) -> Any:
+        """Run the op on fresh copies of the recorded args (the sample stays intact)."""
+        args, kwargs = self.cloned_args()
+        return self.op(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        def show(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                return _TensorRepr(tuple(x.shape), x.dtype)
+            return x
+
+        args, kwargs = tree_map(show, (self.args, self.kwargs))
+        return f"AtenSample({self.op}, args={args!r}, kwargs={kwargs!r}, opinfo={self.opinfo_name!r})"
+
+
+@dataclass(frozen=True)
+class _TensorRepr:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __repr__(self) -> str:
+        return f"T{list(self.shape)}:{str(self.dtype).replace('torch.', '')}"
+
+
+def _exact_clone(x: Any) -> Any:
+    """Clone a tensor keeping its storage, offset and strides (as_strided-style ops
+    address the storage directly, so a plain `.clone()` would change their meaning)."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    with torch.no_grad():
+        if (
+            x.layout is torch.strided
+            and type(x) is torch.Tensor
+            and not x.is_conj()
+            and not x.is_neg()
+            and not x.is_quantized
+        ):
+            try:
+                storage = x.untyped_storage()
+                out = torch.empty(0, dtype=x.dtype, device=x.device)
+                out.set_(storage.clone(), x.storage_offset(), x.size(), x.stride())
+                return out
+            except Exception:  # pragma: no cover - exotic tensors fall through
+                pass
+        return x.detach().clone()
+
+
+# ----------------------------------------------------------------------------- capture
+
+
+class _RecordOutermostAtenCalls(TorchDispatchMode):
+    """Records (op, cloned args, cloned kwargs) of each successful aten call.
+
+    A dispatch mode is disabled while its own handler runs, so calls made inside a
+    kernel (CompositeExplicitAutograd decompositions, ...) are not seen: we only get
+    the outermost level, which is what a tensor subclass like DTensor sees.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[OpOverload, tuple, dict]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "namespace", None) != "aten":
+            return func(*args, **kwargs)
+        try:
+            snap = tree_map(_exact_clone, (tuple(args), dict(kwargs)))
+        except Exception:
+            snap = None
+        out = func(*args, **kwargs)
+        if snap is not None:
+            self.calls.append((func, snap[0], snap[1]))
+        return out
+
+
+def _opinfo_matches(opinfo: Any, opinfo_filter: OpInfoFilter) -> bool:
+    if opinfo_filter is None:
+        return True
+    if callable(opinfo_filter):
+        return bool(opinfo_filter(opinfo))
+    names = {opinfo_filter} if isinstance(opinfo_filter, str) else set(opinfo_filter)
+    return opinfo.name in names or opinfo.full_name in names
+
+
+def _filter_key(opinfo_filter: OpInfoFilter) -> Any:
+    if opinfo_filter is None or callable(opinfo_filter):
+        return opinfo_filter
+    if isinstance(opinfo_filter, str):
+        return frozenset({opinfo_filter})
+    return frozenset(opinfo_filter)
+
+
+def _dedupe_key(op: OpOverload, args: tuple, kwargs: dict) -> tuple:
+    def norm(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return _TensorRepr(tuple(x.shape), x.dtype)
+        return x
+
+    return (op, repr(tree_map(norm, (args, kwargs))))
+
+
+def _keep(args: tuple, kwargs: dict) -> bool:
+    """Drop calls with a zero-size tensor dim or a non-strided (sparse, ...) tensor."""
+    for leaf in tree_flatten((args, kwargs))[0]:
+        if isinstance(leaf, torch.Tensor):
+            if 0 in leaf.shape or leaf.layout is not torch.strided:
+                return False
+    return True
+
+
+_CAPTURE_CACHE: dict[Any, dict[OpOverload, list[AtenSample]]] = {}
+
+
+def clear_capture_cache() -> None:
+    _CAPTURE_CACHE.clear()
+
+
+def capture_aten_samples(
+    opinfo_filter: OpInfoFilter = None,
+    max_samples_per_opinfo: int | None = 4,
+    *,
+    max_samples_per_op: int | None = 4,
+) -> dict[OpOverload, list[AtenSample]]:
+    """Aten overloads reached by OpInfo samples, with a few distinct samples each.
+
+    opinfo_filter: None (all of op_db), an OpInfo name / full name (``"linspace"``,
+        ``"linspace.tensor_overload"``), an iterable of them, or a predicate on OpInfo.
+    max_samples_per_opinfo: how many of each OpInfo's CPU float32 sample inputs to run
+        (the first ones; None runs them all: ~2x slower, a few more overloads).
+    max_samples_per_op: distinct samples kept per aten overload (None keeps all).
+
+    Samples are deduplicated by (op, tensor shapes/dtypes, non-tensor args); samples
+    with a zero-size tensor dim (or a sparse tensor) are dropped; exceptions raised by
+    an OpInfo sample are swallowed (calls recorded before the error are kept). The
+    result is cached in-process; callers get a fresh dict of fresh lists.
+    """
+    key = (_filter_key(opinfo_filter), max_samples_per_opinfo, max_samples_per_op)
+    cached = _CAPTURE_CACHE.get(key)
+    if cached is None:
+        cached = _capture(opinfo_filter, max_samples_per_opinfo, max_samples_per_op)
+        _CAPTURE_CACHE[key] = cached
+    return {op: list(samples) for op, samples in cached.items()}
+
+
+def _capture(
+    opinfo_filter: OpInfoFilter,
+    max_samples_per_opinfo: int | None,
+    max_samples_per_op: int | None,
+) -> dict[OpOverload, list[AtenSample]]:
+    from torch.testing._internal.common_methods_invocations import op_db  # slow import
+
+    result: dict[OpOverload, list[AtenSample]] = {}
+    seen: set[tuple] = set()
+    with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
+        warnings.simplefilter("ignore")
+        for opinfo in op_db:
+            if not _opinfo_matches(opinfo, opinfo_filter):
+                continue
+            # Seed per OpInfo: sample values do not depend on the filter. The global
+            # RNG state is restored by fork_rng when the capture ends.
+            torch.manual_seed(0)
+            try:
+                if not opinfo.supports_dtype(torch.float32, "cpu"):
+                    continue
+                gen = _sample_inputs(opinfo)
+                sample_inputs = list(itertools.islice(gen, max_samples_per_opinfo))
+            except Exception:
+                continue
+            for sample in sample_inputs:
+                recorder = _RecordOutermostAtenCalls()
+                try:
+                    with recorder:
+                        # The OpInfo calling convention (OpInfo.__call__ / test_ops).
+                        opinfo.op(sample.input, *sample.args, **sample.kwargs)
+                except Exception:
+                    pass
+                for op, args, kwargs in recorder.calls:
+                    if not _keep(args, kwargs):
+                        continue
+                    dkey = _dedupe_key(op, args, kwargs)
+                    if dkey in seen:
+                        continue
+                    bucket = result.setdefault(op, [])
+                    if max_samples_per_op is not None and len(bucket) >= max_samples_per_op:
+                        continue
+                    seen.add(dkey)
+                    bucket.append(AtenSample(op, args, kwargs, opinfo.full_name))
+    return result
+
+
+def _sample_inputs(opinfo: Any) -> Iterable[Any]:
+    """CPU float32 sample inputs of an OpInfo, without `OpInfo.sample_inputs`' wrapper.
+
+    `OpInfo.sample_inputs` wraps the generator in a `TrackedInputIter` whose bookkeeping
+    calls `inspect.stack()` (reading source context of every frame) once or twice per
+    OpInfo: ~10x slower than the samples themselves under pytest. The wrapper only adds
+    test-tracking and per-sample reseeding; the samples are the same generator.
+    """
+    func = getattr(opinfo, "sample_inputs_func", None)
+    if func is None:  # pragma: no cover - every OpInfo has one today
+        return opinfo.sample_inputs("cpu", torch.float32)
+    return func(opinfo, "cpu", torch.float32, False)
+
+
+# ----------------------------------------------------------------------------- op sets
+
+
+def _sharding_propagator():
+    from torch.distributed.tensor import DTensor
+
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+def has_dtensor_strategy(op: OpOverload) -> bool:
+    """DTensor has a registered single-dim strategy, op strategy or legacy rule."""
+    sp = _sharding_propagator()
+    return (
+        op in sp.op_single_dim_strategy_funcs
+        or op in sp.op_strategy_funcs
+        or op in sp.op_to_rules
+    )
+
+
+def has_decomposition(op: OpOverload) -> bool:
+    """Same test as torch's `DecompShardingStrategy.has_decomp`."""
+    from torch._decomp import decomposition_table
+
+    return op in decomposition_table or op._can_decompose()
+
+
+def status_of(op: OpOverload) -> str:
+    """'native' if DTensor has a registered strategy, else 'decomp' if the op has a
+    decomposition (DTensor's fallback may handle it), else 'none'."""
+    if has_dtensor_strategy(op):
+        return "native"
+    if has_decomposition(op):
+        return "decomp"
+    return "none"
+
+
+def _is_random(op: OpOverload) -> bool:
+    return torch.Tag.nondeterministic_seeded in op.tags
+
+
+def decomp_only_ops(samples: dict[OpOverload, list[AtenSample]]) -> list[OpOverload]:
+    """The decomp-only OpInfo set: overloads reached by the samples that have a
+    decomposition but no DTensor strategy, take at least one tensor input in some
+    sample, and are not random. Sorted by name."""
+    out = []
+    for op, op_samples in samples.items():
+        if op.namespace != "aten" or _is_random(op):
+            continue
+        if status_of(op) != "decomp":
+            continue
+        if not any(s.has_tensor_input() for s in op_samples):
+            continue
+        out.append(op)
+    return sorted(out, key=str)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    import time
+
+    t0 = time.perf_counter()
+    caught = capture_aten_samples()
+    t1 = time.perf_counter()
+    ops = decomp_only_ops(caught)
+    print(f"captured {len(caught)} aten overloads in {t1 - t0:.1f}s")
+    print(f"decomp-only OpInfo set: {len(ops)} overloads")
+    for o in ops:
+        print(f"  {o}  ({caught[o][0].opinfo_name})")

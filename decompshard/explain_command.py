@@ -1,0 +1,502 @@
+"""`decompshard explain`: a readable propagation trace for one op call and one candidate.
+
+    decompshard explain aten.addmv.default --shapes "4;4,12;12" --placements "R;S(1);S(0)"
+    decompshard explain aten.native_layer_norm.default --shapes "2,8,16;;16;16" \\
+        --args "[16],1e-5" --all
+    decompshard explain aten.addmv.default --shapes "4;4,12;12" --mesh 2x4 \\
+        --mesh-placements "R,S(0);S(1),S(0);S(0),R"
+    decompshard explain aten.addmv.default --shapes "4;4,12;12" -i     # a small REPL
+
+`--shapes` has one `;`-separated entry per positional argument, from the first: a
+comma-separated shape for a tensor (`()` for a 0-d tensor, `|` between the shapes of a
+Tensor[] argument), or an empty entry for a non-tensor argument whose value comes from
+`--args`. `--args` are Python literals that fill the empty entries in order, then any
+further positional arguments. Tensors are meta tensors of `--dtype`.
+
+Exit codes: 0 explained (accepted or not), 1 the op cannot be derived (the reason is
+printed), 2 bad input (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import cmd
+import shlex
+import sys
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+import torch
+
+from .cli import UsageError
+from .derive import derive_rules, resolve_op
+from .explain import _DTYPES, decomposition_lines, explain
+
+__all__ = ["Call", "ExplainShell", "add_arguments", "build_call", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = "Why an op gets (or refuses) a sharding: a readable propagation trace."
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = (
+        "examples:\n"
+        '  decompshard explain aten.addmv.default --shapes "4;4,12;12" --placements "R;S(1);S(0)"\n'
+        '  decompshard explain aten.native_layer_norm.default --shapes "2,8,16;;16;16" '
+        '--args "[16],1e-5" --all\n'
+        '  decompshard explain aten.addmv.default --shapes "4;4,12;12" --mesh 2x4 '
+        '--mesh-placements "R,S(0);S(1),S(0);S(0),R"'
+    )
+    parser.add_argument("op", nargs="?", help="the op, e.g. aten.addmv.default")
+    parser.add_argument(
+        "--shapes", help="one ';'-separated entry per positional arg: a shape like 4,12 for a "
+        "tensor, empty for a non-tensor arg taken from --args, () for a 0-d tensor, "
+        "'|' between the shapes of a Tensor[] arg",
+    )
+    parser.add_argument(
+        "--args", dest="op_args", default="", metavar="ARGS",
+        help="non-tensor positional args as comma-separated Python literals (e.g. '[16],1e-5'): "
+        "they fill the empty --shapes entries in order, then trailing positional args",
+    )
+    parser.add_argument(
+        "--kwargs", dest="op_kwargs", default="", metavar="KWARGS",
+        help="keyword args as Python literals, e.g. 'correction=0, keepdim=True'",
+    )
+    parser.add_argument("--dtype", default="float32", help="dtype of every tensor (default float32)")
+    parser.add_argument(
+        "--placements", "-p",
+        help="one single-dim placement per tensor input, ';'-separated: R, S(d), P(sum|avg|max|min)",
+    )
+    parser.add_argument(
+        "--all", dest="show_all", action="store_true",
+        help="also every derived rule and a one-line reason per rejected candidate",
+    )
+    parser.add_argument("--mesh", help="an N-D mesh shape, e.g. 2x4: rank N-D strategies by cost")
+    parser.add_argument(
+        "--mesh-placements",
+        help="with --mesh: per tensor input (';'-separated) its current placement on each mesh "
+        "dim (','-separated), e.g. 'R,S(0);S(1),S(0);S(0),R'",
+    )
+    parser.add_argument(
+        "-i", "--interactive", action="store_true",
+        help="a small REPL reading commands from stdin (type help)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.interactive:
+        call = None
+        if args.op is not None:
+            call = build_call(args.op, args.shapes, args.op_args, args.dtype, args.op_kwargs)
+        shell = ExplainShell(call)
+        if args.placements:
+            shell.onecmd("placements " + args.placements)
+        try:
+            shell.cmdloop()
+        except KeyboardInterrupt:
+            sys.stdout.write("\n")
+            return 130
+        return 0
+    if args.op is None:
+        raise UsageError("missing the op (e.g. aten.addmv.default); or use --interactive")
+    if args.shapes is None:
+        raise UsageError("missing --shapes: one ';'-separated entry per positional argument")
+    if (args.mesh is None) != (args.mesh_placements is None):
+        raise UsageError("--mesh and --mesh-placements go together: give both or neither")
+    call = build_call(args.op, args.shapes, args.op_args, args.dtype, args.op_kwargs)
+    ex = explain(
+        call.op, *call.args, placements=args.placements, mesh=args.mesh,
+        mesh_placements=args.mesh_placements, show_all=args.show_all, **call.kwargs,
+    )
+    sys.stdout.write(ex.render())
+    return 1 if ex.verdict == "unsupported" else 0
+
+
+# ------------------------------------------------------------- building the call
+
+
+@dataclass
+class Call:
+    """An op with meta-tensor arguments built from the command-line text."""
+
+    op: torch._ops.OpOverload
+    args: tuple
+    kwargs: dict = field(default_factory=dict)
+    shapes: str = ""
+    op_args: str = ""
+    dtype: str = "float32"
+    op_kwargs: str = ""
+
+    def describe(self) -> str:
+        parts = []
+        for a, v in zip(_positional(self.op), self.args):
+            parts.append(f"{a.name}={_describe(v)}")
+        parts += [f"{k}={_describe(v)}" for k, v in self.kwargs.items()]
+        return f"{self.op}({', '.join(parts)})"
+
+
+def _describe(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"{_DTYPES.get(v.dtype, str(v.dtype))}[{','.join(map(str, v.shape))}]"
+    if isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v):
+        return "[" + ", ".join(_describe(x) for x in v) + "]"
+    return repr(v)
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    text = name.strip().removeprefix("torch.")
+    short = {v: k for k, v in _DTYPES.items()}
+    dt = short.get(text) or getattr(torch, text, None)
+    if not isinstance(dt, torch.dtype):
+        raise UsageError(f"unknown dtype {name!r}: expected e.g. float32, bfloat16, int64")
+    return dt
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    s = text.strip()
+    if s in ("()", "[]", "scalar"):
+        return ()
+    s = s.strip("()[]")
+    try:
+        dims = tuple(int(p) for p in s.replace("x", ",").split(","))
+    except ValueError:
+        raise UsageError(f"malformed shape {text.strip()!r}: expected sizes like 4,12 or () for 0-d") from None
+    if any(d < 0 for d in dims):
+        raise UsageError(f"malformed shape {text.strip()!r}: sizes must be >= 0")
+    return dims
+
+
+def parse_literals(text: str) -> list[Any]:
+    if not text or not text.strip():
+        return []
+    try:
+        value = ast.literal_eval("[" + text + "]")
+    except (ValueError, SyntaxError):
+        raise UsageError(
+            f"malformed --args {text!r}: expected comma-separated Python literals, e.g. '[16],1e-5'"
+        ) from None
+    return list(value)
+
+
+def parse_kwargs(text: str) -> dict[str, Any]:
+    if not text or not text.strip():
+        return {}
+    try:
+        call = ast.parse(f"f({text})", mode="eval").body
+        if not isinstance(call, ast.Call) or call.args or any(k.arg is None for k in call.keywords):
+            raise ValueError
+        return {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+    except (ValueError, SyntaxError):
+        raise UsageError(
+            f"malformed --kwargs {text!r}: expected name=literal pairs, e.g. 'keepdim=True'"
+        ) from None
+
+
+def _positional(op) -> list:
+    return [a for a in op._schema.arguments if not a.kwarg_only]
+
+
+def _tensor_kind(t) -> str | None:
+    """'tensor', 'optional' (Tensor?), 'list' (Tensor[] / Tensor?[]) or None."""
+    T = torch._C.TensorType.get()
+    if t.isSubtypeOf(T):
+        return "tensor"
+    if isinstance(t, torch._C.OptionalType) and t.getElementType().isSubtypeOf(T):
+        return "optional"
+    if isinstance(t, torch._C.ListType):
+        el = t.getElementType()
+        if el.isSubtypeOf(T) or (
+            isinstance(el, torch._C.OptionalType) and el.getElementType().isSubtypeOf(T)
+        ):
+            return "list"
+    return None
+
+
+def build_call(
+    op_name: str, shapes: str | None, op_args: str = "", dtype: str = "float32", op_kwargs: str = ""
+) -> Call:
+    """Meta-tensor arguments for `op_name` from the CLI text, checked against its schema.
+
+    Raises UsageError / ValueError (exit 2) for an unknown op, a wrong number of shapes or
+    args, a shape where the schema has no tensor (or the reverse), or arguments the op
+    itself rejects."""
+    op = resolve_op(op_name)
+    if shapes is None:
+        raise UsageError("missing --shapes: one ';'-separated entry per positional argument")
+    dt = parse_dtype(dtype)
+    pos = _positional(op)
+    sig = ", ".join(f"{a.name}: {a.type}" for a in pos)
+    entries = shapes.split(";")
+    queue = parse_literals(op_args)
+    n_literals = len(queue)
+    kwargs = parse_kwargs(op_kwargs)
+
+    def meta(shape):
+        return torch.empty(shape, dtype=dt, device="meta")
+
+    if len(entries) > len(pos):
+        raise UsageError(
+            f"{op} takes {len(pos)} positional arguments ({sig}); got {len(entries)} --shapes entries"
+        )
+    values: list[Any] = []
+    for i, entry in enumerate(entries):
+        a = pos[i]
+        kind = _tensor_kind(a.type)
+        if entry.strip():
+            if kind is None:
+                raise UsageError(
+                    f"argument {i} ({a.name}: {a.type}) is not a tensor: leave its --shapes "
+                    "entry empty and give its value in --args"
+                )
+            if kind == "list":
+                values.append([meta(parse_shape(s)) for s in entry.split("|")])
+            else:
+                values.append(meta(parse_shape(entry)))
+            continue
+        if not queue:
+            if kind in ("tensor", "list"):
+                raise UsageError(f"argument {i} ({a.name}: {a.type}) is a tensor: give its shape in --shapes")
+            raise UsageError(
+                f"argument {i} ({a.name}: {a.type}) has an empty --shapes entry, but --args has "
+                f"no value left for it ({n_literals} given)"
+            )
+        values.append(_literal_for(i, a, kind, queue.pop(0)))
+    for v in queue:  # trailing positional arguments
+        i = len(values)
+        if i >= len(pos):
+            raise UsageError(
+                f"{op} takes {len(pos)} positional arguments ({sig}); --shapes and --args give "
+                f"{len(entries) + n_literals}"
+            )
+        values.append(_literal_for(i, pos[i], _tensor_kind(pos[i].type), v))
+    missing = [a for a in pos[len(values):] if not a.has_default_value()]
+    if missing:
+        raise UsageError(
+            f"{op} needs {len(values) + len(missing)} positional arguments ({sig}); got "
+            f"{len(values)}: missing {', '.join(a.name for a in missing)}"
+        )
+    known = {a.name for a in op._schema.arguments}
+    unknown = [k for k in kwargs if k not in known]
+    if unknown:
+        raise UsageError(f"{op} has no argument {unknown[0]!r} ({sig})")
+    _check_runs(op, tuple(values), kwargs)
+    return Call(op, tuple(values), kwargs, shapes, op_args, dtype, op_kwargs)
+
+
+def _literal_for(i: int, a, kind: str | None, v: Any) -> Any:
+    if kind in ("tensor", "list"):
+        raise UsageError(f"argument {i} ({a.name}: {a.type}) is a tensor: give its shape in --shapes")
+    if kind == "optional" and v is not None:
+        raise UsageError(
+            f"argument {i} ({a.name}: {a.type}) is a tensor or None: give its shape in --shapes, "
+            "or None in --args"
+        )
+    return v
+
+
+def _check_runs(op, args: tuple, kwargs: dict) -> None:
+    """The op itself on the meta tensors: wrong shapes are a usage error, not a trace."""
+    try:
+        op(*args, **kwargs)
+    except NotImplementedError:
+        pass  # no meta kernel: the decomposition may still work; derive reports it
+    except Exception as e:  # noqa: BLE001 - the op's own argument checks
+        text = str(e).strip().splitlines()
+        raise UsageError(f"{op} rejects these arguments: {(text[0] if text else type(e).__name__)[:200]}") from None
+
+
+# ------------------------------------------------------------------------- REPL
+
+
+class ExplainShell(cmd.Cmd):
+    """Keeps an op call; each line is a candidate (e.g. `R;S(1);S(0)`) or a command."""
+
+    intro_text = (
+        "Type placements (one per tensor input, ';'-separated, e.g. R;S(1);S(0)), or: all, "
+        "mesh 2x4 R,S(0);..., graph, op NAME, shapes ..., args ..., help, quit."
+    )
+
+    def __init__(self, call: Call | None = None, stdin: TextIO | None = None,
+                 stdout: TextIO | None = None):
+        super().__init__(stdin=stdin or sys.stdin, stdout=stdout or sys.stdout)
+        self.use_rawinput = False  # read self.stdin: works with pipes and in tests
+        tty = hasattr(self.stdin, "isatty") and self.stdin.isatty()
+        self.prompt = "explain> " if tty else ""
+        self.call = call
+        self.show_all = False
+        self.fields: dict[str, str | None] = {  # the call's text, as the CLI options give it
+            "op_name": str(call.op) if call else None, "shapes": call.shapes if call else None,
+            "op_args": call.op_args if call else "", "dtype": call.dtype if call else "float32",
+            "op_kwargs": call.op_kwargs if call else "",
+        }
+        self.intro = self._banner()
+
+    # -- plumbing
+
+    def _say(self, text: str = "") -> None:
+        self.stdout.write(text if text.endswith("\n") else text + "\n")
+
+    def _banner(self) -> str:
+        head = "decompshard explain (interactive). "
+        if self.call is None:
+            return head + "Set the call first: op NAME, then shapes ... (and args ...).\n" + self.intro_text
+        return head + f"call: {self.call.describe()}\n" + self.intro_text
+
+    def onecmd(self, line: str) -> bool:
+        try:
+            return super().onecmd(line)
+        except (UsageError, ValueError) as e:
+            self._say(f"error: {e}")
+            return False
+
+    def emptyline(self) -> bool:
+        return False
+
+    def default(self, line: str) -> bool:
+        text = line.strip()
+        if text in ("EOF",):
+            return True
+        if any(c in text for c in "()") or text in ("R",) or ";" in text or "," in text:
+            return self.do_placements(text)
+        self._say(f"error: unknown command {text.split()[0]!r} (type help)")
+        return False
+
+    def _need_call(self) -> Call:
+        if self.call is None:
+            raise UsageError("no op call yet: set it with `op NAME` and `shapes ...` (and `args ...`)")
+        return self.call
+
+    def _rebuild(self, **changes: str | None) -> None:
+        """Apply new call text; a call that does not build leaves no call set (the next
+        shapes/args/op fixes it) rather than a stale one."""
+        self.fields.update(changes)
+        f = self.fields
+        if f["op_name"] is None or f["shapes"] is None:
+            self.call = None
+            self._say("ok; now set " + ("op NAME" if f["op_name"] is None else "shapes ..."))
+            return
+        try:
+            self.call = build_call(f["op_name"], f["shapes"], f["op_args"], f["dtype"], f["op_kwargs"])
+        except (UsageError, ValueError) as e:
+            self.call = None
+            self._say(f"error: {e}")
+            self._say("no call set: fix it with op / shapes / args / kwargs / dtype")
+            return
+        self._say(f"call: {self.call.describe()}")
+
+    # -- commands
+
+    def do_placements(self, arg: str) -> bool:
+        """placements R;S(1);S(0)   explain this candidate (typing the placements alone works too)"""
+        call = self._need_call()
+        if not arg.strip():
+            raise UsageError("placements: expected e.g. R;S(1);S(0)")
+        ex = explain(call.op, *call.args, placements=arg, show_all=self.show_all, **call.kwargs)
+        self._say(ex.render())
+        return False
+
+    do_p = do_placements
+
+    def do_all(self, arg: str) -> bool:
+        """all   every derived rule, and a one-line reason per rejected candidate"""
+        call = self._need_call()
+        ex = explain(call.op, *call.args, show_all=True, **call.kwargs)
+        self._say(ex.render())
+        return False
+
+    do_rules = do_all
+
+    def do_verbose(self, arg: str) -> bool:
+        """verbose on|off   append the --all section to every trace"""
+        self.show_all = arg.strip().lower() in ("", "on", "1", "true", "yes")
+        self._say(f"verbose {'on' if self.show_all else 'off'}")
+        return False
+
+    def do_graph(self, arg: str) -> bool:
+        """graph   the recorded decomposition (no placements)"""
+        call = self._need_call()
+        d = derive_rules(call.op, *call.args, **call.kwargs)
+        if d.graph is None:
+            self._say(f"unsupported: {d.unsupported_reason}")
+        else:
+            self._say("\n".join(decomposition_lines(d.graph)))
+        return False
+
+    def do_mesh(self, arg: str) -> bool:
+        """mesh 2x4 R,S(0);S(1),S(0);S(0),R   rank N-D strategies from these current placements
+        (per tensor input, one placement per mesh dim)"""
+        call = self._need_call()
+        parts = arg.strip().split(None, 1)
+        if len(parts) != 2:
+            raise UsageError("mesh: expected `mesh 2x4 R,S(0);S(1),S(0);S(0),R`")
+        ex = explain(call.op, *call.args, mesh=parts[0], mesh_placements=parts[1],
+                     show_all=self.show_all, **call.kwargs)
+        self._say(ex.render())
+        return False
+
+    def do_op(self, arg: str) -> bool:
+        """op aten.addmv.default   switch to another op (keeps shapes/args; change them next if needed)"""
+        if not arg.strip():
+            raise UsageError("op: expected an op name, e.g. aten.addmv.default")
+        resolve_op(arg.strip())  # fail early on unknown ops
+        self._rebuild(op_name=arg.strip())
+        return False
+
+    def do_shapes(self, arg: str) -> bool:
+        """shapes 4;4,12;12   new --shapes (';'-separated, empty entry: value from args)"""
+        self._rebuild(shapes=_unquote(arg))
+        return False
+
+    def do_args(self, arg: str) -> bool:
+        """args [16],1e-5   new --args (Python literals)"""
+        self._rebuild(op_args=_unquote(arg))
+        return False
+
+    def do_kwargs(self, arg: str) -> bool:
+        """kwargs keepdim=True   new --kwargs"""
+        self._rebuild(op_kwargs=_unquote(arg))
+        return False
+
+    def do_dtype(self, arg: str) -> bool:
+        """dtype bfloat16   dtype of every tensor"""
+        self._rebuild(dtype=arg.strip() or "float32")
+        return False
+
+    def do_call(self, arg: str) -> bool:
+        """call   show the current op call"""
+        self._say(f"call: {self._need_call().describe()}")
+        return False
+
+    def do_help(self, arg: str) -> bool:
+        """help [command]   this list, or one command's help"""
+        if arg.strip():
+            return super().do_help(arg)
+        self._say(self.intro_text)
+        for name in ("placements", "all", "mesh", "graph", "verbose", "call", "op", "shapes",
+                     "args", "kwargs", "dtype", "help", "quit"):
+            doc = (getattr(self, f"do_{name}").__doc__ or "").strip().splitlines()[0]
+            self._say(f"  {doc}")
+        return False
+
+    def do_quit(self, arg: str) -> bool:
+        """quit   leave (also: exit, Ctrl-D)"""
+        return True
+
+    do_exit = do_quit
+    do_q = do_quit
+
+    def do_EOF(self, arg: str) -> bool:  # noqa: N802 - cmd's name for end of input
+        """Ctrl-D leaves"""
+        if self.prompt:
+            self._say()
+        return True
+
+
+def _unquote(text: str) -> str:
+    s = text.strip()
+    if len(s) >= 2 and s[0] == s[-1] and s[0] in "'\"":
+        try:
+            return shlex.split(s)[0]
+        except ValueError:
+            return s[1:-1]
+    return s
