@@ -10,11 +10,12 @@ import os as _os
 
 from .derive import DerivedRules, clear_caches, derive_rules, resolve_op
 from .enable import disable, enable, enabled, is_enabled
+from .explain import explain
 from .placements import P, R, S, SingleDimRule, parse_rule
 
 __all__ = [
     "DerivedRules", "P", "R", "S", "SingleDimRule", "clear_caches", "derive_rules",
-    "disable", "enable", "enabled", "is_enabled", "parse_rule", "resolve_op",
+    "disable", "enable", "enabled", "explain", "is_enabled", "parse_rule", "resolve_op",
 ]
 
 if _os.environ.get("DECOMPSHARD_ENABLE", "") not in ("", "0"):

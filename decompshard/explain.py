@@ -483,7 +483,13 @@ def suggestions(
                 changes.append(Change(i, names[i] if i < len(names) else f"#{i}", have, want, how, weight))
         out.append((Suggestion(rule, tuple(changes)), order))
     out.sort(key=lambda so: (so[0].cost_key, so[1]))
-    return [s for s, _ in out[:limit]]
+    kept: list[Suggestion] = []
+    for s, _ in out:  # drop what an earlier, no dearer change of fewer inputs already fixes
+        moved = {c.input for c in s.changes}
+        if any({c.input for c in k.changes} <= moved and k.cost_key[1] <= s.cost_key[1] for k in kept):
+            continue
+        kept.append(s)
+    return kept[:limit]
 
 
 # ------------------------------------------------------------------------ mesh

@@ -135,13 +135,17 @@ def test_nodes_after_the_block_are_not_reached():
 
 
 def test_local_shape_check_refusal_is_reported_with_its_reason():
-    args = (meta(1, 8, 3, 3), 2)
-    ex = explain(aten.pixel_shuffle.default, *args, placements="S(2)")
+    # group_norm takes the batch size N as an argument and views the input to [N, G, ...]:
+    # sharding the batch survives propagation but no rank's local shard fits that view.
+    args = (meta(2, 8, 4), meta(8), meta(8), 2, 8, 4, 2, 1e-5)
+    ex = explain(aten.native_group_norm.default, *args, placements="S(0);R;R")
     assert ex.verdict == "refused" and not ex.rules
     assert ex.survivors and not any(s.ok for s in ex.survivors)
-    rej = [c for c in derive_rules(aten.pixel_shuffle.default, *args).rejected if c.node is None]
-    assert any(c.inputs == (S(2),) and c.reason == ex.local_refusal for c in rej)
-    assert "REFUSED by the local-shape check" in str(ex)
+    rej = [c for c in derive_rules(aten.native_group_norm.default, *args).rejected if c.node is None]
+    assert any(c.inputs == (S(0), R, R) and c.reason == ex.local_refusal for c in rej)
+    text = str(ex)
+    assert "REFUSED by the local-shape check" in text and "view" in ex.local_refusal
+    assert ex.suggestions and all(s.rule.inputs != (S(0), R, R) for s in ex.suggestions)
 
 
 def test_partial_on_an_integer_input_is_not_allowed():

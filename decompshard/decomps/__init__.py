@@ -61,9 +61,10 @@ def _cdist_backward(grad, x1, x2, p, cdist):
 
 def _sdpa_flash_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal,
                              *, attn_mask=None, scale=None):
-    # Math backward of CPU flash attention (layout [B, H, L, E]). Recomputes the softmax
-    # from query and key instead of reading `logsumexp`: same values, and nothing
-    # depends on the forward's saved statistics (whose layout is backend-specific).
+    # CPU flash attention's backward (layout [B, H, L, E], logsumexp [B, H, L]), written
+    # as the kernel computes it: probabilities from the forward's logsumexp, the softmax
+    # correction from the forward's output. Reading `out` and `logsumexp` matters: DTensor
+    # runs the real kernel on local shards of them, so they must be sharded like query.
     if dropout_p != 0.0:
         return NotImplemented  # the mask of the forward's dropout is not an input
     L, S, E = query.shape[-2], key.shape[-2], query.shape[-1]
@@ -83,11 +84,12 @@ def _sdpa_flash_cpu_backward(grad_out, query, key, value, out, logsumexp, dropou
             scores = aten.masked_fill.Scalar(scores, aten.logical_not.default(attn_mask), float("-inf"))
         else:
             scores = aten.add.Tensor(scores, attn_mask)
-    probs = aten._safe_softmax.default(scores, -1)
+    probs = aten.exp.default(aten.sub.Tensor(scores, aten.unsqueeze.default(logsumexp, -1)))
+    probs = probs.to(query.dtype)
     grad_v = torch.matmul(aten.transpose.int(probs, -2, -1), grad_out)
     grad_p = torch.matmul(grad_out, aten.transpose.int(v, -2, -1))
-    row = aten.sum.dim_IntList(aten.mul.Tensor(grad_p, probs), [-1], True)
-    grad_s = aten.mul.Tensor(probs, aten.sub.Tensor(grad_p, row))
+    delta = aten.sum.dim_IntList(aten.mul.Tensor(grad_out, out), [-1], True)
+    grad_s = aten.mul.Tensor(probs, aten.sub.Tensor(grad_p, delta))
     grad_q = aten.mul.Scalar(torch.matmul(grad_s, k), sc)
     grad_k = aten.mul.Scalar(torch.matmul(aten.transpose.int(grad_s, -2, -1), query), sc)
     if group != 1:
@@ -95,6 +97,29 @@ def _sdpa_flash_cpu_backward(grad_out, query, key, value, out, logsumexp, dropou
         grad_k = aten.sum.dim_IntList(aten.view.default(grad_k, [b, hk, group, S, E]), [2])
         grad_v = aten.sum.dim_IntList(aten.view.default(grad_v, [b, hk, group, S, value.shape[-1]]), [2])
     return grad_q.to(query.dtype), grad_k.to(key.dtype), grad_v.to(value.dtype)
+
+
+def _unfold(x, dimension, size, step):
+    # Windows gathered with a constant index instead of torch's as_strided view: the
+    # as_strided form is layout-dependent, so no Partial or Shard rule can pass it.
+    if x.dim() == 0:
+        return NotImplemented
+    dim = dimension % x.dim()
+    n_windows = (x.shape[dim] - size) // step + 1
+    starts = aten.mul.Tensor(aten.arange.default(n_windows, device=x.device), step)
+    idx = aten.add.Tensor(aten.unsqueeze.default(starts, 1), aten.arange.default(size, device=x.device))
+    picked = aten.index_select.default(x, dim, aten.reshape.default(idx, [-1]))
+    shape = list(x.shape[:dim]) + [n_windows, size] + list(x.shape[dim + 1:])
+    windows = aten.view.default(picked, shape)
+    order = list(range(dim + 1)) + list(range(dim + 2, len(shape))) + [dim + 1]
+    return aten.permute.default(windows, order)
+
+
+# Preferred over torch's own decomposition for these ops (see _unfold).
+PROJECT_OVERRIDES: dict[torch._ops.OpOverload, Callable] = {
+    aten.unfold.default: _unfold,
+    aten.unfold_copy.default: lambda x, d, size, step: aten.clone.default(_unfold(x, d, size, step)),
+}
 
 
 PROJECT_DECOMPOSITIONS: dict[torch._ops.OpOverload, Callable] = {

@@ -58,7 +58,13 @@ def to_meta(x: Any) -> Any:
 
 
 def find_decomposition(op: OpOverload) -> Callable | None:
-    """Lookup order: torch's decomposition table, CompositeImplicitAutograd, then ours."""
+    """Lookup order: torch's decomposition table, CompositeImplicitAutograd, then ours —
+    except for the few ops whose torch decomposition is layout-dependent (as_strided),
+    where decompshard's override comes first (decomps.PROJECT_OVERRIDES)."""
+    from ..decomps import PROJECT_OVERRIDES
+
+    if op in PROJECT_OVERRIDES:
+        return PROJECT_OVERRIDES[op]
     table = torch_decomposition_table()
     if op in table:
         return table[op]

@@ -66,6 +66,10 @@ def extra_rules(node: PrimNode) -> list[SingleDimRule]:
         return _binary_shift_rules(node)
     if node.op is aten.where.self:
         return _where_rules(node)
+    if node.op in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
+        return _masked_fill_rules(node)
+    if node.op in _BILINEAR:
+        return _bilinear_rules(node)
     if node.op not in _PARTIAL_PASSTHROUGH or not node.inputs or not node.args:
         return []
     meta = node.args[0]
@@ -135,6 +139,31 @@ def _where_rules(node: PrimNode) -> list[SingleDimRule]:
         return []
     n_out = len(node.outputs)
     return [SingleDimRule((R, p, p), (p,) * n_out, source=SOURCE) for p in PARTIALS]
+
+
+# masked_fill(x, mask, c): elements become the replicated constant c, which satisfies
+# avg/max/min (identical copies); only c == 0 also satisfies sum.
+def _masked_fill_rules(node: PrimNode) -> list[SingleDimRule]:
+    n_out = len(node.outputs)
+    if node.op is aten.masked_fill.Tensor and len(node.inputs) == 3:
+        return [SingleDimRule((p, R, p), (p,) * n_out, source=SOURCE) for p in PARTIALS]
+    if len(node.inputs) != 2 or len(node.args) < 3 or not _is_real_number(node.args[2]):
+        return []
+    ps = [P("avg"), P("max"), P("min")] + ([P("sum")] if node.args[2] == 0 else [])
+    return [SingleDimRule((p, R), (p,) * n_out, source=SOURCE) for p in ps]
+
+
+# Bilinear contractions: with one side Replicate, the other side's Partial(sum/avg)
+# passes through (linear in each argument). Torch lists only the sharded pair for dot.
+_BILINEAR = {aten.dot.default, aten.vdot.default}
+
+
+def _bilinear_rules(node: PrimNode) -> list[SingleDimRule]:
+    n_out = len(node.outputs)
+    out = []
+    for p in (P("sum"), P("avg")):
+        out += [SingleDimRule((p, R), (p,) * n_out, source=SOURCE), SingleDimRule((R, p), (p,) * n_out, source=SOURCE)]
+    return out
 
 
 # Kernels that check input *values* (binary_cross_entropy: all elements in [0, 1]): a
