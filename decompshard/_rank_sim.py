@@ -35,6 +35,7 @@ from .placements import (
     R,
     Replicate,
     ShardPlaceholder,
+    local_shape,
     shard_size_and_offset,
 )
 
@@ -324,10 +325,11 @@ VARIANTS: dict[str, tuple[Callable[[torch.Tensor, int], torch.Tensor], bool]] = 
 class Sample:
     """One set of input values with its single-device reference and local-input cache."""
 
-    def __init__(self, name: str, leaves: list[Any], ref_leaves: list[Any], inputs: list[torch.Tensor],
-                 judges_partial_outputs: bool = True):
-        self.name, self.leaves, self.ref_leaves, self.inputs = name, leaves, ref_leaves, inputs
+    def __init__(self, name: str, leaves: list[Any], ref_all: list[Any], inputs: list[torch.Tensor],
+                 judges_partial_outputs: bool = True, n_mutated: int = 0):
+        self.name, self.leaves, self.ref_all, self.inputs = name, leaves, ref_all, inputs
         self.judges_partial_outputs = judges_partial_outputs
+        self.ref_leaves = ref_all[: len(ref_all) - n_mutated]  # the op's result, flattened
         self.cache: dict[tuple, list[torch.Tensor]] = {}
 
 
@@ -348,7 +350,10 @@ class OpCase:
         self.dropped: list[str] = []
         leaves, self.spec = tree_flatten((tuple(args), dict(kwargs or {})))
         self.tensor_pos = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
-        self.mutable = bool(getattr(getattr(op, "_schema", None), "is_mutable", False))
+        self.n_mutated = len(self.tensor_pos)  # every call also returns its inputs, after
+        self.mutated: list[int] = []  # tensor inputs some reference call changed in place
+        self._meta_trusted: bool | None = None
+        self._meta_verdicts: dict[tuple, str | None] = {}
         if torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
             self.untestable = f"{op} is random (nondeterministic_seeded): no ground truth"
             self.samples = [Sample("base", leaves, [], [leaves[i] for i in self.tensor_pos])]
@@ -371,7 +376,7 @@ class OpCase:
             for i in floats:
                 new[self.tensor_pos[i]] = fn(self.inputs[i], i)
             s = self._sample(name, new, judges_partial)
-            if isinstance(s, str) or not _same_structure(s.ref_leaves, base.ref_leaves):
+            if isinstance(s, str) or not _same_structure(s.ref_all, base.ref_all):
                 self.dropped.append(f"{name}: {s if isinstance(s, str) else 'result structure differs'}")
             else:
                 self.samples.append(s)
@@ -383,20 +388,28 @@ class OpCase:
                 return "results differ between identical calls"
         except Exception as e:
             return _err(e)
-        return Sample(name, leaves, ref, [leaves[i] for i in self.tensor_pos], judges_partial)
+        after = ref[len(ref) - self.n_mutated:]
+        for i, pos in enumerate(self.tensor_pos):
+            if i not in self.mutated and not leaves_equal([after[i]], [leaves[pos]]):
+                self.mutated.append(i)
+        return Sample(name, leaves, ref, [leaves[i] for i in self.tensor_pos], judges_partial, self.n_mutated)
 
     @property
     def ref_leaves(self) -> list[Any]:
         return self.samples[0].ref_leaves
 
     def _call(self, leaves: list[Any]) -> list[Any]:
-        if self.mutable:
-            leaves = [v.clone() if isinstance(v, torch.Tensor) else v for v in leaves]
+        """The flattened result, followed by every tensor input as it is after the call.
+
+        Inputs are copied first: schemas do not always admit mutation (legacy
+        native_batch_norm updates running stats in place), and the caches must survive.
+        """
+        leaves = [v.clone() if isinstance(v, torch.Tensor) else v for v in leaves]
         args, kwargs = tree_unflatten(leaves, self.spec)
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             out = self.op(*args, **kwargs)
-        return tree_flatten(out)[0]
+        return tree_flatten(out)[0] + [leaves[i] for i in self.tensor_pos]
 
     def rule_error(self, inputs: Sequence[MaybePlacement], outputs: Sequence[MaybePlacement]) -> str | None:
         """Why a rule cannot even be simulated here (wrong arity, bad dims); None if fine."""
@@ -416,8 +429,44 @@ class OpCase:
     def sharded_sizes(self, inputs: Sequence[MaybePlacement]) -> list[int]:
         return [int(x.shape[p.dim]) for p, x in zip(inputs, self.inputs) if isinstance(p, ShardPlaceholder)]
 
+    def _meta_call(self, shapes: Sequence[Sequence[int]]) -> str | None:
+        """Run the op on meta tensors of these input shapes; the error text, or None."""
+        leaves = list(self.samples[0].leaves)
+        for pos, x, shape in zip(self.tensor_pos, self.inputs, shapes):
+            leaves[pos] = torch.empty(tuple(shape), dtype=x.dtype, device="meta")
+        try:
+            self._call(leaves)
+        except Exception as e:
+            return _err(e)
+        return None
+
+    def shape_error(self, inputs: Sequence[MaybePlacement], world_size: int) -> str | None:
+        """Why some rank's local shapes are unacceptable to the op, checked on meta tensors.
+
+        Some CPU kernels trust their size arguments (native_batch_norm with a sharded
+        running_mean writes past the buffer and corrupts the heap), so sharded inputs
+        are shown to the op's meta kernel before any real call. Used only when the meta
+        kernel accepts the global shapes (otherwise it says nothing about local ones).
+        """
+        if not any(isinstance(p, ShardPlaceholder) for p in inputs):
+            return None
+        if self._meta_trusted is None:
+            self._meta_trusted = self._meta_call([x.shape for x in self.inputs]) is None
+        if not self._meta_trusted:
+            return None
+        for r in range(world_size):
+            shapes = tuple(local_shape(x.shape, p, world_size, r) for x, p in zip(self.inputs, inputs))
+            if shapes not in self._meta_verdicts:
+                self._meta_verdicts[shapes] = self._meta_call(shapes)
+            if self._meta_verdicts[shapes]:
+                return f"the op rejects rank {r}'s local shapes {list(shapes)}: {self._meta_verdicts[shapes]}"
+        return None
+
     def run(self, sample: Sample, inputs: Sequence[MaybePlacement], world_size: int, draw: Draw) -> Outputs | str:
         """Each rank's flattened result on `sample`, or a string saying why ranks failed."""
+        bad_shapes = self.shape_error(inputs, world_size)
+        if bad_shapes:
+            return bad_shapes
         locals_ = []
         for i, p in enumerate(inputs):
             key = (i, p, world_size, draw if isinstance(p, Partial) else None)
@@ -433,8 +482,8 @@ class OpCase:
                 res = self._call(leaves)
             except Exception as e:
                 return f"the op raises on rank {r}'s local inputs: {_err(e)}"
-            if len(res) != len(self.ref_leaves):
-                return f"rank {r} returned {len(res)} values, the single-device call {len(self.ref_leaves)}"
+            if len(res) != len(sample.ref_all):
+                return f"rank {r} returned {len(res)} values, the single-device call {len(sample.ref_all)}"
             outs.append(res)
         return outs
 

@@ -63,7 +63,17 @@ class DerivedStrategy:
             return None
         if any(not isinstance(s, int) for x in specs for s in x.tensor_meta.shape):
             _warn_once(f"dyn:{op}", f"decompshard: {op} has symbolic shapes; using torch's own decomposition fallback")
-            return self.torch_fallback.propagate_strategy(op_schema)
+            # Derived rules hold for the shapes they were derived at ([even] rules, local
+            # checks), so symbolic shapes go to torch. Where torch has nothing either,
+            # all-Replicate is correct for every shape.
+            try:
+                theirs = self.torch_fallback.propagate_strategy(op_schema)
+            except (NotImplementedError, AssertionError):
+                theirs = None
+            if theirs is None:
+                _warn_once(f"dynrep:{op}", f"decompshard: {op}: torch's fallback has no strategy for symbolic shapes; running replicated")
+                return _replicated(op_schema, specs, specs[0].mesh)
+            return theirs
         mesh = specs[0].mesh
         current = [tuple(s.placements) for s in specs]
         try:

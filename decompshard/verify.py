@@ -119,7 +119,7 @@ def _judge(case: OpCase, outs_by_sample, world_size: int, j: int, q: MaybePlacem
     for sample, outs in outs_by_sample:
         if isinstance(q, Partial) and not sample.judges_partial_outputs:
             continue
-        why = check_output(sample.ref_leaves[j], [o[j] for o in outs], q, world_size)
+        why = check_output(sample.ref_all[j], [o[j] for o in outs], q, world_size)
         if why:
             return why if sample.name == "base" else f"{why} (on the {sample.name} sample)"
     return None
@@ -136,6 +136,11 @@ def _passing_outputs(case: OpCase, inputs, world_size: int, draws: Sequence[Draw
                 where = "" if sample.name == "base" else f" (on the {sample.name} sample)"
                 return [set() for _ in sets], f"W={world_size}: {outs}{where}"
             outs_by_sample.append((sample, outs))
+        n_out = len(sets)
+        for i in case.mutated:  # an input changed in place must still match its placement
+            why = _judge(case, outs_by_sample, world_size, n_out + i, inputs[i])
+            if why:
+                return [set() for _ in sets], f"W={world_size} draw={draw}: input {i} after the call {why}"
         for j, s in enumerate(sets):
             bad = {q: _judge(case, outs_by_sample, world_size, j, q) for q in s}
             sets[j] = {q for q, why in bad.items() if why is None}

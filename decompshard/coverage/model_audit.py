@@ -1,0 +1,184 @@
+"""`decompshard coverage --model module:callable`: audit one model before sharding it.
+
+The model's forward and backward are traced once with `make_fx` on fake tensors (no real
+compute, no memory for activations) and with an empty decomposition table, which records
+the aten overloads at the level DTensor dispatches them (after CompositeImplicitAutograd,
+before any compiler decomposition). Each overload is listed with its call count and its
+coverage status; an op that needs derivation is derived at the shapes of its actual calls
+(at most two distinct call signatures, largest first). There is no numerical check here:
+the traced arguments are shapes, not values.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import importlib.util
+import os
+import sys
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
+
+from ..cli import UsageError
+from . import report as rep
+from .sweep import Progress, analyse_op, make_job, needs_worker, run_jobs, sample_score
+
+__all__ = ["audit_model", "build_model", "load_callable", "parse_shapes", "trace_calls"]
+
+
+def load_callable(spec: str) -> Callable[[], Any]:
+    """'pkg.module:name' (or 'path/to/file.py:name') -> the callable. The working directory
+    is importable, as with `python -m`."""
+    mod_name, sep, attr = spec.partition(":")
+    if not sep or not mod_name or not attr:
+        raise UsageError(f"--model {spec!r}: expected MODULE:CALLABLE, e.g. mypkg.models:build_model")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        if mod_name.endswith(".py"):
+            if not os.path.isfile(mod_name):
+                raise ImportError(f"no such file: {mod_name}")
+            loader_spec = importlib.util.spec_from_file_location("_decompshard_model", mod_name)
+            module = importlib.util.module_from_spec(loader_spec)
+            loader_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(mod_name)
+    except Exception as e:  # ImportError, or the module's own import-time error
+        raise UsageError(f"--model: cannot import {mod_name!r}: {type(e).__name__}: {e}") from None
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise UsageError(f"--model: {mod_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise UsageError(f"--model: {spec!r} is not callable")
+    return obj
+
+
+def parse_shapes(text: str) -> list[tuple[int, ...]]:
+    """'8,128;4' -> [(8, 128), (4,)]; '()' is a 0-d tensor."""
+    shapes = []
+    for part in text.split(";"):
+        part = part.strip().strip("[]")
+        if part in ("()", ""):
+            if part == "" and text.strip():
+                raise UsageError(f"--input-shapes {text!r}: empty shape (use '()' for a 0-d tensor)")
+            shapes.append(())
+            continue
+        try:
+            dims = tuple(int(d) for d in part.strip("()").split(",") if d.strip())
+        except ValueError:
+            raise UsageError(f"--input-shapes {text!r}: expected ';'-separated shapes like '8,128;4'") from None
+        if any(d < 0 for d in dims):
+            raise UsageError(f"--input-shapes {text!r}: negative size")
+        shapes.append(dims)
+    return shapes
+
+
+def build_model(spec: str, input_shapes: str | None) -> tuple[torch.nn.Module, tuple]:
+    """Call the factory; inputs are --input-shapes (float32 randn) if given, else the
+    factory's own example inputs."""
+    made = load_callable(spec)()
+    inputs: Any = None
+    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module):
+        module, inputs = made
+    elif isinstance(made, torch.nn.Module):
+        module = made
+    else:
+        raise UsageError(f"--model {spec!r} returned {type(made).__name__}; expected an nn.Module "
+                         "or (module, example_inputs)")
+    if input_shapes:
+        inputs = tuple(torch.randn(s) for s in parse_shapes(input_shapes))
+    if inputs is None:
+        raise UsageError(f"--model {spec!r} returned no example inputs; pass --input-shapes")
+    return module, (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,))
+
+
+def _step(module: torch.nn.Module) -> Callable[..., Any]:
+    """forward, then backward of sum(floating outputs), as a function of the parameters,
+    buffers and inputs (so make_fx lifts them all to fake tensors)."""
+
+    def step(params: dict, buffers: dict, inputs: list) -> Any:
+        out = torch.func.functional_call(module, {**params, **buffers}, tuple(inputs))
+        leaves = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+        wrt = [p for p in params.values() if p.requires_grad]
+        wrt += [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+        if not leaves or not wrt:
+            return out
+        loss = sum(o.sum() for o in leaves)
+        grads = torch.autograd.grad(loss, wrt, allow_unused=True)
+        return out, [g for g in grads if g is not None]
+
+    return step
+
+
+def _meta(x: Any) -> Any:
+    if isinstance(x, torch.fx.Node):
+        v = x.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            return torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device="meta")
+        return v
+    return x
+
+
+def trace_calls(module: torch.nn.Module, inputs: Sequence[Any]) -> tuple[collections.Counter, dict]:
+    """(call count per overload, overload -> distinct calls as (args, kwargs, label)) for
+    forward + backward, traced on fake tensors."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    params = dict(module.named_parameters())
+    buffers = dict(module.named_buffers())
+    try:
+        gm = make_fx(_step(module), tracing_mode="fake", decomposition_table={})(params, buffers, list(inputs))
+    except Exception as e:
+        raise UsageError(f"--model: tracing forward + backward failed: {type(e).__name__}: "
+                         f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
+    counts: collections.Counter = collections.Counter()
+    calls: dict[Any, dict[str, tuple]] = collections.defaultdict(dict)
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        op = node.target
+        counts[op] += 1
+        args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), _meta)
+        leaves = tree_flatten((args, kwargs))[0]
+        if any(isinstance(x, (torch.SymInt, torch.SymFloat)) for x in leaves):
+            continue
+        key = repr(tree_map(lambda x: (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x,
+                            (args, kwargs)))
+        calls[op].setdefault(key, (tuple(args), dict(kwargs), node.name))
+    return counts, {op: list(c.values()) for op, c in calls.items()}
+
+
+def audit_model(spec: str, input_shapes: str | None, *, jobs: int = 1, timeout: float = 60.0,
+                samples_per_op: int = 2, progress: bool = True) -> dict[str, Any]:
+    """The coverage JSON document of one model's forward + backward (records carry `calls`)."""
+    module, inputs = build_model(spec, input_shapes)
+    counts, calls = trace_calls(module, inputs)
+    records: list[dict[str, Any]] = []
+    bar = Progress(len(counts), enabled=progress)
+    job_list = []
+    for op in sorted(counts, key=str):
+        best = sorted(calls.get(op, []), key=lambda s: sample_score(s[0], s[1]), reverse=True)[:samples_per_op]
+        if needs_worker(op, best):
+            job_list.append(make_job(str(op), best, False))
+        else:
+            records.append(analyse_op(str(op), []))
+            bar.step(str(op))
+
+    def done(name: str, record: dict[str, Any]) -> None:
+        records.append(record)
+        bar.step(name)
+
+    try:
+        run_jobs(job_list, jobs, timeout, done)
+    finally:
+        bar.close()
+    by_name = {str(op): n for op, n in counts.items()}
+    for r in records:
+        r["calls"] = by_name.get(r["op"], 0)
+    info = {"spec": spec, "inputs": [list(x.shape) for x in inputs if isinstance(x, torch.Tensor)],
+            "aten_calls": sum(counts.values()), "distinct_ops": len(counts)}
+    return rep.build_report(records, model=info)

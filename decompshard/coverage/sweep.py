@@ -1,0 +1,416 @@
+"""One coverage record per aten overload, computed in worker processes.
+
+For each op the sweep answers "how does DTensor handle it?":
+
+    native          DTensor has a registered strategy (single-dim, op-strategy or rule);
+                    nothing is derived or verified, which keeps the default sweep fast
+    derived         decompshard derives at least one non-trivial rule
+    torch-fallback  torch's own decomposition fallback finds a non-trivial rule, we don't
+    replicate-only  the op can run, but only with every input Replicate
+    unsupported     nothing can run it sharded; `reason` says why (no decomposition, the
+                    blocking primitive, data-dependent, random, a crash or a timeout)
+
+For a non-native op we derive on its best samples (`pick_samples`), run torch's fallback
+on the same samples, and judge both rule sets against ONE numerical ground truth
+(`verify.check_rules` over the union, then split per side), so both sides are scored on
+exactly the same truth. Counts are summed over the samples.
+
+Ops run in worker processes (`run_jobs`), one job per op with a deadline. A job that
+overruns is killed with its process and a fresh worker takes its place (forkserver: ~25 ms,
+torch already imported), so a hang or a segfault costs one op, never the sweep. Samples
+are captured once by the parent and shipped pickled: capturing in each worker would
+repeat 20-60 s of OpInfo work per worker and again after every recycle.
+"""
+
+from __future__ import annotations
+
+import collections
+import multiprocessing as mp
+import pickle
+import re
+import sys
+import time
+import warnings
+from multiprocessing.connection import wait
+from typing import Any, Callable, Iterable, Sequence, TextIO
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .._compat import sharding_propagator
+from ..derive import DerivedRules, derive_rules, resolve_op
+from ..dispatch_modes.tracing import has_decomposition
+from ..placements import SingleDimRule, format_rule
+from ..verify import VerifyReport, check_rules
+from .opinfo_samples import _exact_clone
+from .torch_fallback import torch_fallback_rules
+
+STATUSES = ("native", "derived", "torch-fallback", "replicate-only", "unsupported")
+REGISTRY_LABELS = {"single-dim": "single-dim strategy", "op-strategy": "op strategy", "rule": "propagation rule"}
+NO_SAMPLE = "no sample inputs (OpInfo does not reach it; derivation needs example arguments)"
+
+Sample = tuple[tuple, dict, str]  # (args, kwargs, label) as shipped to a worker
+
+
+def _one_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def registry_of(op: torch._ops.OpOverload) -> str | None:
+    """Which DTensor registry holds the op, in the order DTensor consults them."""
+    sp = sharding_propagator()
+    if op in sp.op_single_dim_strategy_funcs:
+        return "single-dim"
+    if op in sp.op_strategy_funcs:
+        return "op-strategy"
+    if op in sp.op_to_rules:
+        return "rule"
+    return None
+
+
+def _tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:
+    return [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+
+
+def sample_score(args: tuple, kwargs: dict) -> tuple[bool, bool, int]:
+    """Bigger is better: has a tensor input, every tensor has rank >= 1, most elements.
+    Large non-degenerate samples separate more candidate rules (a 0-d or size-1 tensor
+    makes many wrong shardings look right and many right ones untestable)."""
+    ts = _tensors(args, kwargs)
+    return (bool(ts), bool(ts) and all(t.ndim >= 1 for t in ts), sum(t.numel() for t in ts))
+
+
+def pick_samples(samples: Sequence[Any], k: int) -> list[Any]:
+    """The k best AtenSamples (stable: ties keep capture order)."""
+    return sorted(samples, key=lambda s: sample_score(s.args, s.kwargs), reverse=True)[:k]
+
+
+def shapes_text(args: Any, kwargs: Any) -> str:
+    return ", ".join(str(list(t.shape)) for t in _tensors(args, kwargs)) or "no tensors"
+
+
+# ------------------------------------------------------------------ records
+
+
+def new_record(op: str) -> dict[str, Any]:
+    """The JSON object of one op (see report.py for the schema); filled in by the sweep."""
+    return {
+        "op": op, "status": "unsupported", "reason": "", "registry": None,
+        "derived_rules": [], "n_derived": 0, "n_confirmed": 0, "n_incorrect": 0,
+        "n_untestable": 0, "n_truth": 0, "n_missed": 0, "missed": [], "incorrect": [],
+        "torch_fallback": {"status": "n/a", "reason": "", "n_rules": 0, "n_confirmed": 0,
+                           "n_incorrect": 0, "n_missed": 0, "n_truth": 0, "rules": [], "incorrect": []},
+        "verified": False, "seconds": 0.0, "samples": [],
+    }
+
+
+def failed_record(op: str, reason: str, seconds: float = 0.0) -> dict[str, Any]:
+    rec = new_record(op)
+    rec["reason"], rec["seconds"] = reason, round(seconds, 3)
+    return rec
+
+
+def _score(claimed: Iterable[SingleDimRule], rep: VerifyReport) -> dict[str, Any]:
+    """One side's share of a report made over the union of both sides' rules.
+
+    Same matching as `check_rules`: a truth rule is hit by a confirmed claim with the same
+    (inputs, outputs); a truth [even] rule only by a claim that is [even] too."""
+    mine = set(claimed)
+    confirmed = [r for r in rep.confirmed if r in mine]
+    incorrect = [(r, why) for r, why in rep.incorrect if r in mine]
+    untestable = [r for r, _ in rep.untestable if r in mine]
+    truth = rep.ground_truth
+    missed: list[SingleDimRule] = []
+    n_truth = 0
+    if truth is not None and not truth.untestable:
+        ok = {(r.key(), r.even_only) for r in confirmed}
+        for t in truth.rules:
+            hit = (t.key(), True) in ok or (not t.even_only and (t.key(), False) in ok)
+            if not hit:
+                missed.append(t)
+        n_truth = len(truth.rules)
+    return {
+        "n_confirmed": len(confirmed), "n_incorrect": len(incorrect), "n_untestable": len(untestable),
+        "n_truth": n_truth, "n_missed": len(missed), "missed": [format_rule(r) for r in missed],
+        "incorrect": [f"{format_rule(r)}: {why}" for r, why in incorrect],
+    }
+
+
+def blocking_summary(derived: DerivedRules) -> str:
+    """Why no non-trivial rule survived: the primitives that refused the candidates."""
+    where: collections.Counter[str] = collections.Counter()
+    for rej in derived.rejected:
+        m = re.search(r"no rule of node \d+ \(([^)]+)\)", rej.reason)
+        where[m.group(1) if m else rej.reason.split(";")[0][:60]] += 1
+    if not where:
+        return "no non-trivial rule survives"
+    top = ", ".join(f"{k} ({n})" for k, n in where.most_common(3))
+    return f"no non-trivial rule survives; blocked at {top}"
+
+
+def _analyse_sample(op: torch._ops.OpOverload, sample: Sample, verify: bool) -> dict[str, Any]:
+    args, kwargs, label = sample
+    t0 = time.perf_counter()
+    out: dict[str, Any] = {"shapes": shapes_text(args, kwargs), "opinfo": label}
+    fresh = lambda: tree_map(_exact_clone, (tuple(args), dict(kwargs)))  # noqa: E731
+    try:
+        a, k = fresh()
+        ds = derive_rules(op, *a, **k)
+        ds_rules, ds_reason = list(ds.rules), ds.unsupported_reason
+        if ds_reason is None and not ds_rules:
+            ds_reason = blocking_summary(ds)
+            out["replicate_only"] = True
+        else:
+            out["replicate_only"] = False
+    except Exception as e:  # derive_rules should not raise; a crash is a finding
+        ds_rules, ds_reason = [], f"derive error: {_one_line(e)}"
+        out["replicate_only"] = False
+    try:
+        a, k = fresh()
+        tf = torch_fallback_rules(op, a, k)
+        tf_rules, tf_reason = list(tf.rules), tf.unsupported_reason
+    except Exception as e:
+        tf_rules, tf_reason = [], f"error: {_one_line(e)}"
+    out.update(derived=[format_rule(r) for r in ds_rules], n_derived=len(ds_rules), reason=ds_reason or "")
+    tf_out = {"status": "supported" if tf_rules else ("unsupported" if tf_reason else "replicate-only"),
+              "reason": tf_reason or "", "rules": [format_rule(r) for r in tf_rules], "n_rules": len(tf_rules)}
+    if verify and _tensors(args, kwargs) and torch.Tag.nondeterministic_seeded not in op.tags:
+        try:
+            a, k = fresh()
+            rep = check_rules(op, a, k, list(dict.fromkeys(ds_rules + tf_rules)))
+            out.update(_score(ds_rules, rep))
+            out["exhaustive"] = rep.exhaustive
+            tf_out.update({k: v for k, v in _score(tf_rules, rep).items() if k != "missed"})
+        except Exception as e:
+            out["verify_error"] = _one_line(e)
+    out["torch_fallback"] = tf_out
+    out["seconds"] = round(time.perf_counter() - t0, 3)
+    return out
+
+
+_SUMMED = ("n_confirmed", "n_incorrect", "n_untestable", "n_truth", "n_missed")
+
+
+def analyse_op(name: str, samples: Sequence[Sample], verify: bool = True) -> dict[str, Any]:
+    """The coverage record of one op: registry lookup, or derive + fallback + verify."""
+    t0 = time.perf_counter()
+    op = resolve_op(name)
+    rec = new_record(str(op))
+    reg = registry_of(op)
+    if reg is not None:
+        rec.update(status="native", registry=reg, reason=f"registered {REGISTRY_LABELS[reg]}")
+        return rec
+    if not has_decomposition(op):
+        rec["reason"] = "no decomposition (and no DTensor strategy)"
+        return rec
+    if not samples:
+        rec["reason"] = NO_SAMPLE
+        return rec
+    per = [_analyse_sample(op, s, verify) for s in samples]
+    rec["samples"] = per
+    rec["derived_rules"] = list(dict.fromkeys(r for s in per for r in s["derived"]))
+    rec["missed"] = list(dict.fromkeys(r for s in per for r in s.get("missed", ())))
+    rec["incorrect"] = [f"[{s['shapes']}] {x}" for s in per for x in s.get("incorrect", ())]
+    rec["n_derived"] = sum(s["n_derived"] for s in per)
+    rec["verified"] = any("exhaustive" in s for s in per)
+    for key in _SUMMED:
+        rec[key] = sum(s.get(key, 0) for s in per)
+    tf = rec["torch_fallback"]
+    tf["rules"] = list(dict.fromkeys(r for s in per for r in s["torch_fallback"]["rules"]))
+    tf["incorrect"] = [f"[{s['shapes']}] {x}" for s in per for x in s["torch_fallback"].get("incorrect", ())]
+    for key in ("n_rules", *_SUMMED):
+        tf[key] = sum(s["torch_fallback"].get(key, 0) for s in per)
+    tf.pop("n_untestable", None)
+    tf_status = [s["torch_fallback"]["status"] for s in per]
+    tf["status"] = next((st for st in ("supported", "replicate-only") if st in tf_status), "unsupported")
+    tf_reasons = [(s["shapes"], s["torch_fallback"]["reason"]) for s in per if s["torch_fallback"]["reason"]]
+    if tf["status"] == "supported":
+        tf["reason"] = "; ".join(f"on [{sh}]: {why}" for sh, why in tf_reasons)
+    else:
+        tf["reason"] = tf_reasons[0][1] if tf_reasons else ""
+    rec["status"], rec["reason"] = _classify(per, tf["status"])
+    rec["seconds"] = round(time.perf_counter() - t0, 3)
+    return rec
+
+
+def _classify(per: list[dict[str, Any]], tf_status: str) -> tuple[str, str]:
+    """Status and reason from the per-sample results (best sample wins)."""
+    reasons = [s["reason"] for s in per if s["reason"]]
+    if any(s["n_derived"] for s in per):
+        notes = [f"on [{s['shapes']}]: {s['reason']}" for s in per if s["reason"]]
+        return "derived", "; ".join(notes)
+    if not any(s["shapes"] != "no tensors" for s in per):
+        return "unsupported", "no tensor inputs (a factory call: DTensor never dispatches it)"
+    reason = reasons[0] if reasons else "no non-trivial rule survives"
+    if tf_status == "supported":
+        return "torch-fallback", reason
+    if any(s.get("replicate_only") for s in per) or tf_status == "replicate-only":
+        return "replicate-only", reason
+    return "unsupported", reason
+
+
+# ------------------------------------------------------------------ workers
+
+
+def _worker_main(conn: Any) -> None:
+    """Worker loop: receive pickled (name, samples, verify), send back the record."""
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    conn.send_bytes(b"ready")
+    while True:
+        try:
+            data = conn.recv_bytes()
+        except (EOFError, OSError):
+            return
+        name = "?"
+        t0 = time.perf_counter()
+        try:
+            name, samples, verify = pickle.loads(data)
+            rec = analyse_op(name, samples, verify)
+        except Exception as e:
+            rec = failed_record(name, f"error: {_one_line(e)}", time.perf_counter() - t0)
+        conn.send_bytes(pickle.dumps(rec))
+
+
+def _context() -> Any:
+    """forkserver with this module preloaded (a recycled worker starts in ~25 ms instead of
+    ~5 s for a spawned one); spawn where forkserver does not exist."""
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload([__name__])
+        return ctx
+    return mp.get_context("spawn")
+
+
+class _Worker:
+    def __init__(self, ctx: Any):
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child,), daemon=True)
+        self.proc.start()
+        child.close()
+        self.ready = False
+        self.job: str | None = None
+        self.started = time.monotonic()
+
+    def stop(self, kill: bool = False) -> None:
+        if kill:
+            self.proc.kill()
+        self.conn.close()
+        self.proc.join(timeout=5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+
+def run_jobs(jobs: Sequence[tuple[str, bytes]], workers: int, timeout: float,
+             on_result: Callable[[str, dict[str, Any]], None]) -> None:
+    """Run pickled `analyse_op` jobs on `workers` processes (0: in this process, no timeout).
+
+    Each job's deadline starts when a ready worker receives it; an overrun kills that
+    worker and reports the op as unsupported with the timeout as its reason."""
+    if workers <= 0:
+        for name, payload in jobs:
+            t0 = time.perf_counter()
+            try:
+                on_result(name, analyse_op(*pickle.loads(payload)))
+            except Exception as e:
+                on_result(name, failed_record(name, f"error: {_one_line(e)}", time.perf_counter() - t0))
+        return
+    ctx = _context()
+    pending = collections.deque(jobs)
+    pool = [_Worker(ctx) for _ in range(min(workers, len(jobs)))]
+    early_deaths = 0
+    try:
+        while pending or any(w.job for w in pool):
+            for w in pool:
+                if w.ready and w.job is None and pending:
+                    w.job, payload = pending.popleft()
+                    w.started = time.monotonic()
+                    w.conn.send_bytes(payload)
+            now = time.monotonic()
+            limits = [w.started + (timeout if w.job else 300.0) - now for w in pool if w.job or not w.ready]
+            for conn in wait([w.conn for w in pool], timeout=max(0.0, min(limits)) if limits else None):
+                w = next(x for x in pool if x.conn is conn)
+                try:
+                    data = conn.recv_bytes()
+                except (EOFError, OSError):
+                    w.proc.join(1)
+                    code = w.proc.exitcode
+                    if w.job:
+                        on_result(w.job, failed_record(w.job, f"crashed: worker exited with code {code}",
+                                                       time.monotonic() - w.started))
+                    elif (early_deaths := early_deaths + 1) >= 3:
+                        raise RuntimeError(f"coverage worker processes fail to start (exit code {code})")
+                    pool[pool.index(w)] = _Worker(ctx)
+                    w.stop(kill=True)
+                    continue
+                if not w.ready:
+                    w.ready = True
+                    continue
+                name, w.job = w.job, None
+                on_result(name, pickle.loads(data))
+            now = time.monotonic()
+            for i, w in enumerate(pool):
+                if w.job and now - w.started > timeout:
+                    on_result(w.job, failed_record(w.job, f"timed out after {timeout:g} s", now - w.started))
+                    w.stop(kill=True)
+                    pool[i] = _Worker(ctx)
+                elif not w.ready and now - w.started > 300.0:
+                    raise RuntimeError("a coverage worker process did not start within 300 s")
+    finally:
+        for w in pool:
+            w.stop(kill=bool(w.job))
+
+
+# ------------------------------------------------------------------ progress
+
+
+class Progress:
+    """A one-line `\\r` counter on a TTY, a plain line every `every` ops otherwise; always
+    on stderr, so stdout (JSON) stays clean."""
+
+    def __init__(self, total: int, stream: TextIO | None = None, every: int = 50, enabled: bool = True):
+        self.total, self.done, self.every, self.enabled = total, 0, every, enabled
+        self.stream = stream or sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.t0 = time.monotonic()
+
+    def step(self, name: str) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        elapsed = time.monotonic() - self.t0
+        if self.tty:
+            line = f"[{self.done:>{len(str(self.total))}}/{self.total}] {elapsed:5.0f}s {name}"
+            self.stream.write("\r" + line[:79].ljust(79))
+            self.stream.flush()
+        elif self.done % self.every == 0 or self.done == self.total:
+            self.stream.write(f"coverage: {self.done}/{self.total} ops ({elapsed:.0f} s)\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.tty and self.done:
+            self.stream.write("\r" + " " * 79 + "\r")
+            self.stream.flush()
+
+
+def needs_worker(op: torch._ops.OpOverload, samples: Sequence[Any]) -> bool:
+    """Only decomposable ops with samples and no DTensor strategy do real work; the rest
+    are registry lookups done in the parent."""
+    return bool(samples) and registry_of(op) is None and has_decomposition(op)
+
+
+def make_job(name: str, samples: Sequence[Sample], verify: bool) -> tuple[str, bytes]:
+    """Pickle one job; a sample that cannot be pickled is dropped."""
+    try:
+        return name, pickle.dumps((name, list(samples), verify))
+    except Exception:
+        kept = []
+        for s in samples:
+            try:
+                pickle.dumps(s)
+                kept.append(s)
+            except Exception:
+                continue
+        return name, pickle.dumps((name, kept, verify))

@@ -1,0 +1,106 @@
+"""Acceptance test for the derivation engine on torch 2.13's decomp-only OpInfo set.
+
+Every aten overload that torch's OpInfo samples reach, that has a decomposition and no
+DTensor strategy, is derived and checked by the numerical checker (simulated ranks,
+world sizes 2 and 3, uneven shards included):
+
+- precision: no claimed rule may be wrong, on any of the op's two largest samples;
+- recall: on the op's best sample, every rule the checker finds valid is claimed,
+  except for the misses named below with their reason;
+- every op with a valid non-trivial rule gets at least one.
+"""
+
+from __future__ import annotations
+
+import statistics
+import warnings
+
+import pytest
+import torch
+
+from decompshard import derive_rules
+from decompshard.verify import check_rules
+
+# Misses we understand and accept, each with the reason. Most are properties of the
+# sample's *values* (which the derivation never reads), not of the op.
+KNOWN_MISSES = {
+    "aten._prelu_kernel.default": "weight*x under a negative x flips P(max)->P(min) only where x<0; "
+    "elementwise sign analysis is beyond single-dim rules",
+    "aten._unsafe_masked_index.default": "P(sum) holds only because the sample's mask is all True "
+    "(the fill value would be added once per rank otherwise)",
+    "aten.all.dims": "sample values are all non-zero: all() is True whatever the placement",
+    "aten.as_strided_copy.default": "refused on purpose: as_strided reads raw storage, and a "
+    "Partial part's memory layout is not guaranteed to match",
+    "aten.as_strided_scatter.default": "refused on purpose: as_strided layout dependence (above)",
+    "aten.count_nonzero.default": "random Partial parts are never zero, so the count equals numel",
+    "aten.count_nonzero.dim_IntList": "random Partial parts are never zero, so the count equals numel",
+    "aten.index_add.default": "1-element sample: every rule on it is a coincidence of the index values",
+    "aten.index_copy.default": "the sample's index overwrites every row of self, so self's "
+    "placement does not matter; the derivation cannot read index values",
+    "aten.linspace.Tensor_Scalar": "0-d start with steps=0/1: degenerate output",
+    "aten.linspace.Tensor_Tensor": "0-d start/end with steps=0/1: degenerate output",
+    "aten.replication_pad2d.default": "the sample pads only W, so the gather on H is the identity; "
+    "the derivation cannot see that the index is an identity",
+}
+
+
+@pytest.fixture(scope="module")
+def decomp_only():
+    from decompshard.coverage.opinfo_samples import capture_aten_samples, decomp_only_ops
+
+    samples = capture_aten_samples(max_samples_per_opinfo=None)
+    ops = sorted(decomp_only_ops(samples), key=str)
+    return samples, ops
+
+
+def _by_size(samples):
+    def key(s):
+        tensors = s.tensors()
+        return (min([t.dim() for t in tensors] or [0]) > 0, sum(t.numel() for t in tensors))
+
+    return sorted(samples, key=key, reverse=True)
+
+
+def test_set_matches_torch_213(decomp_only):
+    _, ops = decomp_only
+    names = {str(op) for op in ops}
+    assert 60 <= len(ops) <= 80
+    assert {"aten.addmv.default", "aten.trace.default", "aten.channel_shuffle.default"} <= names
+    assert "aten.mul.Tensor" not in names
+
+
+def test_zero_incorrect_rules_at_world_sizes_2_and_3(decomp_only):
+    samples, ops = decomp_only
+    wrong = []
+    warnings.filterwarnings("ignore")
+    for op in ops:
+        for s in _by_size(samples[op])[:2]:
+            derived = derive_rules(op, *s.args, **s.kwargs)
+            report = check_rules(op, s.args, s.kwargs, derived.rules, world_sizes=(2, 3))
+            wrong += [(str(op), s.shapes(), str(bad)) for bad in report.incorrect]
+    assert not wrong, f"incorrect rules claimed: {wrong}"
+
+
+def test_recall_and_named_misses(decomp_only):
+    samples, ops = decomp_only
+    recalls, unexplained, no_rule = {}, {}, []
+    rows = []
+    for op in ops:
+        s = _by_size(samples[op])[0]
+        derived = derive_rules(op, *s.args, **s.kwargs)
+        report = check_rules(op, s.args, s.kwargs, derived.rules)
+        if report.recall is None:  # the checker finds no valid non-trivial rule
+            continue
+        recalls[str(op)] = report.recall
+        if report.missed and str(op) not in KNOWN_MISSES:
+            unexplained[str(op)] = [str(r) for r in report.missed]
+        if not derived.rules and str(op) not in KNOWN_MISSES:
+            no_rule.append(str(op))
+        rows.append((str(op), len(derived.rules), round(report.recall, 2), len(report.missed)))
+    mean = statistics.mean(recalls.values())
+    print(f"\nmean recall over {len(recalls)} ops: {mean:.3f}")
+    assert not unexplained, f"misses nobody explained: {unexplained}"
+    assert not no_rule, f"ops with a valid non-trivial rule but none derived: {no_rule}"
+    explained_ops = [v for k, v in recalls.items() if k not in KNOWN_MISSES]
+    assert all(v == 1.0 for v in explained_ops)
+    assert mean >= 0.85, f"mean recall {mean:.3f} regressed (was >= 0.85 when measured)"
