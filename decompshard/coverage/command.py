@@ -24,7 +24,8 @@ import torch
 from ..cli import UsageError
 from ..derive import resolve_op
 from . import report as rep
-from .sweep import STATUSES, Progress, make_job, needs_worker, pick_samples, run_jobs
+from .report import Progress
+from .sweep import STATUSES, analyse_op, make_job, needs_worker, pick_samples, run_jobs
 
 __all__ = ["add_arguments", "run", "select_ops", "sweep"]
 
@@ -35,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = "Op coverage tables: how DTensor shards each aten op (native, derived, " \
                          "torch-fallback, replicate-only, unsupported) and why not."
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = __doc__.split("\n\n")[1]
+    parser.epilog = "examples:\n" + __doc__.split("\n\n")[1]
     parser.add_argument("--ops", metavar="PATTERNS",
                         help="comma-separated fnmatch globs over 'aten.<name>.<overload>' of the ops OpInfo "
                         "reaches, or exact overload names (any aten op); default: every op OpInfo reaches")
@@ -78,6 +79,10 @@ def _check_args(args: argparse.Namespace) -> list[str] | None:
                              ("--from", args.from_json)) if v]
     if len(picked) > 1:
         raise UsageError(f"{picked[0]} and {picked[1]} cannot be combined")
+    if args.output:  # fail before a long sweep, not after it
+        folder = os.path.dirname(os.path.abspath(args.output))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or os.path.isdir(args.output):
+            raise UsageError(f"cannot write --output {args.output!r}")
     if not args.status:
         return None
     statuses = [s.strip() for s in args.status.split(",") if s.strip()]
@@ -116,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         from .model_audit import audit_model
 
         doc = audit_model(args.model, args.input_shapes, jobs=args.jobs, timeout=args.timeout,
-                          progress=not args.quiet)
+                          samples_per_op=args.samples, progress=not args.quiet)
     else:
         doc = sweep(args.ops, jobs=args.jobs, timeout=args.timeout, samples_per_op=args.samples,
                     opinfo_samples=args.opinfo_samples, verify=not args.no_verify, progress=not args.quiet)
@@ -198,9 +203,7 @@ def sweep(patterns: str | None = None, *, jobs: int = 1, timeout: float = 60.0, 
         if needs_worker(op, best):
             shipped = [(s.args, s.kwargs, s.opinfo_name) for s in best]
             jobs_list.append(make_job(str(op), shipped, verify))
-        else:
-            from .sweep import analyse_op
-
+        else:  # a registry lookup, no sample or no decomposition: nothing to run
             records.append(analyse_op(str(op), []))
             bar.step(str(op))
 
@@ -214,7 +217,7 @@ def sweep(patterns: str | None = None, *, jobs: int = 1, timeout: float = 60.0, 
         bar.close()
     if progress:
         print(f"coverage: {len(ops)} ops in {time.perf_counter() - t0:.0f} s "
-              f"(OpInfo capture {t_capture:.0f} s, {len(jobs_list)} ops derived and verified)",
+              f"(OpInfo capture {t_capture:.0f} s, {len(jobs_list)} ops derived{' and verified' if verify else ''})",
               file=sys.stderr, flush=True)
     run_info = {"jobs": jobs, "timeout": timeout, "samples_per_op": samples_per_op,
                 "opinfo_samples": opinfo_samples, "verify": verify, "selection": patterns or "default",

@@ -23,7 +23,8 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 
 from ..cli import UsageError
 from . import report as rep
-from .sweep import Progress, analyse_op, make_job, needs_worker, run_jobs, sample_score
+from .report import Progress
+from .sweep import analyse_op, make_job, needs_worker, run_jobs, sample_score
 
 __all__ = ["audit_model", "build_model", "load_callable", "parse_shapes", "trace_calls"]
 

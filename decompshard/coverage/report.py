@@ -1,21 +1,28 @@
 """Coverage reports: the stable JSON document, tables for people, and diffs of two runs.
 
 The JSON document (`build_report`) is the contract; tables and diffs are rendered from it,
-so `--diff` works on files written by any earlier run::
+so `--diff` and `--from` work on files written by any earlier run::
 
     {"version": decompshard version, "schema_version": 1, "torch_version": ...,
-     "ops": [ {op, status, reason, registry, derived_rules [rule strings], n_derived,
-               n_confirmed, n_incorrect, n_untestable, n_truth, n_missed, missed [rules],
-               incorrect ["[shapes] rule: why"],
-               torch_fallback {status, reason, n_rules, n_confirmed, n_incorrect,
-                               n_missed, n_truth, rules},
-               seconds, samples [per-sample detail], calls (model audits only)}, ...],
-     "summary": {...}}
+     "run" | "model": {how it was made},
+     "ops": [{"op", "status", "reason", "registry" (native: single-dim | op-strategy | rule),
+              "derived_rules" [rule strings], "n_derived", "n_confirmed", "n_incorrect",
+              "n_untestable", "n_truth", "n_missed", "missed" [rules], "incorrect" [text],
+              "verified" (the numerical check ran),
+              "torch_fallback": {"status", "reason", "n_rules", "n_confirmed", "n_incorrect",
+                                 "n_missed", "n_truth", "rules", "incorrect"},
+              "seconds", "samples" [per-sample detail, same counts], "calls" (--model only)}],
+     "summary": {"ops", "status" {status: count}, "verified_ops",
+                 "decompshard" | "torch_fallback": {"ops_with_rules", "rules", "confirmed",
+                     "incorrect", "missed", "truth", "precision", "precision_mean",
+                     "recall", "recall_mean"}}}
 
-`ops` is sorted by op name. Counts are summed over an op's samples (at most 2);
-`n_truth` is how many rules the numerical checker found valid on them (the same truth
-for both sides), so recall = (n_truth - n_missed) / n_truth. `status` is one of
-`sweep.STATUSES`; `torch_fallback.status` is supported | replicate-only | unsupported | n/a.
+`ops` is sorted by op name. Counts are summed over an op's samples (at most 2, largest
+first); rule lists are the distinct union over them. `n_truth` counts the rules the
+numerical checker found valid (the same truth for both sides), so recall is
+(n_truth - n_missed) / n_truth and precision n_confirmed / (n_confirmed + n_incorrect).
+`status` is one of `sweep.STATUSES`; `torch_fallback.status` is supported |
+replicate-only | unsupported | n/a (not run: native op, or nothing to run it on).
 """
 
 from __future__ import annotations
@@ -23,8 +30,10 @@ from __future__ import annotations
 import csv
 import io
 import json
+import sys
+import time
 from importlib import metadata
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence, TextIO
 
 import torch
 from tabulate import tabulate
@@ -155,14 +164,23 @@ def render_table(records: Sequence[dict[str, Any]], fmt: str = "text", width: in
     if fmt == "markdown":
         rows = [[*row[:-1], str(row[-1]).replace("|", "\\|")] for row in rows]
         return tabulate(rows, head, tablefmt="github", disable_numparse=True)
-    col = lambda i: max([len(str(x[i])) for x in rows] + [len(head[i])]) + 2  # noqa: E731
-    others = sum(col(i) for i in range(1, len(head) - 1))
-    op_w = col(0) - 2
-    if width - others - op_w - 2 < 40:
-        op_w = max(32, width - others - 2 - 40)
-        rows = [[_squeeze(row[0], op_w), *row[1:]] for row in rows]
-        op_w = col(0) - 2
-    room = max(20, width - others - op_w - 2)
+    def base_width(rs: list[list[str]]) -> int:  # the table's width minus its reason column
+        blank = tabulate([[*r[:-1], ""] for r in rs], head, tablefmt="simple", disable_numparse=True)
+        return max(len(line) for line in blank.splitlines()) - len(head[-1]) - 2
+
+    fixed = base_width(rows)
+    if width - fixed < 40:  # very long op names: cut their middle rather than every reason
+        op_w = max(len(str(r[0])) for r in rows)
+        cap = max(32, op_w - (40 - (width - fixed)))
+        rows = [[_squeeze(row[0], cap), *row[1:]] for row in rows]
+        fixed = base_width(rows)
+    room = width - fixed - 2
+    if room < 24:  # a narrow terminal: each reason on its own indented line under its row
+        lines = tabulate([r[:-1] for r in rows], head[:-1], tablefmt="simple", disable_numparse=True).splitlines()
+        out = lines[:2]
+        for line, row in zip(lines[2:], rows):
+            out += [line, "    " + _cut(row[-1], width - 4)] if row[-1] else [line]
+        return "\n".join(out) + "\n" + _cut(LEGEND, width)
     rows = [[*row[:-1], _cut(row[-1], room)] for row in rows]
     return tabulate(rows, head, tablefmt="simple", disable_numparse=True) + "\n" + _cut(LEGEND, width)
 
@@ -300,3 +318,35 @@ def _fmt(x: Any, signed: bool = False) -> str:
     if isinstance(x, float):
         return f"{x:+.3f}" if signed else f"{x:.3f}"
     return f"{x:+d}" if signed and isinstance(x, int) else str(x)
+
+
+# ------------------------------------------------------------------ progress
+
+
+class Progress:
+    """A one-line `\\r` counter on a TTY, a plain line every `every` ops otherwise; always
+    on stderr, so stdout (JSON) stays clean."""
+
+    def __init__(self, total: int, stream: TextIO | None = None, every: int = 50, enabled: bool = True):
+        self.total, self.done, self.every, self.enabled = total, 0, every, enabled
+        self.stream = stream or sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.t0 = time.monotonic()
+
+    def step(self, name: str) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        elapsed = time.monotonic() - self.t0
+        if self.tty:
+            line = f"[{self.done:>{len(str(self.total))}}/{self.total}] {elapsed:5.0f}s {name}"
+            self.stream.write("\r" + line[:79].ljust(79))
+            self.stream.flush()
+        elif self.done % self.every == 0 or self.done == self.total:
+            self.stream.write(f"coverage: {self.done}/{self.total} ops ({elapsed:.0f} s)\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.tty and self.done:
+            self.stream.write("\r" + " " * 79 + "\r")
+            self.stream.flush()

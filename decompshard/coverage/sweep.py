@@ -28,11 +28,10 @@ import collections
 import multiprocessing as mp
 import pickle
 import re
-import sys
 import time
 import warnings
 from multiprocessing.connection import wait
-from typing import Any, Callable, Iterable, Sequence, TextIO
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -361,38 +360,6 @@ def run_jobs(jobs: Sequence[tuple[str, bytes]], workers: int, timeout: float,
     finally:
         for w in pool:
             w.stop(kill=bool(w.job))
-
-
-# ------------------------------------------------------------------ progress
-
-
-class Progress:
-    """A one-line `\\r` counter on a TTY, a plain line every `every` ops otherwise; always
-    on stderr, so stdout (JSON) stays clean."""
-
-    def __init__(self, total: int, stream: TextIO | None = None, every: int = 50, enabled: bool = True):
-        self.total, self.done, self.every, self.enabled = total, 0, every, enabled
-        self.stream = stream or sys.stderr
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.t0 = time.monotonic()
-
-    def step(self, name: str) -> None:
-        self.done += 1
-        if not self.enabled:
-            return
-        elapsed = time.monotonic() - self.t0
-        if self.tty:
-            line = f"[{self.done:>{len(str(self.total))}}/{self.total}] {elapsed:5.0f}s {name}"
-            self.stream.write("\r" + line[:79].ljust(79))
-            self.stream.flush()
-        elif self.done % self.every == 0 or self.done == self.total:
-            self.stream.write(f"coverage: {self.done}/{self.total} ops ({elapsed:.0f} s)\n")
-            self.stream.flush()
-
-    def close(self) -> None:
-        if self.enabled and self.tty and self.done:
-            self.stream.write("\r" + " " * 79 + "\r")
-            self.stream.flush()
 
 
 def needs_worker(op: torch._ops.OpOverload, samples: Sequence[Any]) -> bool:

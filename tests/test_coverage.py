@@ -1,0 +1,308 @@
+"""`decompshard coverage`: the JSON schema, statuses of known ops, diffs, bad arguments, the
+worker pool's timeout/crash handling and a --model audit (tests/_tiny_model.py).
+
+Every sweep here uses `--opinfo-samples 1` (the first sample input of each OpInfo): the
+capture is cached in-process, so the whole module pays it once (~7 s).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import time
+
+import pytest
+import torch
+
+from decompshard import derive_rules, resolve_op
+from decompshard.cli import main
+from decompshard.coverage import report as rep
+from decompshard.coverage.opinfo_samples import capture_aten_samples
+from decompshard.coverage.report import Progress
+from decompshard.coverage.sweep import (STATUSES, make_job, new_record, pick_samples, run_jobs,
+                                        shapes_text)
+
+SMALL = ",".join([
+    "aten.mul.Tensor",  # native
+    "aten.addmv.default",  # derived
+    "aten.block_diag.default",  # derived; torch's fallback trips on a factory op
+    "aten.complex.default",  # derived via stack (it used to write through a view)
+    "aten.as_strided_copy.default",  # replicate-only
+    "aten.normal.Tensor_Tensor",  # random: unsupported
+    "aten.nonzero.default",  # no decomposition
+    "aten.hardsigmoid_backward.default",  # decomposable, never reached by OpInfo
+    "aten.pixel_*",  # a glob
+])
+FAST = ["--opinfo-samples", "1", "-j", "1", "-q"]
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("cov") / "small.json"
+    assert main(["coverage", "--ops", SMALL, "--format", "json", "-o", str(out), *FAST]) == 0
+    return json.loads(out.read_text())
+
+
+def _op(doc: dict, name: str) -> dict:
+    return next(r for r in doc["ops"] if r["op"] == name)
+
+
+# ------------------------------------------------------------------ schema
+
+
+def test_json_schema(small):
+    assert isinstance(small["version"], str) and small["torch_version"] == torch.__version__
+    names = [r["op"] for r in small["ops"]]
+    assert names == sorted(names)
+    assert {"aten.pixel_shuffle.default", "aten.pixel_unshuffle.default"} <= set(names)
+    ints = ("n_derived", "n_confirmed", "n_incorrect", "n_missed", "n_truth")
+    for r in small["ops"]:
+        assert r["status"] in STATUSES and isinstance(r["reason"], str)
+        assert all(isinstance(r[k], int) and r[k] >= 0 for k in ints)
+        assert isinstance(r["derived_rules"], list) and all(isinstance(x, str) for x in r["derived_rules"])
+        assert isinstance(r["missed"], list) and isinstance(r["seconds"], float)
+        assert isinstance(r["samples"], list)
+        tf = r["torch_fallback"]
+        assert tf["status"] in ("supported", "replicate-only", "unsupported", "n/a")
+        assert all(isinstance(tf[k], int) for k in ("n_rules", "n_confirmed", "n_incorrect", "n_missed"))
+        assert isinstance(tf["rules"], list)
+        for s in r["samples"]:
+            assert isinstance(s["shapes"], str) and isinstance(s["n_derived"], int)
+    summary = small["summary"]
+    assert summary["ops"] == len(small["ops"]) == sum(summary["status"].values())
+    for side in ("decompshard", "torch_fallback"):
+        for key in ("precision", "precision_mean", "recall", "recall_mean"):
+            assert summary[side][key] is None or 0.0 <= summary[side][key] <= 1.0
+    json.dumps(small)  # round-trips
+
+
+# ------------------------------------------------------------------ statuses
+
+
+def test_native_op_is_not_derived(small):
+    r = _op(small, "aten.mul.Tensor")
+    assert r["status"] == "native" and r["registry"] == "single-dim"
+    assert r["samples"] == [] and r["n_derived"] == 0
+
+
+def test_addmv_is_derived_and_verified(small):
+    r = _op(small, "aten.addmv.default")
+    assert r["status"] == "derived"
+    assert r["n_derived"] > 0 and r["n_incorrect"] == 0 and r["n_confirmed"] == r["n_derived"]
+    assert "P(sum), S(1), S(0) -> P(sum)" in r["derived_rules"]  # bias must be partial too
+    assert r["torch_fallback"]["status"] == "supported"
+
+
+def test_block_diag_derived_where_torch_fallback_fails(small):
+    r = _op(small, "aten.block_diag.default")
+    assert r["status"] == "derived" and r["n_incorrect"] == 0 and r["n_derived"] > 0
+    tf = r["torch_fallback"]
+    assert tf["status"] == "unsupported" and tf["n_rules"] == 0 and tf["reason"]
+
+
+def test_statuses_agree_with_derive_rules(small):
+    """Re-derive every swept op on the same samples: the record is what derive_rules says."""
+    captured = capture_aten_samples(max_samples_per_opinfo=1)
+    checked = 0
+    for r in small["ops"]:
+        if r["status"] == "native" or not r["samples"]:
+            continue
+        results = [derive_rules(r["op"], *s.args, **s.kwargs) for s in pick_samples(captured[resolve_op(r["op"])], 2)]
+        assert [x["shapes"] for x in r["samples"]] == [shapes_text(s.args, s.kwargs) for s in
+                                                       pick_samples(captured[resolve_op(r["op"])], 2)]
+        assert r["n_derived"] == sum(len(d.rules) for d in results), r["op"]
+        assert r["derived_rules"] == list(dict.fromkeys(x for d in results for x in d.as_strings()))
+        assert (r["status"] == "derived") == any(d.rules for d in results), r["op"]
+        reasons = [d.unsupported_reason for d in results if d.unsupported_reason]
+        if r["status"] != "derived" and reasons:
+            assert r["reason"] == reasons[0]
+        checked += 1
+    assert checked >= 5
+
+
+def test_complex_is_derived_now(small):
+    # complex.default used to be refused (its decomposition copied into a view); it now
+    # decomposes via stack, and every derived rule checks out numerically.
+    r = _op(small, "aten.complex.default")
+    assert r["status"] == "derived" and r["n_incorrect"] == 0 and r["n_confirmed"] == r["n_derived"] > 0
+
+
+def test_random_and_replicate_only(small):
+    r = _op(small, "aten.normal.Tensor_Tensor")
+    assert r["status"] == "unsupported" and r["reason"].startswith("random:")
+    assert r["torch_fallback"]["status"] == "unsupported" and r["n_truth"] == 0  # never verified
+    r = _op(small, "aten.as_strided_copy.default")
+    assert r["status"] == "replicate-only" and "no non-trivial rule survives" in r["reason"]
+    assert r["n_derived"] == 0 and r["n_missed"] == r["n_truth"] > 0
+
+
+def test_no_decomposition_and_no_sample(small):
+    r = _op(small, "aten.nonzero.default")
+    assert r["status"] == "unsupported" and "no decomposition" in r["reason"]
+    r = _op(small, "aten.hardsigmoid_backward.default")
+    assert r["status"] == "unsupported" and "no sample inputs" in r["reason"]
+
+
+# ------------------------------------------------------------------ rendering
+
+
+def test_text_table_fits_width_and_stdout_json_is_clean(capsys):
+    assert main(["coverage", "--ops", "aten.addmv.default,aten.nonzero.default", *FAST[:-1]]) == 0
+    out, err = capsys.readouterr()
+    assert "aten.addmv.default" in out and "Summary" in out and "coverage:" in err
+    assert main(["coverage", "--ops", "aten.addmv.default", "--format", "json", *FAST[:-1]]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["ops"][0]["op"] == "aten.addmv.default" and "coverage:" in err
+
+    long = new_record("aten." + "x" * 70 + ".default")
+    long["reason"] = "because " * 40
+    text = rep.render(rep.build_report([long, new_record("aten.y.default")]), "text", width=100)
+    assert max(len(line) for line in text.splitlines()) <= 100
+    assert "..." in text
+
+
+def test_markdown_and_csv(small):
+    md = rep.render(small, "markdown")
+    assert "| aten.addmv.default" in md and "| native" in md
+    csv_text = rep.render(small, "csv")
+    assert csv_text.splitlines()[0].startswith("op,status,registry,n_derived")
+    assert len(csv_text.splitlines()) == len(small["ops"]) + 1
+
+
+def test_progress_tty_and_plain():
+    plain = io.StringIO()
+    p = Progress(5, stream=plain, every=2)
+    for i in range(5):
+        p.step(f"op{i}")
+    assert plain.getvalue().count("\n") == 3  # at 2, 4 and the last
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty = Tty()
+    p = Progress(3, stream=tty)
+    for i in range(3):
+        p.step(f"op{i}")
+    p.close()
+    assert tty.getvalue().count("\r") >= 3 and "\n" not in tty.getvalue()
+
+
+# ------------------------------------------------------------------ diff
+
+
+def _doc(records: list[dict]) -> dict:
+    return rep.build_report(records)
+
+
+def test_diff_two_reports(tmp_path, capsys):
+    a1, a2 = new_record("aten.a.default"), new_record("aten.a.default")  # old, new
+    b1, b2 = new_record("aten.b.default"), new_record("aten.b.default")
+    a1.update(status="derived", derived_rules=["S(0) -> S(0)", "R -> P(sum)"], n_derived=2, n_confirmed=2, n_truth=2)
+    a2.update(status="derived", derived_rules=["S(0) -> S(0)", "S(1) -> S(1)"], n_derived=2, n_confirmed=2, n_truth=2)
+    b1.update(status="replicate-only")
+    b2.update(status="unsupported", reason="no decomposition")
+    c = new_record("aten.c.default")
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    old.write_text(json.dumps(_doc([a1, b1])))
+    new.write_text(json.dumps(_doc([a2, b2, c])))
+    assert main(["coverage", "--diff", str(old), str(new)]) == 0
+    out = capsys.readouterr().out
+    assert "replicate-only -> unsupported" in out
+    assert "+S(1) -> S(1)" in out and "-R -> P(sum)" in out and "+1/-1" in out
+    assert "(absent) -> unsupported" in out
+    assert "Summary changes" in out and "replicate-only" in out
+    assert main(["coverage", "--diff", str(old), str(new), "--format", "json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    by_op = {x["op"]: x for x in d["changes"]}
+    assert by_op["aten.a.default"]["gained"] == ["S(1) -> S(1)"]
+    assert d["summary"]["unsupported"] == {"old": 0, "new": 2, "delta": 2}
+    assert main(["coverage", "--diff", str(old), str(old)]) == 0
+    assert "no per-op changes" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ bad arguments
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ops", "aten.no_such_op.default"], "unknown op"),
+    (["--ops", "aten.zz_no_match*", *FAST], "matches no aten op"),
+    (["--model", "no_such_module_xyz:build"], "cannot import 'no_such_module_xyz'"),
+    (["--model", "_tiny_model:nope"], "has no attribute"),
+    (["--model", "_tiny_model:not_a_model"], "expected an nn.Module"),
+    (["--model", "_tiny_model:build"], "--input-shapes"),
+    (["--model", "_tiny_model:build", "--input-shapes", "4,x"], "--input-shapes"),
+    (["--model", "no_colon"], "MODULE:CALLABLE"),
+    (["--diff", "/nonexistent/old.json", "/nonexistent/new.json"], "cannot read coverage report"),
+    (["--timeout", "0"], "--timeout"),
+    (["--ops", "aten.mul.Tensor", "-o", "/nonexistent/dir/report.txt"], "cannot write --output"),
+    (["--status", "bogus"], "unknown --status"),
+    (["--ops", "aten.mul.Tensor", "--model", "_tiny_model:build"], "cannot be combined"),
+])
+def test_bad_arguments_exit_2(argv, message, capsys):
+    assert main(["coverage", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_diff_rejects_a_non_report(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"not": "a report"}')
+    assert main(["coverage", "--diff", str(bad), str(bad)]) == 2
+    assert "not a decompshard coverage JSON report" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ workers
+
+
+class _Hang:
+    def __reduce__(self):
+        return (time.sleep, (60,))
+
+
+class _Die:
+    def __reduce__(self):
+        return (os._exit, (7,))
+
+
+def test_workers_survive_hangs_and_crashes():
+    """A job that hangs is killed at its deadline, one that kills its process is reported
+    as crashed; a fresh worker then runs the next op normally."""
+    v, m = torch.randn(5), torch.randn(5, 4)
+    jobs = [("aten.hang.default", pickle.dumps(_Hang())), ("aten.die.default", pickle.dumps(_Die())),
+            make_job("aten.addmv.default", [((v, m, torch.randn(4)), {}, "test")], True)]
+    got: dict[str, dict] = {}
+    t0 = time.monotonic()
+    run_jobs(jobs, 1, 3.0, lambda name, rec: got.__setitem__(name, rec))
+    assert time.monotonic() - t0 < 40
+    assert got["aten.hang.default"]["status"] == "unsupported"
+    assert got["aten.hang.default"]["reason"] == "timed out after 3 s"
+    assert got["aten.die.default"]["reason"] == "crashed: worker exited with code 7"
+    ok = got["aten.addmv.default"]
+    assert ok["status"] == "derived" and ok["n_incorrect"] == 0 and ok["n_confirmed"] > 0
+
+
+# ------------------------------------------------------------------ model audit
+
+
+def test_model_audit(tmp_path, capsys):
+    out = tmp_path / "model.json"
+    argv = ["coverage", "--model", "_tiny_model:build", "--input-shapes", "4,16", "--format", "json",
+            "-o", str(out), "-q", "-j", "1"]
+    assert main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["model"]["inputs"] == [[4, 16]] and doc["model"]["aten_calls"] > 10
+    ops = {r["op"]: r for r in doc["ops"]}
+    assert all(isinstance(r["calls"], int) and r["calls"] >= 1 for r in ops.values())
+    assert ops["aten.addmm.default"]["status"] == "native"
+    for name in ("aten.pixel_shuffle.default", "aten.pixel_unshuffle.default", "aten.addmv.default"):
+        assert ops[name]["status"] == "derived" and ops[name]["n_derived"] > 0, name
+    # derived at the model's own shapes: pixel_shuffle sees (4, 9, 2, 2)
+    assert ops["aten.pixel_shuffle.default"]["samples"][0]["shapes"] == "[4, 9, 2, 2]"
+    assert ops["aten.view.default"]["calls"] >= 2
+
+    assert main(["coverage", "--model", "_tiny_model:build_with_inputs", "-q", "-j", "0"]) == 0
+    text = capsys.readouterr().out
+    assert "calls" in text.splitlines()[0] and "aten.pixel_shuffle.default" in text
