@@ -16,7 +16,13 @@ bug this package can have):
   independent draws are used, and one extra draw negates the noise of the first
   (P(sum)/P(avg)) or moves every element's "holder" rank (P(max)/P(min));
 * P(max)/P(min) parts are strictly smaller/larger than the value on every rank but the
-  randomly chosen holder, so index-returning ops (argmax) disagree across ranks.
+  randomly chosen holder, so index-returning ops (argmax) disagree across ranks;
+* besides the caller's data, every rule must also hold on derived samples (ties,
+  negated, NaN/inf/0: see VARIANTS) that defeat data on which a wrong rule looks right;
+* an input the op changes in place must still match its placement afterwards.
+
+Safety: local shapes of sharded inputs are first shown to the op's meta kernel, because
+a few CPU kernels trust sizes blindly and corrupt the heap (see `OpCase.shape_error`).
 """
 
 from __future__ import annotations
@@ -45,17 +51,21 @@ Outputs = list[list[Any]]  # per rank: the flattened leaves of the op's result
 _HIGH_DTYPES = {torch.float64, torch.complex128}
 
 
-def draw_schedule(inputs: Sequence[MaybePlacement], draws: int, seed: int) -> tuple[Draw, ...]:
-    """Draws to run for these input placements.
+def draw_schedule(inputs: Sequence[MaybePlacement], draws: int, seed: int,
+                  numels: Sequence[int] = ()) -> tuple[Draw, ...]:
+    """Draws to run for these input placements (`numels`: element count per input).
 
     Replicate/Shard inputs are deterministic, so one draw says everything. With any
     Partial input: `draws - 1` (at least 2) independent draws plus the mirror of the
-    first, the combination the brief requires against lucky passes.
+    first. A Partial input with few elements gives each draw few chances to expose a
+    wrong rule (a 0-d remainder(R, P(max)) passed 3 draws by luck), so small ones get
+    up to 12 independent draws: about 12 element-draws at least.
     """
+    sizes = [n for p, n in zip(inputs, numels) if isinstance(p, Partial)]
     if not any(isinstance(p, Partial) for p in inputs):
         return ((seed, False),)
-    n = max(int(draws), 3)
-    return tuple((seed + k, False) for k in range(n - 1)) + ((seed, True),)
+    n_random = max(int(draws) - 1, 2, min(12, -(-12 // max(1, min(sizes, default=12)))))
+    return tuple((seed + k, False) for k in range(n_random)) + ((seed, True),)
 
 
 def promote(t: torch.Tensor) -> torch.Tensor:
@@ -239,8 +249,13 @@ def _reduce(stack: torch.Tensor, op: str) -> torch.Tensor:
     return stack.amax(0) if op == "max" else stack.amin(0)
 
 
-def check_output(ref: Any, locs: Sequence[Any], q: MaybePlacement, world_size: int) -> str | None:
-    """Why the per-rank values `locs` do NOT combine under `q` into `ref`; None if they do."""
+def check_output(ref: Any, locs: Sequence[Any], q: MaybePlacement, world_size: int,
+                 partial_where_finite: bool = False) -> str | None:
+    """Why the per-rank values `locs` do NOT combine under `q` into `ref`; None if they do.
+
+    `partial_where_finite`: judge a Partial output only where `ref` is finite (on data
+    with inf, IEEE arithmetic does not distribute: inf - inf is NaN even for sums).
+    """
     if not isinstance(ref, torch.Tensor):
         if q is not None:
             return f"is not a tensor ({type(ref).__name__}), so its placement must be None"
@@ -288,7 +303,11 @@ def check_output(ref: Any, locs: Sequence[Any], q: MaybePlacement, world_size: i
             hi = torch.int64
         red = _reduce(torch.stack([v.to(hi) for v in locs]), q.reduce_op)
         summed = list(locs) if q.reduce_op in ("sum", "avg") else ()
-        if not close(red, ref.to(hi), summed, ref.dtype):
+        want = ref.to(hi)
+        if partial_where_finite and (ref.dtype.is_floating_point or ref.is_complex()):
+            keep = torch.isfinite(want)
+            red, want, summed = red[keep], want[keep], [v[keep] for v in summed]
+        if not close(red, want, summed, ref.dtype):
             return f"{q}: reduction over ranks differs from the single-device result"
         return None
     return f"unknown placement {q!r}"
@@ -305,20 +324,25 @@ def _tie_values(x: torch.Tensor, i: int) -> torch.Tensor:
 
 
 def _special_values(x: torch.Tensor, i: int) -> torch.Tensor:
-    """NaN, +inf and -inf sprinkled over `x` (every other element keeps its value)."""
-    k = (torch.arange(x.numel()) + i).reshape(x.shape) % 6
-    nan = torch.full_like(x, float("nan"))
-    return torch.where(k == 1, nan, torch.where(k == 3, float("inf"), torch.where(k == 5, float("-inf"), x)))
+    """NaN, +inf, -inf on odd flat positions; zeros on even ones: every 4th in all inputs
+    (logical_or(0, 0)) and every 8th, offset by input, in one input only (and(0, 1))."""
+    k = torch.arange(x.numel()).reshape(x.shape)
+    odd = (k + 2 * i) % 6
+    zero = (k % 4 == 0) | (k % 8 == (2 if i % 2 == 0 else 6))
+    out = torch.where(zero, torch.zeros_like(x), x)
+    out = torch.where(odd == 1, torch.full_like(x, float("nan")), out)
+    return torch.where(odd == 3, float("inf"), torch.where(odd == 5, float("-inf"), out))
 
 
-# name -> (transform of each floating input, whether Partial OUTPUT claims are judged on it)
-# Partial outputs are not judged on the special-values sample: inf parts summed with mixed
-# signs give NaN even for linear ops. That sample is there for R/S outputs computed from
-# Partial inputs (isnan(P(sum)) -> R looks valid on NaN-free data).
+# name -> (transform of each floating input, judge Partial outputs only where finite).
+# On the special-values sample inf parts summed with mixed signs give NaN even for linear
+# ops, and x / 0 does not distribute over parts; finite positions must still agree. The
+# sample is there for outputs whose value ignores Partial inputs on ordinary data:
+# isnan(P(sum)) -> R, logical_or(R, P(sum)) -> R, heaviside(R, P(sum)) -> P(avg).
 VARIANTS: dict[str, tuple[Callable[[torch.Tensor, int], torch.Tensor], bool]] = {
-    "ties": (_tie_values, True),  # eq(P(sum), R) -> R looks valid when nothing is equal
-    "negated": (lambda x, i: -x, True),  # mul(P(max), R) -> P(max) looks valid if R >= 0
-    "special": (_special_values, False),
+    "ties": (_tie_values, False),  # eq(P(sum), R) -> R looks valid when nothing is equal
+    "negated": (lambda x, i: -x, False),  # mul(P(max), R) -> P(max) looks valid if R >= 0
+    "special": (_special_values, True),
 }
 
 
@@ -326,9 +350,9 @@ class Sample:
     """One set of input values with its single-device reference and local-input cache."""
 
     def __init__(self, name: str, leaves: list[Any], ref_all: list[Any], inputs: list[torch.Tensor],
-                 judges_partial_outputs: bool = True, n_mutated: int = 0):
+                 partial_where_finite: bool = False, n_mutated: int = 0):
         self.name, self.leaves, self.ref_all, self.inputs = name, leaves, ref_all, inputs
-        self.judges_partial_outputs = judges_partial_outputs
+        self.partial_where_finite = partial_where_finite
         self.ref_leaves = ref_all[: len(ref_all) - n_mutated]  # the op's result, flattened
         self.cache: dict[tuple, list[torch.Tensor]] = {}
 
@@ -371,17 +395,17 @@ class OpCase:
         floats = [i for i, x in enumerate(self.inputs) if x.dtype.is_floating_point or x.is_complex()]
         if self.untestable or not variants or not floats:
             return
-        for name, (fn, judges_partial) in VARIANTS.items():
+        for name, (fn, where_finite) in VARIANTS.items():
             new = list(base.leaves)
             for i in floats:
                 new[self.tensor_pos[i]] = fn(self.inputs[i], i)
-            s = self._sample(name, new, judges_partial)
+            s = self._sample(name, new, where_finite)
             if isinstance(s, str) or not _same_structure(s.ref_all, base.ref_all):
                 self.dropped.append(f"{name}: {s if isinstance(s, str) else 'result structure differs'}")
             else:
                 self.samples.append(s)
 
-    def _sample(self, name: str, leaves: list[Any], judges_partial: bool = True) -> Sample | str:
+    def _sample(self, name: str, leaves: list[Any], where_finite: bool = False) -> Sample | str:
         try:
             ref = self._call(leaves)
             if not leaves_equal(ref, self._call(leaves)):
@@ -392,7 +416,7 @@ class OpCase:
         for i, pos in enumerate(self.tensor_pos):
             if i not in self.mutated and not leaves_equal([after[i]], [leaves[pos]]):
                 self.mutated.append(i)
-        return Sample(name, leaves, ref, [leaves[i] for i in self.tensor_pos], judges_partial, self.n_mutated)
+        return Sample(name, leaves, ref, [leaves[i] for i in self.tensor_pos], where_finite, self.n_mutated)
 
     @property
     def ref_leaves(self) -> list[Any]:

@@ -6,7 +6,8 @@ each rank's local inputs yields local outputs that, combined per the output plac
 equal the single-device result. We test exactly that, on the caller's real tensors, with
 plain per-rank tensors (see `_rank_sim`). A passing check is evidence at these shapes and
 values, never a proof; everything is arranged so that a wrong rule is very unlikely to
-pass (float64, tight tolerance, several random Partial draws plus a mirrored one).
+pass (float64, tight tolerance, several random Partial draws plus a mirrored one, and
+derived data samples). Cost: input combos x draws x W x samples (4) op calls.
 
 World sizes and [even]: a rule without [even] must pass at every W in `world_sizes`, and
 when none of those W splits a sharded input dim unevenly we add one "probe" W (the
@@ -117,9 +118,7 @@ def _plan_world_sizes(case: OpCase, inputs: Sequence[MaybePlacement], world_size
 def _judge(case: OpCase, outs_by_sample, world_size: int, j: int, q: MaybePlacement) -> str | None:
     """Why output j does not combine under q on some sample; None if it does on all."""
     for sample, outs in outs_by_sample:
-        if isinstance(q, Partial) and not sample.judges_partial_outputs:
-            continue
-        why = check_output(sample.ref_all[j], [o[j] for o in outs], q, world_size)
+        why = check_output(sample.ref_all[j], [o[j] for o in outs], q, world_size, sample.partial_where_finite)
         if why:
             return why if sample.name == "base" else f"{why} (on the {sample.name} sample)"
     return None
@@ -164,7 +163,7 @@ def _check(case: OpCase, rule: SingleDimRule, world_sizes: Sequence[int], draws:
     if not targets:
         return RuleCheck(None, f"[even] rule, but no W in {tuple(world_sizes)} splits sharded dims "
                                f"{case.sharded_sizes(rule.inputs)} evenly", rule)
-    schedule = draw_schedule(rule.inputs, draws, seed)
+    schedule = draw_schedule(rule.inputs, draws, seed, [x.numel() for x in case.inputs])
     for w in targets:
         sets, why = _passing_outputs(case, rule.inputs, w, schedule, [{q} for q in rule.outputs])
         if not all(sets):
@@ -248,10 +247,11 @@ def _classify(case: OpCase, inputs: tuple, world_sizes, draws: int, seed: int,
     Each output is judged on its own (a rule holds at W iff each of its output
     placements does), so the op runs once per (W, draw) however many outputs exist.
     With `prune_implied`, an output that can be R does not also list P(avg|max|min):
-    identical values on every rank trivially satisfy those, and R is strictly better.
+    identical values on every rank trivially satisfy those, and R is strictly better
+    (an empty output, which satisfies everything, lists only R).
     """
     ws, even = _plan_world_sizes(case, inputs, world_sizes)
-    schedule = draw_schedule(inputs, draws, seed)
+    schedule = draw_schedule(inputs, draws, seed, [x.numel() for x in case.inputs])
     alphabets = [output_alphabet(ref) for ref in case.ref_leaves]
     all_sets = [set(a) for a in alphabets]
     even_sets = [set(s) for s in all_sets] if even else None
@@ -267,9 +267,11 @@ def _classify(case: OpCase, inputs: tuple, world_sizes, draws: int, seed: int,
 
     def ordered(sets: list[set]) -> list[list]:
         out = []
-        for alpha, s in zip(alphabets, sets):
+        for alpha, s, ref in zip(alphabets, sets, case.ref_leaves):
             if prune_implied and R in s:
                 s = {q for q in s if not (isinstance(q, Partial) and q.reduce_op != "sum")}
+                if ref.numel() == 0:  # an empty output satisfies every placement
+                    s = {R}
             out.append([q for q in alpha if q in s])
         return out
 

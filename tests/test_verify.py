@@ -233,6 +233,29 @@ def test_complex_outputs_never_take_max_min():
     assert res.ok is False and "not defined" in res.reason
 
 
+def test_inputs_changed_in_place_must_keep_their_placement():
+    # Legacy native_batch_norm updates running stats in place although its schema does not
+    # say so. running_mean' = 0.9 * running_mean + 0.1 * batch_mean is affine with a
+    # positive slope: P(avg) and P(max) survive it, P(sum) does not (0.1 * mean added W
+    # times). A channel-sharded running_mean with replicated x must be rejected on shapes
+    # (before any real call: the CPU kernel would write past the shard).
+    x, w, b = randn(3, 4, 5, seed=40), randn(4, seed=41), randn(4, seed=42)
+    rm, rv = randn(4, seed=43), torch.rand(4, generator=torch.Generator().manual_seed(1)) + 0.5
+    args = (x, w, b, rm, rv, True, 0.1, 1e-5)
+    op = aten.native_batch_norm.default
+    assert ok(op, args, "R, R, R, P(avg), R -> R, R, R") is True
+    assert ok(op, args, "R, R, R, P(max), R -> R, R, R") is True
+    assert ok(op, args, "R, R, R, P(sum), R -> R, R, R") is False
+    res = check_rule(op, args, {}, parse_rule("R, R, R, S(0), R -> R, R, R"))
+    assert res.ok is False and "shapes" in res.reason
+    # channel sharding is fine (5 channels: shards 3,2 and 2,2,1, none empty)
+    x5, v5 = randn(3, 5, 4, seed=46), randn(5, seed=47)
+    args5 = (x5, v5, v5, v5, v5.abs() + 0.5, True, 0.1, 1e-5)
+    assert ok(op, args5, "S(1), S(0), S(0), S(0), S(0) -> S(1), S(0), S(0)") is True
+    assert ok(op, args5, "S(0), R, R, R, R -> S(0), R, R") is False  # batch statistics
+    assert ok(aten.add_.Tensor, (randn(4, 6, seed=44), randn(4, 6, seed=45)), "P(sum), R -> P(sum)") is False
+
+
 def test_malformed_rules_and_random_ops():
     x = randn(4, 6, seed=25)
     res = check_rule(aten.abs.default, (x,), {}, parse_rule("S(5) -> S(5)"))
@@ -249,7 +272,7 @@ def test_run_rule_on_ranks_single_world_size():
     assert run_rule_on_ranks(aten.mm.default, (a, b), {}, rule, 2).ok is True
     assert run_rule_on_ranks(aten.mm.default, (a, b), {}, rule, 3, seed=5, flipped=True).ok is True
     bad = run_rule_on_ranks(aten.mm.default, (a, b), {}, parse_rule("S(1), R -> P(sum)"), 2)
-    assert bad.ok is False and "raises" in bad.reason
+    assert bad.ok is False and "rank 0" in bad.reason
 
 
 # ---------------------------------------------------------------- Partial construction
