@@ -25,7 +25,7 @@ from ..cli import UsageError
 from ..derive import resolve_op
 from . import report as rep
 from .report import Progress
-from .sweep import STATUSES, analyse_op, make_job, needs_worker, pick_samples, run_jobs
+from .sweep import STATUSES, needs_worker, pick_samples, records_for
 
 __all__ = ["add_arguments", "run", "select_ops", "sweep"]
 
@@ -195,29 +195,16 @@ def sweep(patterns: str | None = None, *, jobs: int = 1, timeout: float = 60.0, 
     captured = capture_aten_samples(max_samples_per_opinfo=opinfo_samples)
     t_capture = time.perf_counter() - t0
     ops = select_ops(patterns, [op for op in captured if op.namespace == "aten"])
-    records = []
     bar = Progress(len(ops), enabled=progress)
-    jobs_list = []
+    per_op = []
     for op in ops:
         best = pick_samples(captured.get(op, []), samples_per_op)
-        if needs_worker(op, best):
-            shipped = [(s.args, s.kwargs, s.opinfo_name) for s in best]
-            jobs_list.append(make_job(str(op), shipped, verify))
-        else:  # a registry lookup, no sample or no decomposition: nothing to run
-            records.append(analyse_op(str(op), []))
-            bar.step(str(op))
-
-    def done(name: str, record: dict[str, Any]) -> None:
-        records.append(record)
-        bar.step(name)
-
-    try:
-        run_jobs(jobs_list, jobs, timeout, done)
-    finally:
-        bar.close()
+        per_op.append((op, [(s.args, s.kwargs, s.opinfo_name) for s in best]))
+    records = records_for(per_op, jobs=jobs, timeout=timeout, verify=verify, bar=bar)
+    n_derived = sum(1 for op, best in per_op if needs_worker(op, best))
     if progress:
         print(f"coverage: {len(ops)} ops in {time.perf_counter() - t0:.0f} s "
-              f"(OpInfo capture {t_capture:.0f} s, {len(jobs_list)} ops derived{' and verified' if verify else ''})",
+              f"(OpInfo capture {t_capture:.0f} s, {n_derived} ops derived{' and verified' if verify else ''})",
               file=sys.stderr, flush=True)
     run_info = {"jobs": jobs, "timeout": timeout, "samples_per_op": samples_per_op,
                 "opinfo_samples": opinfo_samples, "verify": verify, "selection": patterns or "default",

@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 from ..cli import UsageError
 from . import report as rep
 from .report import Progress
-from .sweep import analyse_op, make_job, needs_worker, run_jobs, sample_score
+from .sweep import records_for, sample_score
 
 __all__ = ["audit_model", "build_model", "load_callable", "parse_shapes", "trace_calls"]
 
@@ -158,25 +158,12 @@ def audit_model(spec: str, input_shapes: str | None, *, jobs: int = 1, timeout: 
     """The coverage JSON document of one model's forward + backward (records carry `calls`)."""
     module, inputs = build_model(spec, input_shapes)
     counts, calls = trace_calls(module, inputs)
-    records: list[dict[str, Any]] = []
     bar = Progress(len(counts), enabled=progress)
-    job_list = []
-    for op in sorted(counts, key=str):
-        best = sorted(calls.get(op, []), key=lambda s: sample_score(s[0], s[1]), reverse=True)[:samples_per_op]
-        if needs_worker(op, best):
-            job_list.append(make_job(str(op), best, False))
-        else:
-            records.append(analyse_op(str(op), []))
-            bar.step(str(op))
-
-    def done(name: str, record: dict[str, Any]) -> None:
-        records.append(record)
-        bar.step(name)
-
-    try:
-        run_jobs(job_list, jobs, timeout, done)
-    finally:
-        bar.close()
+    per_op = [
+        (op, sorted(calls.get(op, []), key=lambda s: sample_score(s[0], s[1]), reverse=True)[:samples_per_op])
+        for op in sorted(counts, key=str)
+    ]
+    records = records_for(per_op, jobs=jobs, timeout=timeout, verify=False, bar=bar)
     by_name = {str(op): n for op, n in counts.items()}
     for r in records:
         r["calls"] = by_name.get(r["op"], 0)

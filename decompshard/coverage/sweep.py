@@ -381,3 +381,28 @@ def make_job(name: str, samples: Sequence[Sample], verify: bool) -> tuple[str, b
             except Exception:
                 continue
         return name, pickle.dumps((name, kept, verify))
+
+
+def records_for(samples_by_op: Sequence[tuple[torch._ops.OpOverload, Sequence[Sample]]], *, jobs: int,
+                timeout: float, verify: bool, bar: Any) -> list[dict[str, Any]]:
+    """One record per op: registry lookups here, derivations in the worker pool.
+
+    Shared by the OpInfo sweep and the --model audit, so both classify ops the same way."""
+    records: list[dict[str, Any]] = []
+    job_list = []
+    for op, samples in samples_by_op:
+        if needs_worker(op, samples):
+            job_list.append(make_job(str(op), samples, verify))
+        else:  # a registry lookup, no sample or no decomposition: nothing to run
+            records.append(analyse_op(str(op), []))
+            bar.step(str(op))
+
+    def done(name: str, record: dict[str, Any]) -> None:
+        records.append(record)
+        bar.step(name)
+
+    try:
+        run_jobs(job_list, jobs, timeout, done)
+    finally:
+        bar.close()
+    return records
