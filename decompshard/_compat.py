@@ -18,7 +18,9 @@ SUPPORTED = ((2, 13),)
 try:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-    from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy
+    from torch.distributed.tensor._decompositions import DecompShardingStrategy
+    from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
     from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlaceholder
     from torch.distributed.tensor.placement_types import (
         Partial as TorchPartial,

@@ -52,7 +52,9 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Sequence
 
-from torch.distributed.tensor.placement_types import Placement, Replicate, Shard, _StridedShard
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
+
+from ._compat import TorchStridedShard as _StridedShard
 
 ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL = (
     "all_gather", "reduce_scatter", "all_reduce", "all_to_all")

@@ -18,6 +18,7 @@ from .._compat import (
     OpSpec,
     OpStrategy,
     TensorMeta,
+    TupleStrategy,
     fake_one_rank_mesh,
     from_torch_placement,
     op_strategy_func,
@@ -34,8 +35,6 @@ def has_rules(op) -> bool:
 
 
 def _schema(node: PrimNode, placements: tuple) -> OpSchema:
-    from torch.distributed.tensor._op_schema import TupleStrategy
-
     mesh = fake_one_rank_mesh()
     it = iter(placements)
 
