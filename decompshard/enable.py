@@ -8,7 +8,12 @@ decompositions decompshard registers itself. Ops with native strategies never re
 
 If the op cannot be derived (data-dependent, random, no meta kernel) it runs fully
 replicated — always correct — and says so once in a warning. Under torch.compile with
-dynamic (symbolic) shapes it hands the op to torch's own fallback, also with a warning.
+dynamic (symbolic) shapes it hands the op to torch's own fallback, also with a warning
+(and runs it replicated where torch has no strategy either).
+
+Derivation runs with DTensor's and the caller's modes (LocalTensorMode, FakeTensorMode)
+switched off and the dispatch keys of a plain thread, so what DTensor gets is what a
+direct `derive_rules` call gives, and the cache holds one answer per op and shapes.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from .dispatch_modes.tracing import has_decomposition
 _lock = threading.RLock()
 _saved: dict[str, Any] = {}
 _warned: set[str] = set()
+_local = threading.local()
 
 
 def _warn_once(key: str, message: str) -> None:
@@ -54,7 +60,6 @@ class DerivedStrategy:
 
     def propagate_strategy(self, op_schema: Any) -> OpStrategy | None:
         from .errors import UnsupportedOp
-        from .lift import choose
 
         op = op_schema.op
         flat, spec = tree_flatten((op_schema.args_schema, op_schema.kwargs_schema))
@@ -62,18 +67,7 @@ class DerivedStrategy:
         if not specs:
             return None
         if any(not isinstance(s, int) for x in specs for s in x.tensor_meta.shape):
-            _warn_once(f"dyn:{op}", f"decompshard: {op} has symbolic shapes; using torch's own decomposition fallback")
-            # Derived rules hold for the shapes they were derived at ([even] rules, local
-            # checks), so symbolic shapes go to torch. Where torch has nothing either,
-            # all-Replicate is correct for every shape.
-            try:
-                theirs = self.torch_fallback.propagate_strategy(op_schema)
-            except (NotImplementedError, AssertionError):
-                theirs = None
-            if theirs is None:
-                _warn_once(f"dynrep:{op}", f"decompshard: {op}: torch's fallback has no strategy for symbolic shapes; running replicated")
-                return _replicated(op_schema, specs, specs[0].mesh)
-            return theirs
+            return self._symbolic(op_schema, specs)
         mesh = specs[0].mesh
         current = [tuple(s.placements) for s in specs]
         try:
@@ -90,6 +84,9 @@ class DerivedStrategy:
         except UnsupportedOp as e:  # pragma: no cover - derive reports, lift raises only on misuse
             _warn_once(f"uns:{op}", f"decompshard: {op}: {e.reason}; running replicated")
             best = None
+        except Exception as e:  # a bug of ours must not take the user's program down
+            _warn_once(f"err:{op}", f"decompshard: {op}: internal error ({type(e).__name__}: {e}); running replicated")
+            best = None
         if best is None:
             return _replicated(op_schema, specs, mesh)
         ins = [DTensorSpec(mesh, tuple(p), tensor_meta=s.tensor_meta) for p, s in zip(best.input_placements, specs)]
@@ -97,6 +94,30 @@ class DerivedStrategy:
         output_specs = outs[0] if len(outs) == 1 else tuple(outs)
         n_args = len(op_schema.args_spec)
         return OpStrategy([OpSpec(output_specs, input_specs=ins[:n_args], redistribute_cost=[[0.0] for _ in ins[:n_args]])])
+
+    def _symbolic(self, op_schema: Any, specs: list) -> OpStrategy | None:
+        """Symbolic shapes (torch.compile, dynamic=True). Derived rules hold for the shapes
+        they were derived at ([even] rules, local checks), so these go to torch's own
+        fallback; where torch has nothing either, all-Replicate is right for any shape.
+        torch's fallback asks the propagator about the ops inside the decomposition too;
+        those nested calls get exactly torch's answer."""
+        op = op_schema.op
+        nested = getattr(_local, "in_torch_fallback", False)
+        if not nested:
+            _warn_once(f"dyn:{op}", f"decompshard: {op} has symbolic shapes; using torch's own decomposition fallback")
+        _local.in_torch_fallback = True
+        try:
+            theirs = self.torch_fallback.propagate_strategy(op_schema)
+        except (NotImplementedError, AssertionError):
+            if nested:
+                raise
+            theirs = None
+        finally:
+            _local.in_torch_fallback = nested
+        if theirs is None and not nested:
+            _warn_once(f"dynrep:{op}", f"decompshard: {op}: torch's fallback has no strategy for symbolic shapes; running replicated")
+            return _replicated(op_schema, specs, specs[0].mesh)
+        return theirs
 
 
 def _fresh_thread_dispatch_keys() -> tuple[Any, Any]:
@@ -127,19 +148,20 @@ def _clean_dispatch_state() -> Iterator[None]:
 
 def _first_runnable(op, args, kwargs, mesh_shape, current, n_args):
     from .derive import derive_rules
-    from .lift import rank_strategies
+    from .lift import ranked
 
     derived = derive_rules(op, *args, **kwargs)
     if derived.unsupported_reason:
         _warn_once(f"uns:{op}", f"decompshard: {op}: unsupported ({derived.unsupported_reason}); running replicated")
         return None
-    for s in rank_strategies(op, args, kwargs, mesh_shape, current):
-        # kwarg tensors cannot be redistributed through DTensor's schema suggestion
-        if s.valid and s.cost.dtensor_supported and all(
-            tuple(p) == tuple(c) for p, c in zip(s.input_placements[n_args:], current[n_args:])
-        ):
-            return s
-    return None
+
+    def runnable(ins, cost) -> bool:
+        # DTensor must be able to redistribute to it, and kwarg tensors cannot be
+        # redistributed through DTensor's schema suggestion at all
+        return cost.dtensor_supported and all(
+            tuple(p) == tuple(c) for p, c in zip(ins[n_args:], current[n_args:]))
+
+    return next((s for s in ranked(op, args, kwargs, mesh_shape, current, accept=runnable) if s.valid), None)
 
 
 def _replicated(op_schema, specs, mesh) -> OpStrategy:

@@ -13,6 +13,10 @@ the cheapest *valid* strategy wins. Valid means, on the real mesh and shapes:
 
 Placeholders S(d) become `Shard(d)`, or `_StridedShard(d, sf)` when the inputs already
 carry that kind on that mesh dim (the rule holds for any sharding kind).
+
+Candidates are costed first (one cost per input and target placement, memoized) and
+checked for validity in cost order only as far as needed: `choose` stops at the first
+valid one (`ranked`); `rank_strategies` checks them all, for explanations.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -97,16 +101,31 @@ def expand(rules: Sequence[SingleDimRule], current: Sequence[Sequence[TorchPlace
 
 
 def local_shape_nd(shape: Sequence[int], placements: Sequence[TorchPlacement], mesh: Sequence[int], coord: Sequence[int]) -> tuple[int, ...]:
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    """The local shape on the rank at `coord`: torch.chunk layout, mesh dims in order."""
+    if any(isinstance(p, TorchStridedShard) for p in placements):
+        from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+        from torch.utils._python_dispatch import _disable_current_modes
 
-    return tuple(_compute_local_shape_and_global_offset(tuple(shape), tuple(mesh), list(coord), list(placements))[0])
+        with _disable_current_modes():  # it builds small index tensors
+            return tuple(_compute_local_shape_and_global_offset(tuple(shape), tuple(mesh), list(coord), list(placements))[0])
+    out = list(shape)
+    for p, n, c in zip(placements, mesh, coord):  # the fast path: plain Shard only
+        if isinstance(p, TorchShard) and n > 1:
+            d = p.dim % len(out)
+            chunk = -(-out[d] // n)
+            out[d] = max(0, min(chunk, out[d] - c * chunk))
+    return tuple(out)
 
 
-def rank_strategies(
+def ranked(
     op, args: tuple, kwargs: dict, mesh_shape: Sequence[int] | MeshShape,
     current: Sequence[Sequence[TorchPlacement]], topology: Topology = H100,
-) -> list[MeshStrategy]:
-    """Every candidate strategy, cheapest valid first (invalid ones last, with reasons)."""
+    accept: Callable[[tuple, Cost], bool] | None = None,
+) -> Iterator[MeshStrategy]:
+    """Candidate strategies cheapest first (those DTensor can redistribute to before those
+    it cannot), each checked for validity only when reached. The first valid one is the
+    choice: on a 4x4x4 mesh with 14 rules that is one check instead of 2744.
+    `accept(input_placements, cost)` skips candidates before they are checked."""
     mesh = mesh_shape if isinstance(mesh_shape, MeshShape) else MeshShape(tuple(mesh_shape))
     derived = derive_rules(op, *args, **kwargs)
     tensors = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
@@ -116,22 +135,38 @@ def rank_strategies(
         )
     trivial = SingleDimRule((R,) * len(tensors), _trivial_outputs(derived), source="implied")
     per_dim = [_candidate_rules(derived.rules, trivial, current, m) for m in range(mesh.ndim)]
-    out: list[MeshStrategy] = []
+    memo: dict[tuple[int, tuple], Cost] = {}  # (tensor, target placements): its cost
+    cands = []
     for order, combo in enumerate(itertools.product(*per_dim)):
         ins, outs = expand(combo, current)
         cost = Cost()
-        for t, src, dst in zip(tensors, current, ins):
-            cost = cost + redistribute_cost(tuple(t.shape), t.element_size(), tuple(src), dst, mesh, topology)
+        for i, (t, src, dst) in enumerate(zip(tensors, current, ins)):
+            c = memo.get((i, dst))
+            if c is None:
+                c = memo[(i, dst)] = redistribute_cost(tuple(t.shape), t.element_size(), tuple(src), dst, mesh, topology)
+            cost = cost + c
+        cands.append(((not cost.dtensor_supported, cost.sort_key(), order), combo, ins, outs, cost))
+    cands.sort(key=lambda c: c[0])
+    for _, combo, ins, outs, cost in cands:
+        if accept is not None and not accept(ins, cost):
+            continue
         reason = _invalid_reason(derived.op, args, kwargs, combo, ins, outs, tensors, mesh.sizes)
-        out.append(MeshStrategy(tuple(combo), ins, outs, cost, not reason, reason))
-    order_of = {id(s): i for i, s in enumerate(out)}
-    out.sort(key=lambda s: (not s.valid, not s.cost.dtensor_supported, s.cost.sort_key(), order_of[id(s)]))
+        yield MeshStrategy(tuple(combo), ins, outs, cost, not reason, reason)
+
+
+def rank_strategies(
+    op, args: tuple, kwargs: dict, mesh_shape: Sequence[int] | MeshShape,
+    current: Sequence[Sequence[TorchPlacement]], topology: Topology = H100,
+) -> list[MeshStrategy]:
+    """Every candidate strategy, cheapest valid first (invalid ones last, with reasons)."""
+    out = list(ranked(op, args, kwargs, mesh_shape, current, topology))
+    out.sort(key=lambda s: not s.valid)  # stable: cost order within each group
     return out
 
 
 def choose(op, args, kwargs, mesh_shape, current, topology: Topology = H100) -> MeshStrategy:
     """The cheapest valid strategy (all-Replicate is always valid, so one exists)."""
-    return rank_strategies(op, args, kwargs, mesh_shape, current, topology)[0]
+    return next(s for s in ranked(op, args, kwargs, mesh_shape, current, topology) if s.valid)
 
 
 def _trivial_outputs(derived) -> tuple:

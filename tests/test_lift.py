@@ -1,0 +1,181 @@
+"""lift: one derived rule per mesh dim, checked on the real mesh, ranked by the cost model.
+
+Hand-checked cases: what must be chosen, what must be refused and why, and that the
+ranking is the cost model's order. No process group is needed: lift works on shapes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+import decompshard.lift as lift
+from decompshard.lift import choose, local_shape_nd, rank_strategies, ranked
+from decompshard.placements import format_rule
+
+aten = torch.ops.aten
+R, S0, S1 = Replicate(), Shard(0), Shard(1)
+PSUM, PMAX = Partial("sum"), Partial("max")
+
+
+def addmv_args(n=8, k=12):
+    return (torch.randn(n), torch.randn(n, k), torch.randn(k))
+
+
+def rules_of(s):
+    return [format_rule(r) for r in s.rules]
+
+
+def test_addmv_keeps_partial_sums_with_no_collective():
+    # mat sharded on its reduced dim and vec on its only dim, like the rows of a TP matmul
+    best = choose(aten.addmv.default, addmv_args(), {}, (4,), [(R,), (S1,), (S0,)])
+    assert rules_of(best) == ["P(sum), S(1), S(0) -> P(sum)"]
+    assert best.input_placements == ((PSUM,), (S1,), (S0,)) and best.output_placements == ((PSUM,),)
+    assert best.cost.collectives == ()  # R -> P(sum) on the bias is local work only
+    assert best.cost.dtensor_supported
+
+
+def test_partial_max_input_never_turns_into_partial_sum():
+    # The issue's example: with one input P(max), a rule that needs it as P(sum) must not
+    # win over reducing it to Replicate. DTensor cannot even convert P(max) -> P(sum).
+    ranking = rank_strategies(aten.addmv.default, addmv_args(), {}, (4,), [(PMAX,), (R,), (R,)])
+    best = ranking[0]
+    assert rules_of(best) == ["P(max), R, R -> P(max)"] and best.cost.collectives == ()  # max(b) + Av
+    position = {tuple(rules_of(s)): i for i, s in enumerate(ranking)}
+    stay_replicate = position[("R, R, R -> R",)]
+    for rule in (("P(sum), R, P(sum) -> P(sum)",), ("P(sum), P(sum), R -> P(sum)",)):
+        s = ranking[position[rule]]
+        assert position[rule] > stay_replicate
+        assert not s.cost.dtensor_supported
+        assert s.cost.sort_key() > ranking[stay_replicate].cost.sort_key()  # the division costs bytes
+    # no strategy producing P(sum) from the P(max) input ranks above staying Replicate
+    assert all(position[tuple(rules_of(s))] > stay_replicate
+               for s in ranking if s.output_placements == ((PSUM,),))
+
+
+def test_even_only_rule_refused_for_uneven_shapes_with_a_reason():
+    def ranking(rows):
+        a, b = torch.randn(rows, 3), torch.randn(rows, 3)
+        return rank_strategies(aten.mse_loss.default, (a, b), {}, (4,), [(S0,), (S0,)])
+
+    uneven = ranking(7)
+    refused = next(s for s in uneven if rules_of(s) == ["S(0), S(0) -> P(avg) [even]"])
+    assert not refused.valid
+    assert "needs even shards" in refused.reason and "size 7" in refused.reason
+    assert uneven[0].valid and uneven[0].output_placements == ((R,),)
+    assert all(not s.valid for s in uneven[uneven.index(refused):])  # invalid ones last
+    even = ranking(8)
+    assert rules_of(even[0]) == ["S(0), S(0) -> P(avg) [even]"] and even[0].valid
+    assert even[0].cost.collectives == ()
+
+
+def test_pixel_shuffle_meta_check_refuses_too_few_channels_per_rank():
+    # 24 channels, upscale 2: a rank needs a multiple of 4 channels. 2 ranks: 12 each,
+    # fine; 4 ranks: 6 each, the op itself would fail on every rank.
+    x = torch.randn(2, 24, 3, 3)
+    on4 = rank_strategies(aten.pixel_shuffle.default, (x, 2), {}, (4,), [(S1,)])
+    s = next(s for s in on4 if rules_of(s) == ["S(1) -> S(1)"])
+    assert not s.valid and "fails on rank" in s.reason and "pixel_shuffle" in s.reason
+    assert on4[0].valid and on4[0].cost.collectives  # something else, at a price
+    on2 = choose(aten.pixel_shuffle.default, (x, 2), {}, (2,), [(S1,)])
+    assert rules_of(on2) == ["S(1) -> S(1)"] and on2.cost.collectives == ()
+    # 8 channels on 4 ranks split evenly, so an [even] condition alone would allow S(1);
+    # 2 channels per rank is still fewer than 4: only the meta check refuses it
+    small = rank_strategies(aten.pixel_shuffle.default, (torch.randn(2, 8, 3, 3), 2), {}, (4,), [(S1,)])
+    assert small[0].valid and small[0].input_placements != ((S1,),)
+    assert all(not s.valid and "fails on rank" in s.reason for s in small if s.input_placements == ((S1,),))
+    # and on a 2-D mesh the channels are split twice: 24 / (2 * 2) = 6, refused again
+    on22 = choose(aten.pixel_shuffle.default, (x, 2), {}, (2, 2), [(S1, S1)])
+    assert on22.input_placements[0] != (S1, S1)
+
+
+def test_meta_check_directly():
+    x = torch.randn(2, 8, 3, 3)
+    out = torch.nn.functional.pixel_shuffle(x, 2)
+    assert lift._meta_check(aten.pixel_shuffle.default, (x, 2), {}, ((S1,),), ((S1,),), [x], (2,)) == ""
+    reason = lift._meta_check(aten.pixel_shuffle.default, (x, 2), {}, ((S1,),), ((S1,),), [x], (4,))
+    assert "fails on rank" in reason  # 2 channels per rank
+    # a promised output shape the op does not produce is refused too
+    reason = lift._meta_check(aten.pixel_shuffle.default, (x, 2), {}, ((S0,),), ((S1,),), [x], (2,))
+    assert "returns local shape" in reason and list(out.shape) != []
+
+
+def test_strided_shard_inputs_fill_the_placeholders():
+    # [Shard(1), Shard(0)] on [4, 2, 6] viewed as [8, 6] is [_StridedShard(0, sf=4), Shard(0)]
+    strided = _StridedShard(0, split_factor=4)
+    x = torch.randn(8, 6)
+    best = choose(aten.renorm.default, (x, 2, 0, 1.0), {}, (2, 2), [(strided, S0)])
+    assert best.input_placements == ((strided, S0),) and best.output_placements == ((strided, S0),)
+    assert best.cost.collectives == ()
+    # every placeholder input of the rule strided alike: the whole rule runs strided
+    sf2 = _StridedShard(0, split_factor=2)
+    sf2_1 = _StridedShard(1, split_factor=2)
+    best = choose(aten.addmv.default, addmv_args(), {}, (4,), [(R,), (sf2_1,), (sf2,)])
+    assert rules_of(best) == ["P(sum), S(1), S(0) -> P(sum)"]
+    assert best.input_placements == ((PSUM,), (sf2_1,), (sf2,)) and best.cost.collectives == ()
+    # mixed kinds: placeholders stay plain Shard, and converting the strided one costs
+    mixed = choose(aten.addmv.default, addmv_args(), {}, (4,), [(R,), (sf2_1,), (S0,)])
+    assert all(not isinstance(p, _StridedShard) for ps in mixed.input_placements for p in ps)
+    assert mixed.cost.collectives
+
+
+def test_2d_mesh_ranking_is_sorted_by_cost():
+    ranking = rank_strategies(aten.addmv.default, addmv_args(), {}, (2, 2), [(R, R), (S1, S0), (S0, R)])
+    valid = [s for s in ranking if s.valid]
+    assert valid and len(ranking) == (len(valid) + sum(not s.valid for s in ranking))
+    assert ranking[: len(valid)] == valid  # valid first
+    keys = [(not s.cost.dtensor_supported, s.cost.sort_key()) for s in valid]
+    assert keys == sorted(keys)
+    best = valid[0]
+    assert rules_of(best) == ["P(sum), S(1), S(0) -> P(sum)", "S(0), S(0), R -> S(0)"]
+    assert best.cost.collectives == ()
+    assert choose(aten.addmv.default, addmv_args(), {}, (2, 2), [(R, R), (S1, S0), (S0, R)]) == best
+
+
+def test_choose_checks_validity_lazily(monkeypatch):
+    # 14 candidates per mesh dim on a 4x4x4 mesh is 2744 strategies; choosing the
+    # cheapest valid one should check a handful, not all of them.
+    checked = []
+    real = lift._invalid_reason
+    monkeypatch.setattr(lift, "_invalid_reason", lambda *a: checked.append(1) or real(*a))
+    n = 1 << 12
+    args = (torch.empty(n, n, device="meta"), torch.empty(64, n, 256, device="meta"),
+            torch.empty(64, 256, n, device="meta"))
+    current = [(R, R, S1), (S0, Shard(2), R), (S0, S1, Shard(2))]
+    best = choose(aten.addbmm.default, args, {}, (4, 4, 4), current)
+    assert best.valid and best.cost.collectives == ()
+    assert best.output_placements == ((PSUM, PSUM, S1),)
+    assert len(checked) <= 3
+
+
+def test_ranked_and_rank_strategies_agree():
+    args = addmv_args()
+    current = [(R, S0), (S1, R), (S0, R)]
+    lazy = list(ranked(aten.addmv.default, args, {}, (2, 2), current))
+    full = rank_strategies(aten.addmv.default, args, {}, (2, 2), current)
+    assert len(lazy) == len(full) and {s.rules for s in lazy} == {s.rules for s in full}
+    assert [s for s in lazy if s.valid] == [s for s in full if s.valid]
+
+
+def test_wrong_number_of_placements_is_a_value_error():
+    with pytest.raises(ValueError, match="need 2 placements"):
+        rank_strategies(aten.addmv.default, addmv_args(), {}, (2, 2), [(R,), (S1,), (S0,)])
+
+
+def test_local_shape_matches_torch():
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    rng = random.Random(0)
+    for _ in range(500):
+        nd = rng.randint(1, 3)
+        mesh = tuple(rng.choice([1, 2, 3, 4]) for _ in range(rng.randint(1, 3)))
+        shape = tuple(rng.randint(0, 9) for _ in range(nd))
+        placements = [rng.choice([R, PSUM, Shard(rng.randrange(nd)), Shard(-1)]) for _ in mesh]
+        for coord in itertools.product(*(range(m) for m in mesh)):
+            want = tuple(_compute_local_shape_and_global_offset(shape, mesh, list(coord), placements)[0])
+            assert local_shape_nd(shape, placements, mesh, coord) == want, (shape, placements, mesh, coord)
