@@ -201,7 +201,12 @@ def _real_kernel_on_empty_shard(g: PrimGraph, cand: Survivor, args, kwargs, shap
     DTensor runs the real kernel, so the real kernel decides, on zero-filled inputs."""
     if sum(math.prod(s) for s in shapes) > EMPTY_SHARD_REAL_RUN_LIMIT:
         return "an empty shard would need a real kernel run on large inputs; refused"
-    flat, spec = tree_flatten(local_args(args, kwargs, shapes))
+    meta_args, meta_kwargs = local_args(args, kwargs, shapes)
+    try:  # CPU kernels do not all check sizes: never hand one shapes its meta kernel refuses
+        g.op(*meta_args, **meta_kwargs)
+    except Exception as e:
+        return f"the op's meta kernel refuses an empty shard: {(str(e).splitlines() or [''])[0][:120]}"
+    flat, spec = tree_flatten((meta_args, meta_kwargs))
     real = [torch.zeros(x.shape, dtype=x.dtype) if isinstance(x, torch.Tensor) else x for x in flat]
     a, k = tree_unflatten(real, spec)
     try:

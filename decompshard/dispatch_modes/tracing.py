@@ -117,15 +117,15 @@ class TracingMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in _DATA_DEPENDENT_OPS or torch.Tag.data_dependent_output in func.tags:
             raise DataDependent(f"data-dependent: the decomposition calls {func}")
-        if torch.Tag.nondeterministic_seeded in func.tags:
-            raise UnsupportedOp(f"random: {func} draws random numbers")
         if not self.is_primitive(func):
             decomp = find_decomposition(func)
-            if decomp is not None:
+            if decomp is not None:  # (dropout with p=0 decomposes to no random op at all)
                 with self:
                     out = decomp(*args, **kwargs)
                 if out is not NotImplemented:
                     return out
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            raise UnsupportedOp(f"random: {func} draws random numbers")
         return self._record(func, args, kwargs)
 
     def _refuse_writes_through_aliases(self, func, args, kwargs) -> None:
