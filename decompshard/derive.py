@@ -22,7 +22,7 @@ from .dispatch_modes.tracing import tensor_meta
 from .errors import UnsupportedOp
 from .localcheck import check_local
 from .placements import MaybePlacement, P, R, SingleDimRule, format_placement, format_rule, is_partial
-from .propagate import Propagation, Rejection, propagate
+from .propagate import Propagation, Survivor, propagate
 from .rules import clear_cache as clear_rule_cache
 from .rules import has_rule, rules_for
 from .rules.project_rules import value_checked_inputs
@@ -45,12 +45,70 @@ class RejectedCandidate:
 
 @dataclass
 class DerivedRules:
+    """The op's rules. Propagation runs at once; the local-shape check (the expensive
+    part: it re-traces at local shapes) runs for all candidates the first time `.rules`
+    or `.rejected` is read, or for one candidate at a time through `validated()` — which
+    is what DTensor's first call uses, so it only checks the rules it is about to use."""
+
     op: OpOverload
-    rules: list[SingleDimRule] = field(default_factory=list)
-    rejected: list[RejectedCandidate] = field(default_factory=list)
     unsupported_reason: str | None = None
     seconds: float = 0.0
     graph: PrimGraph | None = field(default=None, repr=False)
+    _rejected: list[RejectedCandidate] = field(default_factory=list, repr=False)
+    _survivors: dict[tuple, list[Survivor]] = field(default_factory=dict, repr=False)
+    _verdicts: dict[tuple, SingleDimRule | None] = field(default_factory=dict, repr=False)
+    _rules: list[SingleDimRule] | None = field(default=None, repr=False)
+    _context: tuple | None = field(default=None, repr=False)
+
+    @property
+    def rules(self) -> list[SingleDimRule]:
+        if self._rules is None:
+            start = time.perf_counter()
+            found = [r for key in self._survivors if (r := self._validate(key)) is not None]
+            self._rules = sorted(_drop_implied(found), key=_rule_order)
+            self.seconds += time.perf_counter() - start
+        return self._rules
+
+    @property
+    def rejected(self) -> list[RejectedCandidate]:
+        self.rules  # noqa: B018 - local-check refusals join the list once validated
+        return self._rejected
+
+    def tentative(self) -> list[SingleDimRule]:
+        """Rules as propagation found them, before the local-shape check (which may refuse
+        one, or turn P(sum) into P(avg) [even]). Validate with `validated()`."""
+        return [
+            SingleDimRule(c.inputs, c.outputs, c.even_only, "tentative")
+            for cands in self._survivors.values() for c in cands[:1]
+        ]
+
+    def validated(self, rule: SingleDimRule) -> SingleDimRule | None:
+        """The checked version of a tentative rule, or None if the local check refuses it."""
+        key = (rule.inputs, rule.outputs)
+        if key not in self._survivors:
+            return rule if rule.is_trivial() else None
+        return self._validate(key)
+
+    def _validate(self, key: tuple) -> SingleDimRule | None:
+        if key in self._verdicts:
+            return self._verdicts[key]
+        meta_args, meta_kwargs, value_checked = self._context
+        trace_at = lambda a, k: traced(self.op, a, k)  # noqa: E731
+        best = None
+        for cand in self._survivors[key]:  # same rule reached through different paths
+            verdict = check_local(self.graph, cand, meta_args, meta_kwargs, trace_at)
+            if not verdict.ok:
+                self._rejected.append(RejectedCandidate(cand.inputs, verdict.reason))
+                continue
+            if any(is_partial(p) for i, p in enumerate(cand.inputs) if i in value_checked):
+                self._rejected.append(RejectedCandidate(
+                    cand.inputs, "the kernel validates this input's values; a Partial part may fail it"))
+                continue
+            rule = SingleDimRule(cand.inputs, verdict.outputs, verdict.even_only, verdict.reason or "derived")
+            if best is None or (best.even_only and not rule.even_only):
+                best = rule
+        self._verdicts[key] = best
+        return best
 
     def as_strings(self) -> list[str]:
         return [format_rule(r) for r in self.rules]
@@ -146,7 +204,8 @@ def derive_rules(op: OpOverload | str, *args: Any, **kwargs: Any) -> DerivedRule
     """The op's derived single-mesh-dim rules for these (real, meta or fake) arguments.
 
     Raises ValueError for a malformed or unknown op name; an op that cannot be derived
-    returns an empty rule set with `unsupported_reason` set.
+    returns an empty rule set with `unsupported_reason` set. The local-shape check runs
+    when `.rules` is first read (see DerivedRules).
     """
     op = resolve_op(op)
     key = _key(op, args, kwargs)
@@ -159,6 +218,7 @@ def derive_rules(op: OpOverload | str, *args: Any, **kwargs: Any) -> DerivedRule
         result.graph = traced(op, args, kwargs)
     except UnsupportedOp as e:
         result.unsupported_reason = e.reason
+        result._rules = []
     else:
         _solve(result, args, kwargs)
     result.seconds = time.perf_counter() - start
@@ -167,35 +227,20 @@ def derive_rules(op: OpOverload | str, *args: Any, **kwargs: Any) -> DerivedRule
 
 
 def _solve(result: DerivedRules, args: tuple, kwargs: dict) -> None:
+    """Propagate now; keep the survivors for (lazy) local-shape checking."""
     graph = result.graph
     prop = propagate(graph, rules_for)
-    result.rejected.extend(_rejections(graph, prop))
+    result._rejected.extend(_rejections(graph, prop))
     meta_args, meta_kwargs = tree_map(
         lambda x: torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
         if isinstance(x, torch.Tensor) else x,
         (args, kwargs),
     )
-    trace_at = lambda a, k: traced(graph.op, a, k)  # noqa: E731
-    found: dict[tuple, SingleDimRule] = {}
-    value_checked = value_checked_inputs(graph.op)
+    result._context = (meta_args, meta_kwargs, value_checked_inputs(graph.op))
     for cand in prop.survivors:
-        verdict = check_local(graph, cand, meta_args, meta_kwargs, trace_at)
-        if not verdict.ok:
-            result.rejected.append(RejectedCandidate(cand.inputs, verdict.reason))
-            continue
-        rule = SingleDimRule(
-            cand.inputs, verdict.outputs, even_only=verdict.even_only,
-            source=verdict.reason or "derived",
-        )
-        if any(is_partial(p) for i, p in enumerate(rule.inputs) if i in value_checked):
-            result.rejected.append(RejectedCandidate(cand.inputs, "the kernel validates this input's values; a Partial part may fail it"))
-            continue
-        if rule.is_trivial():
-            continue
-        prev = found.get(rule.key())
-        if prev is None or (prev.even_only and not rule.even_only):
-            found[rule.key()] = rule
-    result.rules = sorted(_drop_implied(found.values()), key=_rule_order)
+        if all(p is None or p == R for p in cand.inputs):
+            continue  # all-Replicate inputs: the op just runs replicated
+        result._survivors.setdefault((cand.inputs, cand.outputs), []).append(cand)
 
 
 _WEAKER_THAN_R = {P("avg"), P("max"), P("min")}

@@ -134,7 +134,10 @@ def ranked(
             f"need {mesh.ndim} placements for each of the {len(tensors)} tensor inputs"
         )
     trivial = SingleDimRule((R,) * len(tensors), _trivial_outputs(derived), source="implied")
-    per_dim = [_candidate_rules(derived.rules, trivial, current, m) for m in range(mesh.ndim)]
+    # Propagation's rules, not yet local-checked: each is checked only if a strategy
+    # using it is reached (a first DTensor call checks a handful, not all).
+    tentative = derived.tentative()
+    per_dim = [_candidate_rules(tentative, trivial, current, m) for m in range(mesh.ndim)]
     memo: dict[tuple[int, tuple], Cost] = {}  # (tensor, target placements): its cost
     cands = []
     for order, combo in enumerate(itertools.product(*per_dim)):
@@ -150,8 +153,14 @@ def ranked(
     for _, combo, ins, outs, cost in cands:
         if accept is not None and not accept(ins, cost):
             continue
-        reason = _invalid_reason(derived.op, args, kwargs, combo, ins, outs, tensors, mesh.sizes)
-        yield MeshStrategy(tuple(combo), ins, outs, cost, not reason, reason)
+        checked = [derived.validated(r) for r in combo]
+        if None in checked:
+            bad = combo[checked.index(None)]
+            yield MeshStrategy(tuple(combo), ins, outs, cost, False, f"rule {bad} fails the local-shape check")
+            continue
+        ins, outs = expand(checked, current)  # outputs may have become P(avg) [even]
+        reason = _invalid_reason(derived.op, args, kwargs, checked, ins, outs, tensors, mesh.sizes)
+        yield MeshStrategy(tuple(checked), ins, outs, cost, not reason, reason)
 
 
 def rank_strategies(
