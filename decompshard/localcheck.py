@@ -80,7 +80,7 @@ def check_local(
     if not any(is_shard(p) for p in cand.inputs):
         return LocalVerdict(True, cand.outputs, cand.even_only)  # local shapes == global
     scaled, passed_even, uneven_failure = False, False, ""
-    for W in world_sizes:
+    for W in _with_uneven_probe(graph, cand, world_sizes):
         even = all(
             graph.meta(v).shape[p.dim] % W == 0
             for v, p in zip(graph.inputs, cand.inputs) if is_shard(p)
@@ -104,6 +104,18 @@ def check_local(
         return _fail(cand, "a mean over a sharded dim reaches an output that is not P(sum)")
     outs = tuple(None if p is None else P("avg") for p in cand.outputs)
     return LocalVerdict(True, outs, True, "mean over a sharded dim: P(avg) when shards are even")
+
+
+def _with_uneven_probe(graph: PrimGraph, cand: Survivor, world_sizes: Sequence[int]) -> list[int]:
+    """If every world size splits every sharded dim evenly (a dim of 6 at W=2 and 3),
+    nothing would test uneven shards; add the smallest W that does not (up to 8)."""
+    sizes = [graph.meta(v).shape[p.dim] for v, p in zip(graph.inputs, cand.inputs) if is_shard(p)]
+    out = list(world_sizes)
+    if all(n % W == 0 for W in out for n in sizes):
+        probe = next((W for W in range(2, 9) if any(n % W for n in sizes)), None)
+        if probe is not None:
+            out.append(probe)
+    return out
 
 
 def _check_world_size(graph, cand, args, kwargs, trace_at, W: int) -> tuple[str, bool]:
