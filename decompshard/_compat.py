@@ -12,6 +12,15 @@ from typing import Any
 
 import torch
 
+__all__ = [
+    "DTensor", "DTensorSpec", "DecompShardingStrategy", "OpSchema", "OpSpec", "OpStrategy",
+    "TensorMeta", "TorchPartial", "TorchReplicate", "TorchShard", "TorchStridedShard",
+    "TupleStrategy", "_ShardingPlaceholder", "_compute_local_shape_and_global_offset",
+    "fake_one_rank_mesh", "from_torch_placement", "has_native_strategy", "op_strategy_func",
+    "sharding_propagator", "single_dim_strategy_info", "to_torch_placement",
+    "torch_decomposition_table",
+]
+
 TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 SUPPORTED = ((2, 13),)
 

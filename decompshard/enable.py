@@ -189,7 +189,7 @@ def _clear_dtensor_caches() -> None:
 
 def enable() -> None:
     """Route every DTensor op that lacks a strategy through decompshard. Idempotent."""
-    from torch.distributed.tensor._decompositions import DecompShardingStrategy
+    from ._compat import DecompShardingStrategy
 
     with _lock:
         if _saved:
@@ -204,7 +204,7 @@ def enable() -> None:
 
 def disable() -> None:
     """Restore DTensor exactly as it was before `enable()`. Idempotent."""
-    from torch.distributed.tensor._decompositions import DecompShardingStrategy
+    from ._compat import DecompShardingStrategy
 
     with _lock:
         if not _saved:

@@ -31,7 +31,8 @@ import torch
 
 from .cli import UsageError
 from .derive import derive_rules, resolve_op
-from .explain import _DTYPES, decomposition_lines, explain
+from .explain import explain
+from .explain_render import _DTYPES, decomposition_lines
 
 __all__ = ["Call", "ExplainShell", "add_arguments", "build_call", "run"]
 

@@ -103,7 +103,7 @@ def expand(rules: Sequence[SingleDimRule], current: Sequence[Sequence[TorchPlace
 def local_shape_nd(shape: Sequence[int], placements: Sequence[TorchPlacement], mesh: Sequence[int], coord: Sequence[int]) -> tuple[int, ...]:
     """The local shape on the rank at `coord`: torch.chunk layout, mesh dims in order."""
     if any(isinstance(p, TorchStridedShard) for p in placements):
-        from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+        from ._compat import _compute_local_shape_and_global_offset
         from torch.utils._python_dispatch import _disable_current_modes
 
         with _disable_current_modes():  # it builds small index tensors

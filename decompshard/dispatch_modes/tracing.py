@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .._compat import TensorMeta, torch_decomposition_table
 from ..errors import DataDependent, UnsupportedOp

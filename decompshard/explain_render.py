@@ -1,0 +1,489 @@
+"""Rendering of an `Explanation` (explain.py) as text: the inputs table, the numbered
+decomposition with the rule each primitive matched, the blocking node, suggestions,
+`--all` and the mesh ranking. Kept apart from explain.py, which decides nothing visual.
+"""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from typing import Any, Sequence
+
+import torch
+from torch.utils._pytree import tree_map
+
+from ._compat import TensorMeta, from_torch_placement
+from .dispatch_modes.graph import PrimGraph, PrimNode
+from .explain import Explanation
+from .placements import MaybePlacement, Placement, R, format_placement, format_rule
+from .propagate import input_alphabet
+from .rules import rules_for
+
+WIDTH = 110  # long prose lines wrap here
+CALL_WIDTH = 58  # the primitive-call column is cut here so a trace fits in ~110 columns
+TABLE_WIDTH = 116  # the decomposition table is fitted to this
+MAX_MESH_SHOWN = 5
+
+
+def render_lines(ex: Explanation) -> list[str]:
+    from tabulate import tabulate
+
+    out: list[str] = []
+    sig = ", ".join(
+        f"{n}: {_dtype(m.dtype)}{_shape(m.shape)}" for n, m in zip(ex.input_names, ex.input_metas)
+    )
+    out += _wrap(f"explain {ex.op}({sig})", 8)
+    if ex.unsupported_reason:
+        out.append(f"unsupported: {ex.unsupported_reason}")
+        return out
+    graph = ex.graph
+    if ex.placements is not None:
+        out += _wrap("candidate: " + ", ".join(map(str, ex.placements)), 11)
+        out += _wrap("verdict:   " + _verdict_line(ex), 11)
+    out.append("")
+
+    if ex.placements is not None:
+        env = _display_env(ex)
+        out += _inputs_table(ex, env, tabulate)
+        out.append("")
+        out += _node_table(ex, env, tabulate)
+        out.append("")
+        out += _outcome(ex, tabulate)
+    elif ex.mesh is None or ex.show_all:
+        out += decomposition_lines(graph)
+        out.append("")
+
+    if ex.show_all or (ex.placements is None and ex.mesh is None):
+        out += _all_section(ex)
+    if ex.mesh is not None:
+        out += _mesh_section(ex, tabulate)
+    return out
+
+
+def decomposition_lines(graph: PrimGraph) -> list[str]:
+    """The recorded decomposition as a numbered list, with the source of each primitive's
+    rules (no placements)."""
+    from tabulate import tabulate
+
+    from .rules.registry import source_of
+
+    rows = []
+    for n in graph.nodes:
+        src = "constant" if n.constant else (source_of(n.op) or "?")
+        rows.append((n.index, _call(graph, n, width=80), src))
+    table = tabulate(rows, headers=["#", "primitive call (output shape)", "rules from"], tablefmt="simple")
+    return [f"decomposition: {len(graph.nodes)} primitive calls"] + _indent(table)
+
+
+def _verdict_line(ex: Explanation) -> str:
+    v = ex.verdict
+    if v == "accepted":
+        rules = "; ".join(format_rule(r) for r in ex.rules)
+        return f"ACCEPTED, no redistribution needed: {rules}"
+    if v == "refused":
+        return f"REFUSED by the local-shape check: {ex.local_refusal}"
+    b = ex.blocked
+    if b is None or b.node is None:
+        return "REJECTED: " + (b.reason if b else "no rule matches")
+    arriving = ", ".join("?" if p is None else str(p) for p in b.arriving)
+    return f"REJECTED at node {b.node.index} ({b.node.op}): no rule accepts ({arriving})"
+
+
+def _display_env(ex: Explanation) -> dict[int, MaybePlacement]:
+    if ex.survivors:
+        first = next((s for s in ex.survivors if s.ok), ex.survivors[0])
+        return first.survivor.env
+    if ex.blocked is not None and ex.blocked.env:
+        return ex.blocked.env
+    return dict(zip(ex.graph.inputs, ex.placements))
+
+
+def _inputs_table(ex: Explanation, env, tabulate) -> list[str]:
+    g = ex.graph
+    rows = []
+    for i, (v, name) in enumerate(zip(g.inputs, ex.input_names)):
+        m = g.meta(v)
+        rows.append((i, name, f"%{v}", _shape(m.shape), _dtype(m.dtype), _p(env.get(v, ex.placements[i]))))
+    table = tabulate(rows, headers=["#", "input", "value", "shape", "dtype", "placement"], tablefmt="simple")
+    return ["op inputs"] + _indent(table)
+
+
+def _node_table(ex: Explanation, env, tabulate) -> list[str]:
+    g = ex.graph
+    blocked = ex.blocked.node.index if ex.blocked and ex.blocked.node else None
+    if ex.blocked is not None and ex.blocked.node is None:
+        blocked = -1  # died before the first node: nothing was reached
+    path = _display_path(ex)
+    rows, notes = [], []
+    for n in g.nodes:
+        call = _call(g, n, width=None)
+        if n.constant:
+            rows.append([n.index, call, "constant (same on every rank)", ""])
+            continue
+        if blocked is not None and n.index > blocked:
+            rows.append([n.index, call, "(not reached)", ""])
+            continue
+        if blocked is not None and n.index == blocked:
+            arriving = ", ".join(_p(p) for p in ex.blocked.arriving)
+            rows.append([n.index, call, f"** NO RULE for ({arriving})", f"{ex.blocked.table_size} rules"])
+            continue
+        table = rules_for(n)
+        if path is not None and n.index < len(path):
+            ri = path[n.index]
+            rule = table[ri]
+            text = format_rule(rule)
+            reads = [f"%{v} is R, read as {w}" for v, w in zip(n.inputs, rule.inputs)
+                     if env.get(v) == R and w != R]
+            if reads:  # the solver lets R stand for P(avg/max/min): no data moves
+                text += f" [{len(notes) + 1}]"
+                notes.append(f"[{len(notes) + 1}] node {n.index}: {', '.join(reads)} (a replicated "
+                             "value is already a valid P(avg)/P(max)/P(min): no data moves)")
+            rows.append([n.index, call, text, f"{rule.source} [{ri + 1}/{len(table)}]"])
+        else:
+            ins = ", ".join(_p(env.get(v)) for v in n.inputs)
+            outs = ", ".join("None" if v is None else _p(env.get(v)) for v in n.outputs)
+            rows.append([n.index, call, f"{ins} -> {outs}", ""])
+    # the call column gets what the other columns leave of TABLE_WIDTH (at least 30)
+    others = (max([12, *(len(r[2]) for r in rows)]) + max([15, *(len(r[3]) for r in rows)])
+              + 3 + 3 * 2 + 2)  # the "#" column, column gaps, indent
+    width = max(30, TABLE_WIDTH - others)
+    for r in rows:
+        if len(r[1]) > width:
+            r[1] = r[1][: width - 3] + "..."
+    table = tabulate(
+        rows, headers=["#", "primitive call (output shape)", "rule matched", "from [rule k/n]"],
+        tablefmt="simple",
+    )
+    head = f"decomposition: {len(g.nodes)} primitive calls"
+    return [head] + _indent(table) + _indent([w for note in notes for w in _wrap(note, 4)])
+
+
+def _display_path(ex: Explanation) -> tuple[int, ...] | None:
+    if ex.survivors:
+        first = next((s for s in ex.survivors if s.ok), ex.survivors[0])
+        return first.survivor.path
+    if ex.blocked is not None:
+        return ex.blocked.path
+    return None
+
+
+def _outcome(ex: Explanation, tabulate) -> list[str]:
+    g = ex.graph
+    out: list[str] = []
+    if ex.survivors:
+        outs = []
+        for k, s in enumerate(ex.survivors):
+            surv = s.survivor
+            rhs = ", ".join(_p(p) for p in s.local.outputs)
+            cond = " [even]" if s.local.even_only else ""
+            if s.ok:
+                note = "passes the local-shape check"
+                if s.local.reason:
+                    note += f" ({s.local.reason})"
+            else:
+                note = f"REFUSED by the local-shape check: {s.local.reason}"
+            outs += _wrap(f"  {k + 1}. outputs {rhs}{cond}: {note}", 5)
+            if k and surv.path != ex.survivors[0].survivor.path:
+                diff = [i for i, (a, b) in enumerate(zip(surv.path, ex.survivors[0].survivor.path)) if a != b]
+                outs.append(f"     (takes other rules at nodes {', '.join(map(str, diff))})")
+        n = len(ex.survivors)
+        out.append(f"survives propagation with {n} output assignment{'s' if n > 1 else ''}"
+                   + (" (the trace shows the first that passes)" if n > 1 else ""))
+        out += outs
+        out += _wrap("  outputs: " + ", ".join(
+            "None" if v is None else f"%{v} {_shape(g.meta(v).shape)}" for v in g.outputs), 11)
+        if ex.rules:
+            out.append("derived rule" + ("s" if len(ex.rules) > 1 else "") + ":")
+            for r in ex.rules:
+                out.append(f"  {format_rule(r)}" + ("   (implied: all-Replicate)" if r.is_trivial() else ""))
+                if r.even_only:
+                    out.append("    [even]: holds only when every sharded dim splits evenly over the mesh")
+        out.append("")
+    if ex.blocked is not None:
+        out += _blocked_section(ex, tabulate)
+    if ex.suggestions:
+        out.append("redistribution that makes it pass (fewest inputs changed, cheapest first):")
+        for k, s in enumerate(ex.suggestions):
+            if not s.changes:
+                continue
+            if len(s.changes) == 1:
+                out += _wrap(f"  {k + 1}. redistribute {s.changes[0]}", 5)
+            else:
+                out.append(f"  {k + 1}. redistribute")
+                for c in s.changes:
+                    out += _wrap(f"       {c}", 9)
+            note = "  (all-Replicate, always valid)" if s.rule.is_trivial() else ""
+            out.append(f"     -> rule {format_rule(s.rule)}{note}")
+        out.append("")
+    return out
+
+
+def _blocked_section(ex: Explanation, tabulate) -> list[str]:
+    b = ex.blocked
+    g = ex.graph
+    if b.node is None:
+        return [f"rejected before any node: {b.reason}", ""]
+    n = b.node
+    out = [f"blocked at node {n.index}: {_call(g, n, width=None)}", "  arriving:"]
+    prod = g.producer()
+    rows = []
+    for k, (v, p) in enumerate(zip(n.inputs, b.arriving)):
+        rows.append((k, f"%{v}", _shape(g.meta(v).shape), _p(p), _origin(ex, v, prod, b.path)))
+    out += _indent(tabulate(rows, headers=["arg", "value", "shape", "placement", "came from"],
+                            tablefmt="simple"), 4)
+    out.append(f"  nearest of its {b.table_size} rules (fewest arguments differ):")
+    rows = []
+    for nr in b.nearest:
+        what = "\n".join(
+            f"arg {k} needs {_p(nr.rule.inputs[k])}, has {_p(b.arriving[k])}" for k in nr.differs
+        ) or "matches"
+        rows.append((format_rule(nr.rule), nr.rule.source, what))
+    out += _indent(tabulate(rows, headers=["rule", "from", "differs"], tablefmt="simple"), 4)
+    out.append("")
+    return out
+
+
+def _origin(ex: Explanation, v: int, prod: dict, path: tuple) -> str:
+    g = ex.graph
+    if v in g.inputs:
+        i = g.inputs.index(v)
+        return f"op input {i} ({ex.input_names[i]})"
+    if v in prod:
+        n = g.nodes[prod[v]]
+        if n.constant:
+            return f"node {n.index} {_short_op(n.op)} (constant)"
+        if n.index < len(path):
+            rule = rules_for(n)[path[n.index]]
+            return f"node {n.index} {_short_op(n.op)}: {format_rule(rule)} ({rule.source})"
+        return f"node {n.index} {_short_op(n.op)}"
+    return "constant made outside the trace"
+
+
+def _all_section(ex: Explanation) -> list[str]:
+    d = ex.derived
+    out = ["every derived rule (all-Replicate implied):"]
+    out += _indent(str(d))
+    rejected = d.rejected
+    out.append("")
+    out.append(f"rejected candidates ({len(rejected)}; * = not decided when it died):")
+    out += [f"  {c}" for c in rejected] or ["  (none)"]
+    out.append("")
+    pruned = pruned_placements(ex)
+    if pruned:
+        out.append("placements that no derived rule uses, per input:")
+        for i, p, why in pruned:
+            out += _wrap(f"  input {i} ({ex.input_names[i]}) {p}: {why}", 6)
+        out.append("")
+    return out
+
+
+def pruned_placements(ex: Explanation) -> list[tuple[int, Placement, str]]:
+    """(input, placement, why) for every placement of an input's alphabet that appears in
+    no derived rule. The solver never lists these as rejected candidates when the first
+    node reading the input has no rule taking them: they are pruned before they exist."""
+    g = ex.graph
+    if g is None:
+        return []
+    out = []
+    for i, v in enumerate(g.inputs):
+        used = {r.inputs[i] for r in ex.derived.rules} | {R}
+        reader = next((n for n in g.nodes if v in n.inputs and not n.constant), None)
+        for p in input_alphabet(g, v):
+            if p in used:
+                continue
+            if reader is None:
+                why = "the input is never read"
+            else:
+                pos = [j for j, u in enumerate(reader.inputs) if u == v]
+                if any(all(r.inputs[j] == p for j in pos) for r in rules_for(reader)):
+                    why = (f"node {reader.index} ({_short_op(reader.op)}) takes it, but every candidate "
+                           "with it needs redistribution later or fails the local-shape check")
+                else:
+                    why = f"no rule of node {reader.index} ({_short_op(reader.op)}) takes it"
+            out.append((i, p, why))
+    return out
+
+
+def _mesh_section(ex: Explanation, tabulate) -> list[str]:
+    m = ex.mesh
+    size = "x".join(map(str, m.mesh_shape))
+    cur = "; ".join(
+        f"{name} ({', '.join(_tp(p) for p in row)})" for name, row in zip(ex.input_names, m.current)
+    )
+    out = [f"N-D strategies on mesh {size}, ranked by modeled cost (decompshard.cost; "
+           "valid first, then cheapest)",
+           f"  current: {cur}"]
+    if not m.strategies:
+        return out + ["  no strategy found", ""]
+    chosen = m.chosen
+    rows = []
+    shown = m.strategies if ex.show_all else m.strategies[:MAX_MESH_SHOWN]
+    for k, s in enumerate(shown):
+        cost = s.cost
+        rows.append((
+            k + 1,
+            "CHOSEN" if s is chosen else (
+                ("" if s.cost is None or s.cost.dtensor_supported else "no-direct")
+                if s.valid else "invalid"),
+            _us(cost.total_seconds) if cost is not None else "-",
+            len(cost.collectives) if cost is not None else "-",
+            _us(cost.local_seconds) if cost is not None else "-",
+            " | ".join(_p_row(row) for row in _transpose(s.input_placements)),
+        ))
+    out += _indent(tabulate(
+        rows, headers=["rank", "", "total µs", "collectives", "local µs", "inputs needed"],
+        tablefmt="simple", disable_numparse=True))
+    if len(shown) < len(m.strategies):
+        out.append(f"  ... {len(m.strategies) - len(shown)} more (use --all / show_all=True)")
+    out.append("")
+    for k, s in enumerate(shown):
+        tag = " (CHOSEN)" if s is chosen else ("" if s.valid else " (invalid)")
+        out.append(f"  #{k + 1}{tag}")
+        for d, rule in enumerate(s.rules):
+            out.append(f"    mesh dim {d}: {format_rule(rule)}  ({rule.source or 'derived'})")
+        outs = " | ".join(_p_row(row) for row in _transpose(s.output_placements))
+        out.append(f"    outputs: {outs}")
+        if not s.valid and s.reason:
+            out.append(f"    invalid: {s.reason}")
+        elif s.reason:
+            out.append(f"    note: {s.reason}")
+        if s.cost is not None:
+            out += _cost_lines(ex, s)
+    out.append("")
+    return out
+
+
+def _cost_lines(ex: Explanation, s) -> list[str]:
+    """The strategy's cost, per input redistribution (collectives and local work), when
+    the per-input prices add up to the strategy's total; else the total's own lines."""
+    total = s.cost.total_seconds
+    head = f"    cost {_us(total)} µs (collectives {_us(total - s.cost.local_seconds)} µs, " \
+        f"local work {_us(s.cost.local_seconds)} µs)" + (
+            "" if s.cost.dtensor_supported else "; DTensor's redistribute rejects a step")
+    out = [head]
+    per_input = []
+    try:
+        from .cost import MeshShape, redistribute_cost
+
+        mesh = MeshShape(ex.mesh.mesh_shape)
+        for name, meta, src, dst in zip(ex.input_names, ex.input_metas, ex.mesh.current, s.input_placements):
+            itemsize = torch.empty((), dtype=meta.dtype).element_size()
+            c = redistribute_cost(tuple(meta.shape), itemsize, tuple(src), tuple(dst), mesh)
+            per_input.append((name, src, dst, c))
+    except Exception:  # noqa: BLE001 - display only: fall back to the summed lines
+        per_input = []
+    if per_input and math.isclose(sum(c.total_seconds for *_, c in per_input), total,
+                                  rel_tol=1e-6, abs_tol=1e-12):
+        for name, src, dst, c in per_input:
+            if tuple(src) == tuple(dst):
+                continue
+            out.append(f"      {name}: {_p_row(src)} -> {_p_row(dst)}, {_us(c.total_seconds)} µs")
+            out += [f"        - {line}" for line in c.explain()]
+        if all(tuple(a) == tuple(b) for _, a, b, _ in per_input):
+            out.append("      no input moves: free")
+    else:
+        out += [f"      - {line}" for line in s.cost.explain()]
+    return out
+
+
+def _transpose(placements) -> list[tuple]:
+    """per-tensor rows of per-mesh-dim placements, whichever way round they come."""
+    return [tuple(row) if isinstance(row, (tuple, list)) else row for row in placements]
+
+
+def _p_row(row) -> str:
+    if row is None:
+        return "None"
+    return "(" + ", ".join(_tp(p) for p in row) + ")"
+
+
+# --------------------------------------------------------------- small formatters
+
+
+def _p(p: MaybePlacement) -> str:
+    return "?" if p is None else format_placement(p)
+
+
+def _tp(p: Any) -> str:
+    """A torch placement in the short alphabet (S(d), R, P(op)); None -> None."""
+    if p is None:
+        return "None"
+    q = from_torch_placement(p)
+    if q is NotImplemented:
+        if hasattr(p, "split_factor"):
+            return f"SS({p.dim},{p.split_factor})"
+        return str(p)
+    return format_placement(q)
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:.2f}"
+
+
+_DTYPES = {
+    torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16",
+    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
+    torch.uint8: "u8", torch.bool: "bool", torch.complex64: "c64", torch.complex128: "c128",
+}
+
+
+def _dtype(dt: torch.dtype) -> str:
+    return _DTYPES.get(dt, str(dt).replace("torch.", ""))
+
+
+def _shape(shape: Sequence[int]) -> str:
+    return "[" + ",".join(str(s) for s in shape) + "]"
+
+
+def _short_op(op) -> str:
+    return str(op).removeprefix("aten.")
+
+
+def _call(g: PrimGraph, n: PrimNode, width: int | None = CALL_WIDTH) -> str:
+    ids = iter(n.inputs)
+
+    def sub(x):
+        return _Id(next(ids)) if isinstance(x, TensorMeta) else x
+
+    args, kwargs = tree_map(sub, (n.args, n.kwargs), is_leaf=lambda x: isinstance(x, TensorMeta))
+    parts = [_arg(a) for a in args] + [f"{k}={_arg(v)}" for k, v in kwargs.items()]
+    outs = ", ".join("_" if v is None else f"%{v}{_shape(g.meta(v).shape)}" for v in n.outputs)
+    text = f"{outs} = {_short_op(n.op)}({', '.join(parts)})"
+    if width is not None and len(text) > width:
+        text = text[: width - 3] + "..."
+    return text
+
+
+class _Id:
+    def __init__(self, v: int):
+        self.v = v
+
+    def __repr__(self) -> str:
+        return f"%{self.v}"
+
+
+def _arg(a: Any) -> str:
+    if isinstance(a, torch.dtype):
+        return _dtype(a)
+    if isinstance(a, float):
+        return f"{a:g}"
+    if isinstance(a, torch.memory_format):
+        return str(a).replace("torch.", "")
+    if isinstance(a, (list, tuple)):
+        inner = ", ".join(_arg(x) for x in a)
+        return f"[{inner}]"
+    return repr(a)
+
+
+def _wrap(text: str, hang: int, width: int = WIDTH) -> list[str]:
+    """Wrap a long line at `width`, continuation lines indented by `hang`."""
+    return textwrap.wrap(
+        text, width=width, subsequent_indent=" " * hang, break_long_words=False,
+        break_on_hyphens=False,
+    ) or [text]
+
+
+def _indent(text: str | list[str], n: int = 2) -> list[str]:
+    lines = text.splitlines() if isinstance(text, str) else text
+    return [" " * n + line for line in lines]
+
