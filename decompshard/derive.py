@@ -17,6 +17,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .dispatch_modes import trace
+from .dispatch_modes.clean import clean_dispatch_state
 from .dispatch_modes.graph import PrimGraph
 from .dispatch_modes.tracing import tensor_meta
 from .errors import UnsupportedOp
@@ -96,7 +97,8 @@ class DerivedRules:
         trace_at = lambda a, k: traced(self.op, a, k)  # noqa: E731
         best = None
         for cand in self._survivors[key]:  # same rule reached through different paths
-            verdict = check_local(self.graph, cand, meta_args, meta_kwargs, trace_at)
+            with clean_dispatch_state():
+                verdict = check_local(self.graph, cand, meta_args, meta_kwargs, trace_at)
             if not verdict.ok:
                 self._rejected.append(RejectedCandidate(cand.inputs, verdict.reason))
                 continue
@@ -214,13 +216,14 @@ def derive_rules(op: OpOverload | str, *args: Any, **kwargs: Any) -> DerivedRule
         return hit
     start = time.perf_counter()
     result = DerivedRules(op)
-    try:
-        result.graph = traced(op, args, kwargs)
-    except UnsupportedOp as e:
-        result.unsupported_reason = e.reason
-        result._rules = []
-    else:
-        _solve(result, args, kwargs)
+    with clean_dispatch_state():  # a caller's FakeTensorMode/LocalTensorMode stays out
+        try:
+            result.graph = traced(op, args, kwargs)
+        except UnsupportedOp as e:
+            result.unsupported_reason = e.reason
+            result._rules = []
+        else:
+            _solve(result, args, kwargs)
     result.seconds = time.perf_counter() - start
     _DERIVED[key] = result
     return result

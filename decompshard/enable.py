@@ -27,6 +27,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._compat import DTensorSpec, OpSpec, OpStrategy, sharding_propagator
+from .dispatch_modes.clean import clean_dispatch_state
 from .dispatch_modes.tracing import has_decomposition
 
 _lock = threading.RLock()
@@ -71,7 +72,7 @@ class DerivedStrategy:
         mesh = specs[0].mesh
         current = [tuple(s.placements) for s in specs]
         try:
-            with _clean_dispatch_state():
+            with clean_dispatch_state():
                 # plain meta tensors: made here, not under the caller's modes (under
                 # LocalTensorMode a factory call would return a LocalTensor)
                 meta_flat = [
@@ -118,32 +119,6 @@ class DerivedStrategy:
             _warn_once(f"dynrep:{op}", f"decompshard: {op}: torch's fallback has no strategy for symbolic shapes; running replicated")
             return _replicated(op_schema, specs, specs[0].mesh)
         return theirs
-
-
-def _fresh_thread_dispatch_keys() -> tuple[Any, Any]:
-    """The dispatch-key TLS of a new thread: no mode, nothing excluded but autocast."""
-    box: list = []
-    t = threading.Thread(target=lambda: box.append(
-        (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())))
-    t.start()
-    t.join()
-    return box[0]
-
-
-# DTensor asks for a strategy from inside its __torch_dispatch__, where autograd and every
-# key above Python are excluded; there a CompositeImplicitAutograd op reaches the tracing
-# mode undecomposed (sdpa's math path, tagged random, then looks random). Deriving under
-# a plain thread's key state makes the (cached) result the same as a direct
-# `derive_rules` call, whatever modes the caller has active.
-_PLAIN_INCLUDE, _PLAIN_EXCLUDE = _fresh_thread_dispatch_keys()
-
-
-@contextlib.contextmanager
-def _clean_dispatch_state() -> Iterator[None]:
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes(), torch.no_grad(), torch._C._ForceDispatchKeyGuard(_PLAIN_INCLUDE, _PLAIN_EXCLUDE):
-        yield
 
 
 def _first_runnable(op, args, kwargs, mesh_shape, current, n_args):

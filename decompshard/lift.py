@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ._compat import TorchPartial, TorchReplicate, TorchShard, TorchStridedShard
 from .cost import H100, Cost, MeshShape, Topology, redistribute_cost
 from .derive import derive_rules
+from .dispatch_modes.clean import clean_dispatch_state
 from .placements import MaybePlacement, Partial, R, ShardPlaceholder, SingleDimRule
 
 TorchPlacement = Any
@@ -159,7 +160,8 @@ def ranked(
             yield MeshStrategy(tuple(combo), ins, outs, cost, False, f"rule {bad} fails the local-shape check")
             continue
         ins, outs = expand(checked, current)  # outputs may have become P(avg) [even]
-        reason = _invalid_reason(derived.op, args, kwargs, checked, ins, outs, tensors, mesh.sizes)
+        with clean_dispatch_state():  # meta kernels run on meta tensors, not the caller's
+            reason = _invalid_reason(derived.op, args, kwargs, checked, ins, outs, tensors, mesh.sizes)
         yield MeshStrategy(tuple(checked), ins, outs, cost, not reason, reason)
 
 

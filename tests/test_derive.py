@@ -102,3 +102,32 @@ def test_results_are_cached_and_clear_caches_forgets_them():
 def test_string_form_parses_back():
     for text in rules_of(aten.addr.default, torch.randn(4, 6), torch.randn(4), torch.randn(6)):
         assert str(parse_rule(text)) == text
+
+
+def test_ambient_fake_tensor_mode_does_not_change_the_answer():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    plain = rules_of(aten.addr.default, torch.randn(4, 6), torch.randn(4), torch.randn(6))
+    clear_caches()
+    with FakeTensorMode():
+        inside = derive_rules(aten.addr.default, torch.empty(4, 6), torch.empty(4), torch.empty(6))
+        assert set(inside.as_strings()) == plain and plain
+
+
+def test_ambient_local_tensor_mode_does_not_change_the_answer():
+    import torch.distributed as dist
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    plain = rules_of(aten.addr.default, torch.randn(4, 6), torch.randn(4), torch.randn(6))
+    clear_caches()
+    owns_pg = not dist.is_initialized()
+    if owns_pg:
+        dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        with LocalTensorMode(2):
+            inside = derive_rules(aten.addr.default, torch.randn(4, 6), torch.randn(4), torch.randn(6))
+            assert set(inside.as_strings()) == plain and plain
+    finally:
+        if owns_pg:
+            dist.destroy_process_group()
