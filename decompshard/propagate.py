@@ -97,8 +97,7 @@ def propagate(
                 result.n_rejections += 1
                 return result
             env0[v] = p
-    last_use = graph.last_use()
-    keep = set(graph.inputs) | {v for v in graph.outputs if v is not None}
+    live_after = _live_after(graph)
     states = [_State(env0, False, ())]
 
     for node in graph.nodes:
@@ -114,9 +113,7 @@ def propagate(
                 for env in _matches(rule, node, st.env, allowed, floating):
                     matched = True
                     new = _State(env, st.even or rule.even_only, st.path + (ri,))
-                    live = tuple(
-                        (v, env[v]) for v in sorted(env) if v in keep or last_use.get(v, -1) > node.index
-                    )
+                    live = tuple(env.get(v) for v in live_after[node.index])
                     nxt.setdefault((live, new.even), new)
             if not matched:
                 result.n_rejections += 1
@@ -154,6 +151,18 @@ def propagate(
 # value, and the average / max / min of identical copies is that value). So a rule that
 # wants one of those accepts R as it is — no data moves.
 _R_SATISFIES = {P("avg"), P("max"), P("min")}
+
+
+def _live_after(graph: PrimGraph) -> list[tuple[int, ...]]:
+    """For each node, the values whose placement still matters after it: inputs and
+    outputs of the op, and anything a later node reads. States equal on these merge."""
+    last_use = graph.last_use()
+    keep = set(graph.inputs) | {v for v in graph.outputs if v is not None}
+    candidates = sorted(keep | set(last_use))
+    return [
+        tuple(v for v in candidates if v in keep or last_use.get(v, -1) > node.index)
+        for node in graph.nodes
+    ]
 
 
 def _matches(rule: SingleDimRule, node: PrimNode, env: dict, allowed: dict, floating: set) -> list[dict]:
