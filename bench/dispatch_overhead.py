@@ -78,7 +78,7 @@ def dtensors(build, placements, mesh):
 
     from decompshard.lift import local_shape_nd
 
-    args, tensors, it = [], [], iter(placements)
+    args, it = [], iter(placements)
     for a in build():
         if not isinstance(a, torch.Tensor):
             args.append(a)

@@ -16,7 +16,6 @@ import statistics
 import warnings
 
 import pytest
-import torch
 
 from decompshard import derive_rules
 from decompshard.verify import check_rules

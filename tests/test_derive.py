@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from decompshard import clear_caches, derive_rules, parse_rule
-from decompshard.placements import P, S
+from decompshard.placements import S
 
 aten = torch.ops.aten
 
