@@ -66,10 +66,11 @@ def _compute_rules(node: PrimNode) -> tuple[SingleDimRule, ...]:
     found = [_even_if_averaging_shards(r) for r in found]
     found += [a for r in found if (a := _avg_twin(r, node)) is not None]
     found += project_rules.extra_rules(node)
+    in_metas = _metas(node)
     seen = {trivial.key()}
     table = [trivial]
     for rule in found:
-        if not _partials_fit_dtypes(rule, node):
+        if not _partials_fit_dtypes(rule, node) or not _shards_fit_ranks(rule, in_metas, node):
             continue
         if len(rule.inputs) == n_in and len(rule.outputs) == n_out and rule.key() not in seen:
             seen.add(rule.key())
@@ -86,6 +87,15 @@ def _even_if_averaging_shards(rule: SingleDimRule) -> SingleDimRule:
     if any(is_shard(p) for p in rule.inputs) and P("avg") in rule.outputs:
         return SingleDimRule(rule.inputs, rule.outputs, even_only=True, source=rule.source)
     return rule
+
+
+def _shards_fit_ranks(rule: SingleDimRule, in_metas: list, node: PrimNode) -> bool:
+    """S(d) must name a dim the tensor has (a strategy written for another overload or
+    output rank can say otherwise); such a rule is dropped, not trusted."""
+    pairs = list(zip(rule.inputs, in_metas)) + list(zip(rule.outputs, node.out_metas))
+    return all(
+        not is_shard(p) or (m is not None and p.dim < len(m.shape)) for p, m in pairs
+    )
 
 
 def _partials_fit_dtypes(rule: SingleDimRule, node: PrimNode) -> bool:
