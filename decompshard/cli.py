@@ -21,7 +21,10 @@ class UsageError(Exception):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="decompshard", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="decompshard",
+        description="DTensor sharding strategies derived from aten decompositions: coverage tables and traces.",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     modules = {}
     for name, (module_name, help_text) in COMMANDS.items():
