@@ -104,9 +104,11 @@ def from_torch_placement(p: Any):
 
 
 def to_torch_placement(p: Any) -> Any:
-    """decompshard placement -> torch placement (S(d) becomes a plain Shard(d))."""
+    """decompshard placement -> torch placement (S(d) becomes a plain Shard(d), None stays)."""
     from .placements import Partial, Replicate, ShardPlaceholder
 
+    if p is None:
+        return None
     if isinstance(p, ShardPlaceholder):
         return TorchShard(p.dim)
     if isinstance(p, Partial):

@@ -45,12 +45,12 @@ import torch
 from torch._ops import OpOverload
 from torch.utils._pytree import tree_flatten, tree_map
 
+from decompshard._compat import to_torch_placement
 from decompshard.placements import (
     PARTIALS,
     MaybePlacement,
     Partial,
     R,
-    Replicate,
     ShardPlaceholder,
     SingleDimRule,
     format_placement,
@@ -136,22 +136,11 @@ def _torch_placement_types():
     return TShard, _StridedShard, TReplicate, TPartial
 
 
-def to_torch_placement(p: MaybePlacement):
-    """Ours -> torch: S(d) -> Shard(d), R -> Replicate(), P(x) -> Partial(x)."""
-    TShard, _, TReplicate, TPartial = _torch_placement_types()
-    if p is None:
-        return None
-    if isinstance(p, ShardPlaceholder):
-        return TShard(p.dim)
-    if isinstance(p, Replicate):
-        return TReplicate()
-    if isinstance(p, Partial):
-        return TPartial(p.reduce_op)
-    raise TypeError(f"not a placement: {p!r}")
-
-
 def from_torch_placement(p: Any) -> MaybePlacement:
-    """Torch -> ours. Raises UnrepresentablePlacement for e.g. `_NormPartial(2)`."""
+    """Torch -> ours, for judging torch's claims as generously as they can be read:
+    _StridedShard reads as S(d) and a p-norm partial with p in {0, 1, +-inf} as the
+    reduction it is (the engine's own conversion, `_compat.from_torch_placement`,
+    refuses both). Raises UnrepresentablePlacement for e.g. `_NormPartial(2)`."""
     TShard, TStrided, TReplicate, TPartial = _torch_placement_types()
     if p is None:
         return None
