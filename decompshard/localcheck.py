@@ -77,8 +77,10 @@ def check_local(
 ) -> LocalVerdict:
     """Accept, accept as [even] (fails only where some sharded dim splits unevenly, and
     holds at an even world size), or refuse with the first disagreement."""
-    if not any(is_shard(p) for p in cand.inputs):
-        return LocalVerdict(True, cand.outputs, cand.even_only)  # local shapes == global
+    if not any(is_shard(p) for p in cand.env.values()):
+        # nothing sharded anywhere: every rank's shapes are the global ones. (A shard
+        # made from nothing, e.g. expand R -> S(d), still has to meet the check.)
+        return LocalVerdict(True, cand.outputs, cand.even_only)
     scaled, passed_even, uneven_failure = False, False, ""
     for W in _with_uneven_probe(graph, cand, world_sizes):
         even = all(

@@ -131,3 +131,17 @@ def test_ambient_local_tensor_mode_does_not_change_the_answer():
     finally:
         if owns_pg:
             dist.destroy_process_group()
+
+
+def test_linear_through_addmm_claims_no_average_of_a_sharded_contraction():
+    # Regression: P(sum) -> P(avg) "twins" of addmm's `P(sum), S(1), S(0) -> P(sum)` made
+    # `S(1), S(1), R -> P(avg)` for linear, which is wrong (the contraction is a sum).
+    from decompshard.verify import check_rules
+
+    x, w, b = torch.randn(4, 6), torch.randn(3, 6), torch.randn(3)
+    derived = derive_rules(aten.linear.default, x, w, b)
+    report = check_rules(aten.linear.default, (x, w, b), {}, derived.rules)
+    assert not report.incorrect, report.incorrect
+    assert "S(1), S(1), P(sum) -> P(sum) [even]" in derived.as_strings() or any(
+        r.startswith("S(1), S(1), P(sum) -> P(sum)") for r in derived.as_strings()
+    )

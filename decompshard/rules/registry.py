@@ -117,8 +117,13 @@ def _partials_fit_dtypes(rule: SingleDimRule, node: PrimNode) -> bool:
 def _avg_twin(rule: SingleDimRule, node: PrimNode) -> SingleDimRule | None:
     """P(sum) in -> P(sum) out claims additivity, and an additive map commutes with the
     1/W of an average, so the same rule holds with every P(sum) read as P(avg). Torch
-    lists this for some ops (mul) and omits it for others (sum, mv)."""
+    lists this for some ops (mul) and omits it for others (sum, mv).
+
+    Only when no input is sharded: in `P(sum), S(1), S(0) -> P(sum)` (addmm) the sharded
+    contraction itself makes a sum over ranks, which no reading turns into an average."""
     if P("sum") not in rule.inputs or any(is_partial(p) and p != P("sum") for p in rule.inputs):
+        return None
+    if any(is_shard(p) for p in rule.inputs):
         return None
     if not rule.outputs or any(p not in (P("sum"), None) for p in rule.outputs):
         return None
