@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from typing import Any, Iterator
 
@@ -25,12 +26,15 @@ def _fresh_thread_dispatch_keys() -> tuple[Any, Any]:
 # FakeTensorMode or LocalTensorMode would turn our meta tensors into theirs. Deriving
 # under a plain thread's key state with no mode makes every (cached) result the same,
 # whatever the caller has active.
-_PLAIN_INCLUDE, _PLAIN_EXCLUDE = _fresh_thread_dispatch_keys()
+@functools.lru_cache(maxsize=None)
+def _plain_keys() -> tuple[Any, Any]:
+    return _fresh_thread_dispatch_keys()  # read once, on first use (not at import)
 
 
 @contextlib.contextmanager
 def clean_dispatch_state() -> Iterator[None]:
     from torch.utils._python_dispatch import _disable_current_modes
 
-    with _disable_current_modes(), torch.no_grad(), torch._C._ForceDispatchKeyGuard(_PLAIN_INCLUDE, _PLAIN_EXCLUDE):
+    include, exclude = _plain_keys()
+    with _disable_current_modes(), torch.no_grad(), torch._C._ForceDispatchKeyGuard(include, exclude):
         yield
