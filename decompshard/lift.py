@@ -22,7 +22,6 @@ valid one (`ranked`); `rank_strategies` checks them all, for explanations.
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -271,7 +270,3 @@ def _global_outputs(op, args, kwargs) -> list:
     a, k = tree_unflatten(meta, spec)
     res = op(*a, **k)
     return [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in tree_flatten(res)[0]]
-
-
-def total_elements(shape: Sequence[int]) -> int:
-    return math.prod(shape)
