@@ -44,11 +44,17 @@ class PrimNode:
     constant: bool  # every tensor input is a constant: the outputs are constants too
     out_metas: tuple[TensorMeta | None, ...] = ()  # one per output leaf
 
-    def non_tensor_leaves(self) -> list[Any]:
-        leaves = torch.utils._pytree.tree_leaves(
+    def _leaves(self) -> list[Any]:
+        return torch.utils._pytree.tree_leaves(
             (self.args, self.kwargs), is_leaf=lambda x: isinstance(x, TensorMeta)
         )
-        return [x for x in leaves if not isinstance(x, TensorMeta)]
+
+    def non_tensor_leaves(self) -> list[Any]:
+        return [x for x in self._leaves() if not isinstance(x, TensorMeta)]
+
+    def input_metas(self) -> list[TensorMeta]:
+        """TensorMeta of each tensor input, in the order of `inputs`."""
+        return [x for x in self._leaves() if isinstance(x, TensorMeta)]
 
 
 @dataclass

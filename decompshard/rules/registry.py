@@ -63,10 +63,10 @@ def _compute_rules(node: PrimNode) -> tuple[SingleDimRule, ...]:
         if got is not None:
             found = got
             break
+    in_metas = node.input_metas()
     found = [_even_if_averaging_shards(r) for r in found]
-    found += [a for r in found if (a := _avg_twin(r, node)) is not None]
+    found += [a for r in found if (a := _avg_twin(r, in_metas)) is not None]
     found += project_rules.extra_rules(node)
-    in_metas = _metas(node)
     seen = {trivial.key()}
     table = [trivial]
     for rule in found:
@@ -114,7 +114,7 @@ def _partials_fit_dtypes(rule: SingleDimRule, node: PrimNode) -> bool:
     return True
 
 
-def _avg_twin(rule: SingleDimRule, node: PrimNode) -> SingleDimRule | None:
+def _avg_twin(rule: SingleDimRule, metas: list) -> SingleDimRule | None:
     """P(sum) in -> P(sum) out claims additivity, and an additive map commutes with the
     1/W of an average, so the same rule holds with every P(sum) read as P(avg). Torch
     lists this for some ops (mul) and omits it for others (sum, mv).
@@ -127,7 +127,6 @@ def _avg_twin(rule: SingleDimRule, node: PrimNode) -> SingleDimRule | None:
         return None
     if not rule.outputs or any(p not in (P("sum"), None) for p in rule.outputs):
         return None
-    metas = _metas(node)
     if len(metas) != len(rule.inputs) or any(
         not (m.dtype.is_floating_point or m.dtype.is_complex)
         for m, p in zip(metas, rule.inputs) if p == P("sum")
@@ -135,15 +134,6 @@ def _avg_twin(rule: SingleDimRule, node: PrimNode) -> SingleDimRule | None:
         return None
     swap = lambda ps: tuple(P("avg") if p == P("sum") else p for p in ps)  # noqa: E731
     return SingleDimRule(swap(rule.inputs), swap(rule.outputs), rule.even_only, rule.source + " (avg twin)")
-
-
-def _metas(node: PrimNode) -> list:
-    import torch.utils._pytree as pytree
-
-    from .._compat import TensorMeta
-
-    leaves = pytree.tree_leaves((node.args, node.kwargs), is_leaf=lambda x: isinstance(x, TensorMeta))
-    return [x for x in leaves if isinstance(x, TensorMeta)]
 
 
 def clear_cache() -> None:

@@ -68,7 +68,7 @@ def rules(node: PrimNode) -> list[SingleDimRule] | None:
     fn = op_strategy_func(node.op)
     if fn is None:
         return None
-    metas = _tensor_metas(node)
+    metas = node.input_metas()
     n_out = len(node.outputs)
     found: dict[tuple, SingleDimRule] = {}
     for cand in _candidates(node, metas):
@@ -81,15 +81,6 @@ def rules(node: PrimNode) -> list[SingleDimRule] | None:
             if rule is not None:
                 found.setdefault(rule.key(), rule)
     return list(found.values())
-
-
-def _tensor_metas(node: PrimNode) -> list[TensorMeta]:
-    import torch
-
-    leaves = torch.utils._pytree.tree_leaves(
-        (node.args, node.kwargs), is_leaf=lambda x: isinstance(x, TensorMeta)
-    )
-    return [x for x in leaves if isinstance(x, TensorMeta)]
 
 
 def _to_rule(spec: OpSpec, n_out: int) -> SingleDimRule | None:
