@@ -18,7 +18,8 @@ bug this package can have):
 * P(max)/P(min) parts are strictly smaller/larger than the value on every rank but the
   randomly chosen holder, so index-returning ops (argmax) disagree across ranks;
 * besides the caller's data, every rule must also hold on derived samples (ties,
-  negated, NaN/inf/0: see VARIANTS) that defeat data on which a wrong rule looks right;
+  negated, NaN/inf/0, a lone zero, all zeros: see VARIANTS; integer and bool inputs
+  resampled: see `resample_values`) that defeat data on which a wrong rule looks right;
 * an input the op changes in place must still match its placement afterwards.
 
 Safety: local shapes of sharded inputs are first shown to the op's meta kernel, because
@@ -339,11 +340,40 @@ def _special_values(x: torch.Tensor, i: int) -> torch.Tensor:
 # ops, and x / 0 does not distribute over parts; finite positions must still agree. The
 # sample is there for outputs whose value ignores Partial inputs on ordinary data:
 # isnan(P(sum)) -> R, logical_or(R, P(sum)) -> R, heaviside(R, P(sum)) -> P(avg).
+def _lone_zero(x: torch.Tensor, i: int) -> torch.Tensor:
+    """One zero, at the last element: it lies in the last non-empty shard along every
+    dim, so a shard without a zero sits beside one with it (all(S(d)) -> R looks valid
+    when every shard, or none, holds a zero)."""
+    out = x.clone()
+    if out.numel():
+        out.view(-1)[-1] = 0
+    return out
+
+
 VARIANTS: dict[str, tuple[Callable[[torch.Tensor, int], torch.Tensor], bool]] = {
     "ties": (_tie_values, False),  # eq(P(sum), R) -> R looks valid when nothing is equal
     "negated": (lambda x, i: -x, False),  # mul(P(max), R) -> P(max) looks valid if R >= 0
     "special": (_special_values, True),
+    "lone zero": (_lone_zero, False),
+    # count_nonzero(P(max)) -> P(min) looks valid while at most one element is zero
+    "zeros": (lambda x, i: torch.zeros_like(x), True),
 }
+
+
+def resample_values(x: torch.Tensor, i: int) -> torch.Tensor:
+    """An integer or bool input with new values: bools fair coin flips, integers drawn
+    with replacement from the values the tensor already holds (so every element stays
+    a value the op accepted, e.g. an in-range index, while duplicates and new orders
+    appear). Strategies are chosen per metadata, not per value: a rule that holds only
+    because an index is a permutation (index_copy overwrites every row) or a mask is
+    all True is not a rule."""
+    g = torch.Generator().manual_seed(7_919 * (i + 1))
+    if x.numel() == 0:
+        return x.clone()
+    if x.dtype == torch.bool:
+        return torch.rand(x.shape, generator=g) < 0.5
+    pool = x.reshape(-1)
+    return pool[torch.randint(0, pool.numel(), x.shape, generator=g)].to(x.dtype)
 
 
 class Sample:
@@ -392,12 +422,17 @@ class OpCase:
             base = Sample("base", leaves, [], [leaves[i] for i in self.tensor_pos])
         self.samples = [base]
         self.inputs = base.inputs
-        floats = [i for i, x in enumerate(self.inputs) if x.dtype.is_floating_point or x.is_complex()]
-        if self.untestable or not variants or not floats:
+        if self.untestable or not variants:
             return
-        for name, (fn, where_finite) in VARIANTS.items():
+        floats = [i for i, x in enumerate(self.inputs) if x.dtype.is_floating_point or x.is_complex()]
+        discrete = [i for i in range(len(self.inputs)) if i not in floats]
+        plans = [(name, fn, where_finite, floats) for name, (fn, where_finite) in VARIANTS.items()]
+        plans.append(("resampled", resample_values, False, discrete))
+        for name, fn, where_finite, which in plans:
+            if not which:
+                continue
             new = list(base.leaves)
-            for i in floats:
+            for i in which:
                 new[self.tensor_pos[i]] = fn(self.inputs[i], i)
             s = self._sample(name, new, where_finite)
             if isinstance(s, str) or not _same_structure(s.ref_all, base.ref_all):

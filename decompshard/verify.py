@@ -7,7 +7,7 @@ equal the single-device result. We test exactly that, on the caller's real tenso
 plain per-rank tensors (see `_rank_sim`). A passing check is evidence at these shapes and
 values, never a proof; everything is arranged so that a wrong rule is very unlikely to
 pass (float64, tight tolerance, several random Partial draws plus a mirrored one, and
-derived data samples). Cost: input combos x draws x W x samples (4) op calls.
+derived data samples). Cost: input combos x draws x W x samples (up to 7) op calls.
 
 World sizes and [even]: a rule without [even] must pass at every W in `world_sizes`, and
 when none of those W splits a sharded input dim unevenly we add one "probe" W (the
