@@ -20,26 +20,21 @@ import pytest
 from decompshard import derive_rules
 from decompshard.verify import check_rules
 
-# Misses we understand and accept, each with the reason. Most are properties of the
-# sample's *values* (which the derivation never reads), not of the op.
+# Misses we understand and accept, each with the reason. The checker judges rules on the
+# sample's data and on derived data (integer/bool inputs resampled, zeros, ties, ...), so
+# a rule that holds only for one index or mask no longer counts as valid; what is left
+# is degenerate metadata and deliberate refusals.
 KNOWN_MISSES = {
-    "aten._prelu_kernel.default": "weight*x under a negative x flips P(max)->P(min) only where x<0; "
-    "elementwise sign analysis is beyond single-dim rules",
-    "aten._unsafe_masked_index.default": "P(sum) holds only because the sample's mask is all True "
-    "(the fill value would be added once per rank otherwise)",
-    "aten.all.dims": "all() is constant over this sample's values (what S(d) -> R relies on); "
-    "the derivation never reads values",
     "aten.as_strided_copy.default": "refused on purpose: as_strided reads raw storage, and a "
     "Partial part's memory layout is not guaranteed to match",
     "aten.as_strided_scatter.default": "refused on purpose: as_strided layout dependence (above)",
-    "aten.count_nonzero.default": "a 2-element sample: the count of non-zeros of Partial(max/min) "
-    "parts happens to match; not a property of count_nonzero",
-    "aten.index_add.default": "1-element sample: every rule on it is a coincidence of the index values",
-    "aten.index_copy.default": "the sample's index overwrites every row of self, so self's "
-    "placement does not matter; the derivation cannot read index values",
+    "aten.index_add.default": "every OpInfo sample is 1-element: the only valid index is [0], so "
+    "rules that need unique indices (P(max) source) or shard-local indices (S(0) index) hold "
+    "at this metadata but not in general",
     "aten.replication_pad2d.default": "the sample pads only W, so the gather on H is the identity; "
     "the derivation cannot see that the index is an identity",
 }
+RECALL_TARGET = 0.95  # issue 2
 
 
 @pytest.fixture(scope="module")
@@ -106,4 +101,6 @@ def test_recall_and_named_misses(decomp_only):
     assert not no_rule, f"ops with a valid non-trivial rule but none derived: {no_rule}"
     explained_ops = [v for k, v in recalls.items() if k not in KNOWN_MISSES]
     assert all(v == 1.0 for v in explained_ops)
-    assert mean >= 0.85, f"mean recall {mean:.3f} regressed (was >= 0.85 when measured)"
+    assert mean >= RECALL_TARGET, f"mean recall {mean:.3f} is below the target {RECALL_TARGET}"
+    stale = sorted(k for k in KNOWN_MISSES if k in recalls and recalls[k] == 1.0)
+    assert not stale, f"named as misses but now fully recalled (drop them): {stale}"

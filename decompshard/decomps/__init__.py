@@ -128,8 +128,17 @@ def _polar(abs, angle):
     return _complex(aten.mul.Tensor(abs, aten.cos.default(angle)), aten.mul.Tensor(abs, aten.sin.default(angle)))
 
 
-# Preferred over torch's own decomposition for these ops (see _unfold, _complex).
+def _prelu_kernel(x, weight):
+    # torch's where(x > 0, x, weight * x) hides that weight only ever meets x <= 0, which
+    # is what makes R, P(max) -> P(min) valid. relu(x) + weight * min(x, 0) is the same
+    # function for finite weights (the value DTensor computes is the real kernel's
+    # anyway), and the tracer sees clamp_max(x, 0) <= 0 (dispatch_modes/signs.py).
+    return aten.add.Tensor(aten.relu.default(x), aten.mul.Tensor(weight, aten.clamp_max.default(x, 0)))
+
+
+# Preferred over torch's own decomposition for these ops (see _unfold, _complex, _prelu_kernel).
 PROJECT_OVERRIDES: dict[torch._ops.OpOverload, Callable] = {
+    aten._prelu_kernel.default: _prelu_kernel,
     aten.unfold.default: _unfold,
     aten.complex.default: _complex,
     aten.polar.default: _polar,

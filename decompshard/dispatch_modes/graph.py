@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .._compat import TensorMeta
+from .signs import ZERO
 
 INPUT, CONST, NODE = "input", "const", "node"
 
@@ -22,7 +23,12 @@ class ValueInfo:
     id: int
     kind: str  # INPUT | CONST | NODE
     meta: TensorMeta
-    zero: bool = False  # a constant known to be all zeros (full(0), zeros_like, ...)
+    sign: int = 0  # signs.NONNEG / NONPOS / ZERO bits known from the trace (signs.py)
+
+    @property
+    def zero(self) -> bool:
+        """All zeros (full(0), zeros_like, ...): a constant that is also a valid P(sum)."""
+        return self.sign == ZERO
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,7 @@ class PrimNode:
     outputs: tuple[int | None, ...]
     constant: bool  # every tensor input is a constant: the outputs are constants too
     out_metas: tuple[TensorMeta | None, ...] = ()  # one per output leaf
+    in_signs: tuple[int, ...] = ()  # signs.py bits of each tensor input, as `inputs`
 
     def _leaves(self) -> list[Any]:
         return torch.utils._pytree.tree_leaves(

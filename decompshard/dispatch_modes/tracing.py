@@ -19,26 +19,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .._compat import TensorMeta, torch_decomposition_table
 from ..errors import DataDependent, UnsupportedOp
+from . import signs
 from .graph import CONST, INPUT, NODE, PrimGraph, PrimNode, ValueInfo
 
 aten = torch.ops.aten
 OpOverload = torch._ops.OpOverload
-
-# Constants known to be all zeros: they are valid as P(sum) too (zeros sum to zero).
-_ZERO_FACTORIES = {
-    aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default,
-}
-_FILL_FACTORIES = {  # zero when their fill value is 0
-    aten.full.default: 1, aten.full_like.default: 1, aten.new_full.default: 2,
-    aten.fill.Scalar: 1, aten.fill_.Scalar: 1, aten.scalar_tensor.default: 0,
-}
-_VALUE_PRESERVING = {
-    aten.detach.default, aten.clone.default, aten.alias.default, aten.view.default,
-    aten._to_copy.default, aten.expand.default, aten.contiguous.default,
-    aten.unsqueeze.default, aten.permute.default, aten.t.default, aten.transpose.int,
-    aten.reshape.default, aten._unsafe_view.default, aten.slice.Tensor, aten.select.int,
-    aten.lift_fresh.default,
-}
 
 # Ops whose result depends on tensor *values* in a way that shapes cannot express.
 _DATA_DEPENDENT_OPS = {aten._local_scalar_dense.default, aten.item.default}
@@ -93,9 +78,9 @@ class _Recorder:
         self._keep: list[torch.Tensor] = []  # keeps ids stable while the trace runs
         self.viewed: set[int] = set()  # ids of tensors some recorded view aliases
 
-    def new_value(self, t: torch.Tensor, kind: str, zero: bool = False) -> int:
+    def new_value(self, t: torch.Tensor, kind: str, sign: int = signs.UNKNOWN) -> int:
         vid = len(self.graph.values)
-        self.graph.values.append(ValueInfo(vid, kind, tensor_meta(t), zero))
+        self.graph.values.append(ValueInfo(vid, kind, tensor_meta(t), sign))
         self._vid[id(t)] = vid
         self._keep.append(t)
         return vid
@@ -161,9 +146,10 @@ class TracingMode(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t._is_view() and t._base is not None:
                 self.rec.viewed.add(id(t._base))
                 self.rec.viewed.add(id(t))
-        zero = constant and _makes_zeros(func, args, kwargs, [self.rec.graph.values[v] for v in in_ids])
+        in_signs = tuple(self.rec.graph.values[v].sign for v in in_ids)
+        sign = signs.sign_of(func, args, kwargs, in_ids, in_signs) if len(flat_out) == 1 else signs.UNKNOWN
         out_ids = tuple(
-            self.rec.new_value(t, kind, zero) if isinstance(t, torch.Tensor) else None
+            self.rec.new_value(t, kind, sign) if isinstance(t, torch.Tensor) else None
             for t in flat_out
         )
         meta_args, meta_kwargs = _map(
@@ -174,6 +160,7 @@ class TracingMode(TorchDispatchMode):
             PrimNode(
                 len(g.nodes), func, meta_args, meta_kwargs, in_ids, out_ids, constant,
                 tuple(tensor_meta(t) if isinstance(t, torch.Tensor) else None for t in flat_out),
+                in_signs,
             )
         )
         return out
@@ -184,16 +171,6 @@ _META = torch.device("meta")
 
 def _on_meta(tree):
     return _map(lambda x: _META if isinstance(x, torch.device) else x, tree)
-
-
-def _makes_zeros(func, args, kwargs, inputs: list[ValueInfo]) -> bool:
-    if func in _ZERO_FACTORIES:
-        return True
-    if func in _FILL_FACTORIES:
-        pos = _FILL_FACTORIES[func]
-        value = args[pos] if len(args) > pos else kwargs.get("fill_value", kwargs.get("value"))
-        return isinstance(value, (int, float, bool)) and value == 0
-    return func in _VALUE_PRESERVING and bool(inputs) and inputs[0].zero
 
 
 def _leaves(obj, out: list) -> list:

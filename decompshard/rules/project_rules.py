@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from ..dispatch_modes import signs
 from ..dispatch_modes.graph import PrimNode
 from ..placements import PARTIALS, P, R, SingleDimRule, ShardPlaceholder
 
@@ -62,6 +63,8 @@ def extra_rules(node: PrimNode) -> list[SingleDimRule]:
     """
     if node.op in _SHIFT | _SCALE | _FLIP and len(node.inputs) == 1:
         return _scalar_rules(node)
+    if node.op is aten.mul.Tensor and len(node.inputs) == 2:
+        return _signed_factor_rules(node)
     if node.op in _BINARY_SHIFT:
         return _binary_shift_rules(node)
     if node.op is aten.where.self:
@@ -118,6 +121,25 @@ def _scalar_rules(node: PrimNode) -> list[SingleDimRule]:
         return []
     n_out = len(node.outputs)
     return [SingleDimRule((a,), (b,) * n_out, source=SOURCE) for a, b in pairs]
+
+
+# x * c with c replicated and of a sign the trace knows (dispatch_modes/signs.py): every
+# part of a P(max)/P(min) x is scaled by the same c, so c >= 0 keeps max and min, c <= 0
+# swaps them. (P(sum)/P(avg) times R is linear: torch's own mul rule has it.)
+def _signed_factor_rules(node: PrimNode) -> list[SingleDimRule]:
+    metas = node.args[:2]
+    if len(node.in_signs) != 2 or not all(getattr(m, "dtype", None) is not None and m.dtype.is_floating_point for m in metas):
+        return []
+    n_out = len(node.outputs)
+    out = []
+    for side, sign in enumerate(node.in_signs):
+        keep = {P("max"): P("max"), P("min"): P("min")}
+        swap = {P("max"): P("min"), P("min"): P("max")}
+        for maps in ([keep] if sign & signs.NONNEG else []) + ([swap] if sign & signs.NONPOS else []):
+            for p_in, p_out in maps.items():
+                ins = (p_in, R) if side == 1 else (R, p_in)
+                out.append(SingleDimRule(ins, (p_out,) * n_out, source=SOURCE))
+    return out
 
 
 # Tensor-tensor add/sub where one side is Replicate: a shift of every part of the other.

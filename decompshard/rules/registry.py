@@ -4,7 +4,7 @@ Lookup order: torch's single-dim strategies, then torch's op strategies on a fak
 mesh, then decompshard's own rules. The first source that knows the op wins; the
 all-Replicate rule is always added (every op can run fully replicated), and so are
 decompshard's extra rules for ops torch under-serves (Partial through pure data movement). Results are
-cached per (op, input metadata, non-tensor args): a training loop pays once.
+cached per (op, input metadata, non-tensor args, input signs): a training loop pays once.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ _CACHE: dict[tuple, tuple[SingleDimRule, ...]] = {}
 def rules_for(node: PrimNode) -> tuple[SingleDimRule, ...]:
     """The node's rule table, all-Replicate first, duplicates removed."""
     try:
-        key = (node.op, _freeze((node.args, node.kwargs)), len(node.inputs), len(node.outputs))
+        key = (node.op, _freeze((node.args, node.kwargs)), len(node.inputs), len(node.outputs), node.in_signs)
         hash(key)
     except TypeError:  # an unhashable non-tensor arg: compute without caching
         return _compute_rules(node)
