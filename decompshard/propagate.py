@@ -125,7 +125,7 @@ def propagate(
                             tuple(st.env.get(v) for v in node.inputs),
                         )
                     )
-        states = list(nxt.values())
+        states = _undominated(nxt, live_after[node.index], set(graph.inputs), floating)
         if not states:
             return result
 
@@ -151,6 +151,25 @@ def propagate(
 # value, and the average / max / min of identical copies is that value). So a rule that
 # wants one of those accepts R as it is — no data moves.
 _R_SATISFIES = {P("avg"), P("max"), P("min")}
+
+
+def _undominated(states: dict[tuple, _State], live: tuple[int, ...], inputs: set, floating: set) -> list[_State]:
+    """Drop a state that differs from another only by holding P(avg|max|min) where the
+    other holds R on some intermediate or output value (a rule that wants P(avg) on a
+    Replicate value makes such copies: unbind_copy's five clones made 4^5 of them).
+    Every rule that accepts the P value accepts R too, and both have full local shapes,
+    so the R state reaches everything the P state does, and its rules dominate (see
+    derive._drop_implied). Graph inputs are never promoted: they name the candidate."""
+    promotable = [v not in inputs and v in floating for v in live]
+    out = []
+    for (placements, even), st in states.items():
+        promoted = tuple(
+            R if can and p in _R_SATISFIES else p for can, p in zip(promotable, placements)
+        )
+        if promoted != placements and ((promoted, False) in states or (even and (promoted, True) in states)):
+            continue
+        out.append(st)
+    return out
 
 
 def _live_after(graph: PrimGraph) -> list[tuple[int, ...]]:

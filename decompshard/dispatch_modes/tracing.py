@@ -202,14 +202,16 @@ def _one_line(e: BaseException) -> str:
 
 
 def trace(
-    op: OpOverload, args: tuple, kwargs: dict, is_primitive: Callable[[OpOverload], bool]
+    op: OpOverload, args: tuple, kwargs: dict, is_primitive: Callable[[OpOverload], bool],
+    decomp: Callable | None = None,
 ) -> PrimGraph:
-    """Record `op`'s decomposition at the given (global) shapes.
+    """Record `op`'s decomposition (or `decomp`, any function of the op's arguments) at
+    the given (global) shapes.
 
     Raises UnsupportedOp (no decomposition, random op, data-dependent control flow,
     a primitive with no meta kernel) with a one-line reason.
     """
-    decomp = find_decomposition(op)
+    decomp = decomp or find_decomposition(op)
     if decomp is None:
         raise UnsupportedOp(f"no decomposition: {op} has neither a decomposition nor a strategy")
     rec = _Recorder(op)
