@@ -14,11 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
 
 from .dispatch_modes import trace
 from .dispatch_modes.clean import clean_dispatch_state
-from .dispatch_modes.graph import PrimGraph
+from .dispatch_modes.graph import PrimGraph, freeze, map_leaves
 from .dispatch_modes.tracing import tensor_meta
 from .errors import UnsupportedOp
 from .localcheck import check_local
@@ -164,9 +163,7 @@ _DERIVED: dict[Any, DerivedRules] = {}
 
 
 def _key(op: OpOverload, args: tuple, kwargs: dict) -> Any:
-    flat, spec = tree_flatten((args, kwargs))
-    leaves = tuple(tensor_meta(x) if isinstance(x, torch.Tensor) else _hashable(x) for x in flat)
-    return (op, leaves, str(spec))
+    return (op, freeze(map_leaves(lambda x: tensor_meta(x) if isinstance(x, torch.Tensor) else _hashable(x), (args, kwargs))))
 
 
 def _hashable(x: Any) -> Any:
@@ -234,7 +231,7 @@ def _solve(result: DerivedRules, args: tuple, kwargs: dict) -> None:
     graph = result.graph
     prop = propagate(graph, rules_for)
     result._rejected.extend(_rejections(graph, prop))
-    meta_args, meta_kwargs = tree_map(
+    meta_args, meta_kwargs = map_leaves(
         lambda x: torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
         if isinstance(x, torch.Tensor) else x,
         (args, kwargs),

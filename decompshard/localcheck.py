@@ -26,9 +26,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .dispatch_modes.graph import PrimGraph
+from .dispatch_modes.graph import PrimGraph, leaves, map_leaves
 from .errors import UnsupportedOp
 from .placements import P, Partial, is_shard, local_shape
 from .propagate import Survivor
@@ -58,13 +57,11 @@ class LocalVerdict:
 
 def local_args(args: tuple, kwargs: dict, shapes: Sequence[tuple[int, ...]]) -> tuple[tuple, dict]:
     """The op's arguments with tensor i replaced by a meta tensor of `shapes[i]`."""
-    flat, spec = tree_flatten((args, kwargs))
     it = iter(shapes)
-    flat = [
-        torch.empty(next(it), dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
-        for x in flat
-    ]
-    return tree_unflatten(flat, spec)
+    return map_leaves(
+        lambda x: torch.empty(next(it), dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x,
+        (args, kwargs),
+    )
 
 
 def check_local(
@@ -220,15 +217,15 @@ def _real_kernel_on_empty_shard(g: PrimGraph, cand: Survivor, args, kwargs, shap
         g.op(*meta_args, **meta_kwargs)
     except Exception as e:
         return f"the op's meta kernel refuses an empty shard: {(str(e).splitlines() or [''])[0][:120]}"
-    flat, spec = tree_flatten((meta_args, meta_kwargs))
-    real = [torch.zeros(x.shape, dtype=x.dtype) if isinstance(x, torch.Tensor) else x for x in flat]
-    a, k = tree_unflatten(real, spec)
+    a, k = map_leaves(
+        lambda x: torch.zeros(x.shape, dtype=x.dtype) if isinstance(x, torch.Tensor) else x,
+        (meta_args, meta_kwargs),
+    )
     try:
         out = g.op(*a, **k)
     except Exception as e:
         return f"the op fails on an empty shard: {(str(e).splitlines() or [''])[0][:120]}"
-    leaves = tree_flatten(out)[0]
-    for leaf, gv, p in zip(leaves, g.outputs, cand.outputs):
+    for leaf, gv, p in zip(leaves(out), g.outputs, cand.outputs):
         if gv is None or not isinstance(leaf, torch.Tensor):
             continue
         want = local_shape(g.meta(gv).shape, p, W, r)

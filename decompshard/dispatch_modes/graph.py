@@ -7,8 +7,9 @@ value is a graph input, a constant (made without reading any input), or a node o
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -16,6 +17,45 @@ from .._compat import TensorMeta
 from .signs import ZERO
 
 INPUT, CONST, NODE = "input", "const", "node"
+
+
+# Argument trees of aten calls are lists, tuples and dicts of leaves. These walk them
+# about 5x faster than torch's pytree, which matters: the tracer and the local check
+# walk every primitive's arguments. torch.Size and TensorMeta are leaves; result tuples
+# (torch.return_types) are walked; dicts in insertion order, as torch's pytree does.
+def _is_container(x: Any) -> bool:
+    return isinstance(x, (list, dict)) or (
+        isinstance(x, tuple) and not isinstance(x, (torch.Size, TensorMeta))
+    )
+
+
+def leaves(obj: Any, out: list | None = None) -> list:
+    """The leaves of an argument tree, in order."""
+    out = [] if out is None else out
+    if not _is_container(obj):
+        out.append(obj)
+    else:
+        for x in obj.values() if isinstance(obj, dict) else obj:
+            leaves(x, out)
+    return out
+
+
+def map_leaves(fn: Callable[[Any], Any], obj: Any) -> Any:
+    """`fn` applied to every leaf, containers rebuilt as plain lists, tuples and dicts."""
+    if not _is_container(obj):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: map_leaves(fn, v) for k, v in obj.items()}
+    return type(obj)(map_leaves(fn, x) for x in obj) if type(obj) in (list, tuple) else list(map_leaves(fn, x) for x in obj)
+
+
+def freeze(obj: Any) -> Any:
+    """A hashable form of an argument tree (lists become tuples, dicts sorted pairs)."""
+    if isinstance(obj, dict):
+        return tuple(sorted(((k, freeze(v)) for k, v in obj.items()), key=lambda kv: kv[0]))
+    if _is_container(obj):
+        return tuple(freeze(v) for v in obj)
+    return obj
 
 
 @dataclass(frozen=True)
@@ -51,17 +91,16 @@ class PrimNode:
     out_metas: tuple[TensorMeta | None, ...] = ()  # one per output leaf
     in_signs: tuple[int, ...] = ()  # signs.py bits of each tensor input, as `inputs`
 
-    def _leaves(self) -> list[Any]:
-        return torch.utils._pytree.tree_leaves(
-            (self.args, self.kwargs), is_leaf=lambda x: isinstance(x, TensorMeta)
-        )
+    @functools.cached_property
+    def _leaves(self) -> tuple[Any, ...]:
+        return tuple(leaves((self.args, self.kwargs)))
 
     def non_tensor_leaves(self) -> list[Any]:
-        return [x for x in self._leaves() if not isinstance(x, TensorMeta)]
+        return [x for x in self._leaves if not isinstance(x, TensorMeta)]
 
     def input_metas(self) -> list[TensorMeta]:
         """TensorMeta of each tensor input, in the order of `inputs`."""
-        return [x for x in self._leaves() if isinstance(x, TensorMeta)]
+        return [x for x in self._leaves if isinstance(x, TensorMeta)]
 
 
 @dataclass

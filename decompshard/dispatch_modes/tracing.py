@@ -15,12 +15,11 @@ from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .._compat import TensorMeta, torch_decomposition_table
 from ..errors import DataDependent, UnsupportedOp
 from . import signs
-from .graph import CONST, INPUT, NODE, PrimGraph, PrimNode, ValueInfo
+from .graph import CONST, INPUT, NODE, PrimGraph, PrimNode, ValueInfo, leaves, map_leaves
 
 aten = torch.ops.aten
 OpOverload = torch._ops.OpOverload
@@ -128,7 +127,7 @@ class TracingMode(TorchDispatchMode):
                 raise UnsupportedOp(f"in-place {func} writes through a view; aliasing is not traced")
 
     def _record(self, func, args, kwargs):
-        flat_in = _leaves((args, kwargs), [])
+        flat_in = leaves((args, kwargs))
         self._refuse_writes_through_aliases(func, args, kwargs)
         in_ids = tuple(self.rec.value_of(x) for x in flat_in if isinstance(x, torch.Tensor))
         try:  # factories inside decompositions may name a real device: keep them on meta
@@ -141,7 +140,7 @@ class TracingMode(TorchDispatchMode):
             raise UnsupportedOp(f"{func} failed on meta tensors: {_one_line(e)}") from e
         constant = all(self.rec.graph.values[v].kind == CONST for v in in_ids)
         kind = CONST if constant else NODE
-        flat_out = _leaves(out, [])
+        flat_out = leaves(out)
         for t in flat_out:
             if isinstance(t, torch.Tensor) and t._is_view() and t._base is not None:
                 self.rec.viewed.add(id(t._base))
@@ -152,7 +151,7 @@ class TracingMode(TorchDispatchMode):
             self.rec.new_value(t, kind, sign) if isinstance(t, torch.Tensor) else None
             for t in flat_out
         )
-        meta_args, meta_kwargs = _map(
+        meta_args, meta_kwargs = map_leaves(
             lambda x: tensor_meta(x) if isinstance(x, torch.Tensor) else x, (args, kwargs)
         )
         g = self.rec.graph
@@ -170,30 +169,7 @@ _META = torch.device("meta")
 
 
 def _on_meta(tree):
-    return _map(lambda x: _META if isinstance(x, torch.device) else x, tree)
-
-
-def _leaves(obj, out: list) -> list:
-    """Leaves of nested lists/tuples/dicts in order (torch's pytree is 5x slower here,
-    and the tracer calls this for every primitive)."""
-    if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
-        for x in obj:
-            _leaves(x, out)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            _leaves(x, out)
-    else:
-        out.append(obj)
-    return out
-
-
-def _map(fn, obj):
-    """`fn` applied to every leaf, containers rebuilt with their own types."""
-    if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
-        return type(obj)(_map(fn, x) for x in obj) if type(obj) in (list, tuple) else obj
-    if isinstance(obj, dict):
-        return {k: _map(fn, v) for k, v in obj.items()}
-    return fn(obj)
+    return map_leaves(lambda x: _META if isinstance(x, torch.device) else x, tree)
 
 
 def _one_line(e: BaseException) -> str:
@@ -215,13 +191,10 @@ def trace(
     if decomp is None:
         raise UnsupportedOp(f"no decomposition: {op} has neither a decomposition nor a strategy")
     rec = _Recorder(op)
-    flat, spec = tree_flatten((args, kwargs))
-    meta_flat = [to_meta(x) for x in flat]
-    input_ids = tuple(
-        rec.new_value(x, INPUT) for x in meta_flat if isinstance(x, torch.Tensor)
+    margs, mkwargs = _on_meta(map_leaves(to_meta, (args, kwargs)))
+    rec.graph.inputs = tuple(
+        rec.new_value(x, INPUT) for x in leaves((margs, mkwargs)) if isinstance(x, torch.Tensor)
     )
-    rec.graph.inputs = input_ids
-    margs, mkwargs = _on_meta(tree_unflatten(meta_flat, spec))
     mode = TracingMode(rec, is_primitive)
     try:
         with mode:
@@ -234,7 +207,7 @@ def trace(
         raise UnsupportedOp(f"decomposition failed on meta tensors: {_one_line(e)}") from e
     if out is NotImplemented:
         raise UnsupportedOp(f"no decomposition: {op}'s decomposition declined these arguments")
-    flat_out, _ = tree_flatten(out)
+    flat_out = leaves(out)
     rec.graph.outputs = tuple(
         rec.value_of(t) if isinstance(t, torch.Tensor) else None for t in flat_out
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..dispatch_modes.graph import PrimNode
+from ..dispatch_modes.graph import PrimNode, freeze
 from ..placements import P, R, SingleDimRule, is_partial, is_shard
 from . import project_rules, torch_op_strategy, torch_single_dim
 
@@ -36,7 +36,7 @@ _CACHE: dict[tuple, tuple[SingleDimRule, ...]] = {}
 def rules_for(node: PrimNode) -> tuple[SingleDimRule, ...]:
     """The node's rule table, all-Replicate first, duplicates removed."""
     try:
-        key = (node.op, _freeze((node.args, node.kwargs)), len(node.inputs), len(node.outputs), node.in_signs)
+        key = (node.op, freeze((node.args, node.kwargs)), len(node.inputs), len(node.outputs), node.in_signs)
         hash(key)
     except TypeError:  # an unhashable non-tensor arg: compute without caching
         return _compute_rules(node)
@@ -44,14 +44,6 @@ def rules_for(node: PrimNode) -> tuple[SingleDimRule, ...]:
     if hit is None:
         hit = _CACHE[key] = _compute_rules(node)
     return hit
-
-
-def _freeze(x):
-    if isinstance(x, dict):
-        return tuple(sorted((k, _freeze(v)) for k, v in x.items()))
-    if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
-        return tuple(_freeze(v) for v in x)
-    return x
 
 
 def _compute_rules(node: PrimNode) -> tuple[SingleDimRule, ...]:
