@@ -32,21 +32,33 @@ def _is_container(x: Any) -> bool:
 def leaves(obj: Any, out: list | None = None) -> list:
     """The leaves of an argument tree, in order."""
     out = [] if out is None else out
-    if not _is_container(obj):
-        out.append(obj)
-    else:
-        for x in obj.values() if isinstance(obj, dict) else obj:
+    t = type(obj)
+    if t is list or t is tuple:
+        for x in obj:
             leaves(x, out)
+    elif t is dict:
+        for x in obj.values():
+            leaves(x, out)
+    elif _is_container(obj):  # a tuple subclass: torch.return_types
+        for x in obj:
+            leaves(x, out)
+    else:
+        out.append(obj)
     return out
 
 
 def map_leaves(fn: Callable[[Any], Any], obj: Any) -> Any:
     """`fn` applied to every leaf, containers rebuilt as plain lists, tuples and dicts."""
-    if not _is_container(obj):
-        return fn(obj)
-    if isinstance(obj, dict):
+    t = type(obj)
+    if t is list:
+        return [map_leaves(fn, x) for x in obj]
+    if t is tuple:
+        return tuple([map_leaves(fn, x) for x in obj])
+    if t is dict:
         return {k: map_leaves(fn, v) for k, v in obj.items()}
-    return type(obj)(map_leaves(fn, x) for x in obj) if type(obj) in (list, tuple) else list(map_leaves(fn, x) for x in obj)
+    if _is_container(obj):  # a tuple subclass: torch.return_types
+        return [map_leaves(fn, x) for x in obj]
+    return fn(obj)
 
 
 def freeze(obj: Any) -> Any:

@@ -11,6 +11,7 @@ own"); everything else is decomposed again, recursively, inside the same mode.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
@@ -63,8 +64,20 @@ def has_decomposition(op: OpOverload) -> bool:
     return find_decomposition(op) is not None
 
 
+@functools.lru_cache(maxsize=None)
 def _is_mutating(op: OpOverload) -> bool:
     return any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
+
+
+@functools.lru_cache(maxsize=None)
+def _tag_facts(op: OpOverload) -> tuple[bool, bool, bool]:
+    """(data-dependent, random, dynamic output shape): schema facts, read once per op."""
+    tags = op.tags
+    return (
+        op in _DATA_DEPENDENT_OPS or torch.Tag.data_dependent_output in tags,
+        torch.Tag.nondeterministic_seeded in tags,
+        torch.Tag.dynamic_output_shape in tags,
+    )
 
 
 class _Recorder:
@@ -99,7 +112,8 @@ class TracingMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _DATA_DEPENDENT_OPS or torch.Tag.data_dependent_output in func.tags:
+        data_dependent, random, _ = _tag_facts(func)
+        if data_dependent:
             raise DataDependent(f"data-dependent: the decomposition calls {func}")
         if not self.is_primitive(func):
             decomp = find_decomposition(func)
@@ -108,7 +122,7 @@ class TracingMode(TorchDispatchMode):
                     out = decomp(*args, **kwargs)
                 if out is not NotImplemented:
                     return out
-        if torch.Tag.nondeterministic_seeded in func.tags:
+        if random:
             raise UnsupportedOp(f"random: {func} draws random numbers")
         return self._record(func, args, kwargs)
 
@@ -130,12 +144,14 @@ class TracingMode(TorchDispatchMode):
         flat_in = leaves((args, kwargs))
         self._refuse_writes_through_aliases(func, args, kwargs)
         in_ids = tuple(self.rec.value_of(x) for x in flat_in if isinstance(x, torch.Tensor))
-        try:  # factories inside decompositions may name a real device: keep them on meta
-            out = func(*_on_meta(args), **_on_meta(kwargs))
+        if any(isinstance(x, torch.device) for x in flat_in):
+            args, kwargs = _on_meta((args, kwargs))  # a factory naming a real device: stay on meta
+        try:
+            out = func(*args, **kwargs)
         except (DataDependent, UnsupportedOp):
             raise
         except Exception as e:  # no meta kernel, or the op rejects these shapes
-            if torch.Tag.dynamic_output_shape in func.tags:
+            if _tag_facts(func)[2]:
                 raise DataDependent(f"data-dependent: {func}'s output shape depends on values") from e
             raise UnsupportedOp(f"{func} failed on meta tensors: {_one_line(e)}") from e
         constant = all(self.rec.graph.values[v].kind == CONST for v in in_ids)
@@ -191,7 +207,7 @@ def trace(
     if decomp is None:
         raise UnsupportedOp(f"no decomposition: {op} has neither a decomposition nor a strategy")
     rec = _Recorder(op)
-    margs, mkwargs = _on_meta(map_leaves(to_meta, (args, kwargs)))
+    margs, mkwargs = map_leaves(lambda x: _META if isinstance(x, torch.device) else to_meta(x), (args, kwargs))
     rec.graph.inputs = tuple(
         rec.new_value(x, INPUT) for x in leaves((margs, mkwargs)) if isinstance(x, torch.Tensor)
     )
