@@ -78,19 +78,20 @@ CASES = [
 def test_recorded_sign_holds_on_real_values(func, in_signs, extra):
     tensors = [_values(s, seed=i) for i, s in enumerate(in_signs)]
     args = (*tensors, *extra)
-    claimed = sign_of(func, args, {}, tuple(range(len(tensors))), tuple(in_signs))
     out = func(*args)
+    claimed = sign_of(func, args, {}, tuple(range(len(tensors))), tuple(in_signs), out.dtype)
     assert _holds(claimed, out), f"{func} claims sign bits {claimed}, real output {out}"
 
 
 def test_signs_are_conservative_where_they_must_be():
-    x = _values(UNKNOWN)
-    assert sign_of(aten.div.Scalar, (x, 0.0), {}, (0,), (NONNEG,)) == UNKNOWN  # x / 0
-    assert sign_of(aten.div.Tensor, (x, x + 1), {}, (0, 1), (NONNEG, NONNEG)) == UNKNOWN  # -0.0 divisor
-    assert sign_of(aten.mul.Tensor, (x, x), {}, (0, 1), (UNKNOWN, UNKNOWN)) == UNKNOWN
-    assert sign_of(aten.mul.Tensor, (x, x), {}, (0, 0), (UNKNOWN, UNKNOWN)) == NONNEG  # x * x
-    assert sign_of(aten.sin.default, (x,), {}, (0,), (NONNEG,)) == UNKNOWN
-    assert sign_of(aten.clamp_min.default, (x, float("nan")), {}, (0,), (UNKNOWN,)) == UNKNOWN
+    x, f = _values(UNKNOWN), torch.float64
+    assert sign_of(aten.div.Scalar, (x, 0.0), {}, (0,), (NONNEG,), f) == UNKNOWN  # x / 0
+    assert sign_of(aten.div.Tensor, (x, x + 1), {}, (0, 1), (NONNEG, NONNEG), f) == UNKNOWN  # -0.0 divisor
+    assert sign_of(aten.mul.Tensor, (x, x), {}, (0, 1), (UNKNOWN, UNKNOWN), f) == UNKNOWN
+    assert sign_of(aten.mul.Tensor, (x, x), {}, (0, 0), (UNKNOWN, UNKNOWN), f) == NONNEG  # x * x
+    assert sign_of(aten.sin.default, (x,), {}, (0,), (NONNEG,), f) == UNKNOWN
+    assert sign_of(aten.clamp_min.default, (x, float("nan")), {}, (0,), (UNKNOWN,), f) == UNKNOWN
+    assert sign_of(aten.relu.default, (x.long(),), {}, (0,), (UNKNOWN,), torch.int64) == UNKNOWN  # ints: none
 
 
 def test_tracer_records_signs_and_zero_constants():
@@ -116,3 +117,22 @@ def test_prelu_flips_max_and_min_of_a_partial_weight(x, w):
     assert "R, P(max) -> P(max)" not in got and "R, P(sum) -> P(sum)" not in got
     report = check_rules(aten._prelu_kernel.default, (x, w), {}, derived.rules)
     assert not report.incorrect and not report.missed
+
+
+def test_a_cast_through_bool_or_int_forgets_the_sign():
+    """x <= 0 cast to bool is True (1) where x < 0: a sign kept through the cast would
+    claim P(max) * 1.0 -> P(min)."""
+    def through(dtype):
+        def f(x, w):
+            nonpos = aten.clamp_max.default(x, 0)
+            back = aten._to_copy.default(aten._to_copy.default(nonpos, dtype=dtype), dtype=torch.float32)
+            return aten.mul.Tensor(w, back)
+        return f
+
+    for dtype in (torch.bool, torch.uint8, torch.int8):
+        graph = trace(aten.mul.Tensor, (torch.randn(4), torch.randn(4)), {}, has_rule, decomp=through(dtype))
+        mul = graph.nodes[-1]
+        assert mul.in_signs[1] == UNKNOWN, dtype
+    same = trace(aten.mul.Tensor, (torch.randn(4), torch.randn(4)), {}, has_rule,
+                 decomp=lambda x, w: aten._to_copy.default(aten.clamp_max.default(x, 0), dtype=torch.float64))
+    assert same.values[same.outputs[0]].sign == NONPOS  # float -> float keeps it

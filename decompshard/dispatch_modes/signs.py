@@ -92,11 +92,16 @@ def _arg(args: Sequence[Any], kwargs: dict, pos: int, name: str, default: Any = 
     return args[pos] if len(args) > pos else kwargs.get(name, default)
 
 
-def sign_of(func, args: Sequence[Any], kwargs: dict, in_ids: Sequence[int], in_signs: Sequence[int]) -> int:
+def sign_of(func, args: Sequence[Any], kwargs: dict, in_ids: Sequence[int], in_signs: Sequence[int],
+            out_dtype: torch.dtype) -> int:
     """The sign bits of `func`'s (single) tensor output, from its inputs' signs and its
-    scalar arguments. Conservative: UNKNOWN whenever a case is not spelled out here."""
-    dtype_ok = not any(isinstance(a, torch.Tensor) and a.is_complex() for a in args)
-    if not dtype_ok:
+    scalar arguments. Conservative: UNKNOWN whenever a case is not spelled out here.
+
+    Only floating outputs carry a sign: the rules built on signs are for floating values,
+    and a cast through bool or an unsigned or narrow int does not keep one (x <= 0 cast
+    to bool is 1 where x < 0; -1 cast to uint8 is 255). So x <= 0 cast to bool and back
+    to float is UNKNOWN, because the bool in the middle is."""
+    if not out_dtype.is_floating_point or any(isinstance(a, torch.Tensor) and a.is_complex() for a in args):
         return UNKNOWN
     first = in_signs[0] if in_signs else UNKNOWN
     if func in _ALWAYS_ZERO:
@@ -129,8 +134,7 @@ def sign_of(func, args: Sequence[Any], kwargs: dict, in_ids: Sequence[int], in_s
             return UNKNOWN  # only by a nonzero number: a ">= 0" tensor may hold -0.0
         return _product(first, other)
     if func is aten.add.Tensor and len(in_ids) == 2 and of_number(kwargs.get("alpha", 1)) == NONNEG:
-        a, b = in_signs
-        return (a & b & NONNEG) | (a & b & NONPOS) if a and b else UNKNOWN
+        return in_signs[0] & in_signs[1]  # >= 0 plus >= 0, <= 0 plus <= 0
     if func is aten.where.self and len(in_signs) == 3:
         return in_signs[1] & in_signs[2]
     return UNKNOWN

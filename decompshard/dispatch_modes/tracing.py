@@ -162,7 +162,10 @@ class TracingMode(TorchDispatchMode):
                 self.rec.viewed.add(id(t._base))
                 self.rec.viewed.add(id(t))
         in_signs = tuple(self.rec.graph.values[v].sign for v in in_ids)
-        sign = signs.sign_of(func, args, kwargs, in_ids, in_signs) if len(flat_out) == 1 else signs.UNKNOWN
+        sign = (
+            signs.sign_of(func, args, kwargs, in_ids, in_signs, flat_out[0].dtype)
+            if len(flat_out) == 1 and isinstance(flat_out[0], torch.Tensor) else signs.UNKNOWN
+        )
         out_ids = tuple(
             self.rec.new_value(t, kind, sign) if isinstance(t, torch.Tensor) else None
             for t in flat_out
