@@ -344,9 +344,9 @@ def _lone_zero(x: torch.Tensor, i: int) -> torch.Tensor:
     """One zero, at the last element: it lies in the last non-empty shard along every
     dim, so a shard without a zero sits beside one with it (all(S(d)) -> R looks valid
     when every shard, or none, holds a zero)."""
-    out = x.clone()
+    out = x.clone()  # keeps x's strides: some ops read them
     if out.numel():
-        out.view(-1)[-1] = 0
+        out[(-1,) * out.dim()] = 0
     return out
 
 
@@ -354,7 +354,7 @@ VARIANTS: dict[str, tuple[Callable[[torch.Tensor, int], torch.Tensor], bool]] = 
     "ties": (_tie_values, False),  # eq(P(sum), R) -> R looks valid when nothing is equal
     "negated": (lambda x, i: -x, False),  # mul(P(max), R) -> P(max) looks valid if R >= 0
     "special": (_special_values, True),
-    "lone zero": (_lone_zero, False),
+    "lone zero": (_lone_zero, True),  # a zero can make a matrix singular (lu_solve: inf)
     # count_nonzero(P(max)) -> P(min) looks valid while at most one element is zero
     "zeros": (lambda x, i: torch.zeros_like(x), True),
 }
@@ -432,8 +432,12 @@ class OpCase:
             if not which:
                 continue
             new = list(base.leaves)
-            for i in which:
-                new[self.tensor_pos[i]] = fn(self.inputs[i], i)
+            try:
+                for i in which:
+                    new[self.tensor_pos[i]] = fn(self.inputs[i], i)
+            except Exception as e:  # a variant we cannot build is dropped, never fatal
+                self.dropped.append(f"{name}: could not derive it: {_err(e)}")
+                continue
             s = self._sample(name, new, where_finite)
             if isinstance(s, str) or not _same_structure(s.ref_all, base.ref_all):
                 self.dropped.append(f"{name}: {s if isinstance(s, str) else 'result structure differs'}")

@@ -29,7 +29,7 @@ SMALL = ",".join([
     "aten.addmv.default",  # derived
     "aten.block_diag.default",  # derived; torch's fallback trips on a factory op
     "aten.complex.default",  # derived via stack (it used to write through a view)
-    "aten.as_strided_copy.default",  # replicate-only
+    "aten.dist.default",  # replicate-only: its p-norm blocks every Partial
     "aten.normal.Tensor_Tensor",  # random: unsupported
     "aten.nonzero.default",  # no decomposition
     "aten.hardsigmoid_backward.default",  # decomposable, never reached by OpInfo
@@ -133,9 +133,10 @@ def test_random_and_replicate_only(small):
     r = _op(small, "aten.normal.Tensor_Tensor")
     assert r["status"] == "unsupported" and r["reason"].startswith("random:")
     assert r["torch_fallback"]["status"] == "unsupported" and r["n_truth"] == 0  # never verified
-    r = _op(small, "aten.as_strided_copy.default")
+    r = _op(small, "aten.dist.default")
     assert r["status"] == "replicate-only" and "no non-trivial rule survives" in r["reason"]
-    assert r["n_derived"] == 0 and r["n_missed"] == r["n_truth"] > 0
+    assert "blocked at aten.norm" in r["reason"]  # names the primitive every candidate died at
+    assert r["n_derived"] == 0 and r["n_missed"] == r["n_truth"]
 
 
 def test_no_decomposition_and_no_sample(small):

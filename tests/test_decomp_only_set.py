@@ -23,11 +23,8 @@ from decompshard.verify import check_rules
 # Misses we understand and accept, each with the reason. The checker judges rules on the
 # sample's data and on derived data (integer/bool inputs resampled, zeros, ties, ...), so
 # a rule that holds only for one index or mask no longer counts as valid; what is left
-# is degenerate metadata and deliberate refusals.
+# is degenerate metadata and an index the derivation cannot see is an identity.
 KNOWN_MISSES = {
-    "aten.as_strided_copy.default": "refused on purpose: as_strided reads raw storage, and a "
-    "Partial part's memory layout is not guaranteed to match",
-    "aten.as_strided_scatter.default": "refused on purpose: as_strided layout dependence (above)",
     "aten.index_add.default": "every OpInfo sample is 1-element: the only valid index is [0], so "
     "rules that need unique indices (P(max) source) or shard-local indices (S(0) index) hold "
     "at this metadata but not in general",

@@ -145,3 +145,41 @@ def test_linear_through_addmm_claims_no_average_of_a_sharded_contraction():
     assert "S(1), S(1), P(sum) -> P(sum) [even]" in derived.as_strings() or any(
         r.startswith("S(1), S(1), P(sum) -> P(sum)") for r in derived.as_strings()
     )
+
+
+AS_STRIDED_GATHERS = [
+    (torch.randn(16), [2, 2, 2, 2], [1, 1, 1, 1], 0),  # overlapping windows: a gather may repeat
+    (torch.randn(4, 6), [3, 3], [6, 2], 1),
+    (torch.randn(3, 3), [2, 2], [1, 2]),  # storage_offset left out: x's own (0)
+]
+
+
+@pytest.mark.parametrize("args", AS_STRIDED_GATHERS)
+def test_as_strided_copy_within_its_input_passes_every_partial(args):
+    from decompshard.verify import check_rules
+
+    derived = derive_rules(aten.as_strided_copy.default, *args)
+    assert set(derived.as_strings()) == {f"P({op}) -> P({op})" for op in ("sum", "avg", "max", "min")}
+    report = check_rules(aten.as_strided_copy.default, args, {}, derived.rules)
+    assert not report.incorrect and not report.missed
+
+
+def test_as_strided_scatter_without_overlap_passes_matching_partials():
+    from decompshard.verify import check_rules
+
+    args = (torch.randn(4, 6), torch.randn(2, 3), [2, 3], [6, 2], 1)
+    derived = derive_rules(aten.as_strided_scatter.default, *args)
+    got = set(derived.as_strings())
+    assert {"P(sum), P(sum) -> P(sum)", "R, P(max) -> P(max)", "P(avg), R -> P(avg)"} <= got
+    assert "P(sum), R -> P(sum)" not in got  # R self elements would be summed W times
+    report = check_rules(aten.as_strided_scatter.default, args, {}, derived.rules)
+    assert not report.incorrect and not report.missed
+
+
+def test_as_strided_outside_a_gather_or_scatter_is_refused():
+    # reads past the input's own elements (storage beyond x is not x's to read)
+    assert not derive_rules(aten.as_strided_copy.default, torch.randn(6), [3, 3], [1, 1], 4).rules
+    # a scatter whose windows overlap writes some elements twice (undefined in torch)
+    assert not derive_rules(aten.as_strided_scatter.default, torch.randn(6), torch.randn(3, 3), [3, 3], [1, 1], 0).rules
+    # a non-contiguous input: positions would not be its logical elements
+    assert not derive_rules(aten.as_strided_copy.default, torch.randn(4, 4).t(), [2, 2], [1, 4], 0).rules

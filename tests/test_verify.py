@@ -364,3 +364,17 @@ def test_replicate_output_prunes_implied_partials():
     assert "R, P(sum), P(sum) -> P(sum), P(max), R" not in names
     assert ok(aten.native_layer_norm.default, (x, [6], w, b, 1e-5), "R, P(sum), P(sum) -> P(sum), P(max), R") is True
     assert "S(0), R, R -> S(0), S(0), S(0)" in names
+
+
+def test_derived_samples_keep_non_contiguous_inputs_and_never_crash_the_checker():
+    """A transposed input used to break the lone-zero sample (view(-1) on it raised);
+    now every sample is built, and the checker judges the op's rules normally."""
+    import torch
+
+    from decompshard._rank_sim import OpCase, _lone_zero
+
+    x = torch.randn(3, 4).t()
+    z = _lone_zero(x, 0)
+    assert z.stride() == x.stride() and z[-1, -1] == 0 and int((z == 0).sum()) == 1
+    case = OpCase(torch.ops.aten.mul.Tensor, (x, torch.randn(4, 3)), {})
+    assert not case.untestable and "lone zero" in {s.name for s in case.samples}

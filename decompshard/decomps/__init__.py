@@ -128,6 +128,66 @@ def _polar(abs, angle):
     return _complex(aten.mul.Tensor(abs, aten.cos.default(angle)), aten.mul.Tensor(abs, aten.sin.default(angle)))
 
 
+def _strided_positions(x, size, stride, storage_offset, *, unique: bool):
+    """as_strided(x, size, stride, offset) as a flat index into x, when that is what it is:
+    x contiguous from its storage's start, every addressed position one of x's own
+    elements, and (for a scatter) no position addressed twice. Then the op is a gather or
+    a scatter with a constant index, which passes any Partial through. The positions are
+    built from arange like _unfold's, so the trace records them as constants. None when
+    the view reaches outside x's elements or overlaps itself: the caller falls back to
+    torch's as_strided decomposition, which gets no Partial rule (refuse, not guess).
+
+    The runtime contract is that each rank's local tensor starts at storage offset 0
+    with the global strides (the strategy is keyed on them); the implied all-Replicate
+    rule of any as_strided op rests on the same contract."""
+    offset = x.storage_offset() if storage_offset is None else storage_offset
+    size, stride = list(size), list(stride)
+    if not x.is_contiguous() or x.storage_offset() != 0 or len(size) != len(stride) or offset < 0:
+        return None
+    if any(n < 0 for n in size) or any(st < 0 for st in stride):
+        return None
+    if math.prod(size) == 0:
+        return None
+    if offset + sum((n - 1) * st for n, st in zip(size, stride)) >= x.numel():
+        return None  # reads past x's own elements
+    if unique:  # sufficient for no overlap: each stride clears every finer dim's reach
+        reach = 0
+        for n, st in sorted((p for p in zip(size, stride) if p[0] > 1), key=lambda p: p[1]):
+            if st <= reach:
+                return None
+            reach += (n - 1) * st
+    idx = aten.full.default([1] * len(size), offset, dtype=torch.int64, device=x.device)
+    for d, (n, st) in enumerate(zip(size, stride)):
+        shape = [1] * len(size)
+        shape[d] = n
+        step = aten.mul.Tensor(aten.arange.default(n, dtype=torch.int64, device=x.device), st)
+        idx = aten.add.Tensor(idx, aten.view.default(step, shape))
+    return aten.reshape.default(idx, [-1])
+
+
+def _torch_own(op):
+    from .._compat import torch_decomposition_table
+
+    table = torch_decomposition_table()
+    return table[op] if op in table else op.decompose
+
+
+def _as_strided_copy(x, size, stride, storage_offset=None):
+    idx = _strided_positions(x, size, stride, storage_offset, unique=False)
+    if idx is None:
+        return _torch_own(aten.as_strided_copy.default)(x, size, stride, storage_offset)
+    picked = aten.index_select.default(aten.reshape.default(x, [-1]), 0, idx)
+    return aten.view.default(picked, list(size))
+
+
+def _as_strided_scatter(self, src, size, stride, storage_offset=None):
+    idx = _strided_positions(self, size, stride, storage_offset, unique=True)
+    if idx is None:
+        return _torch_own(aten.as_strided_scatter.default)(self, src, size, stride, storage_offset)
+    flat = aten.index_put.default(aten.reshape.default(self, [-1]), [idx], aten.reshape.default(src, [-1]))
+    return aten.view.default(flat, list(self.shape))
+
+
 def _prelu_kernel(x, weight):
     # torch's where(x > 0, x, weight * x) hides that weight only ever meets x <= 0, which
     # is what makes R, P(max) -> P(min) valid. relu(x) + weight * min(x, 0) is the same
@@ -136,8 +196,11 @@ def _prelu_kernel(x, weight):
     return aten.add.Tensor(aten.relu.default(x), aten.mul.Tensor(weight, aten.clamp_max.default(x, 0)))
 
 
-# Preferred over torch's own decomposition for these ops (see _unfold, _complex, _prelu_kernel).
+# Preferred over torch's own decomposition for these ops (see _unfold, _complex,
+# _prelu_kernel, _strided_positions).
 PROJECT_OVERRIDES: dict[torch._ops.OpOverload, Callable] = {
+    aten.as_strided_copy.default: _as_strided_copy,
+    aten.as_strided_scatter.default: _as_strided_scatter,
     aten._prelu_kernel.default: _prelu_kernel,
     aten.unfold.default: _unfold,
     aten.complex.default: _complex,
