@@ -80,6 +80,15 @@ def torch_decomposition_table() -> dict:
     return decomposition_table
 
 
+def torch_decomposition(op: Any) -> Any:
+    """torch's own decomposition of `op`: its decomposition table, then
+    CompositeImplicitAutograd; None if it has neither."""
+    table = torch_decomposition_table()
+    if op in table:
+        return table[op]
+    return op.decompose if op._can_decompose() else None
+
+
 def from_torch_placement(p: Any):
     """torch placement (or single-dim placeholder) -> decompshard's alphabet.
 

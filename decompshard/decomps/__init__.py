@@ -11,6 +11,8 @@ from typing import Callable
 
 import torch
 
+from .._compat import torch_decomposition
+
 aten = torch.ops.aten
 
 
@@ -165,17 +167,10 @@ def _strided_positions(x, size, stride, storage_offset, *, unique: bool):
     return aten.reshape.default(idx, [-1])
 
 
-def _torch_own(op):
-    from .._compat import torch_decomposition_table
-
-    table = torch_decomposition_table()
-    return table[op] if op in table else op.decompose
-
-
 def _as_strided_copy(x, size, stride, storage_offset=None):
     idx = _strided_positions(x, size, stride, storage_offset, unique=False)
     if idx is None:
-        return _torch_own(aten.as_strided_copy.default)(x, size, stride, storage_offset)
+        return torch_decomposition(aten.as_strided_copy.default)(x, size, stride, storage_offset)
     picked = aten.index_select.default(aten.reshape.default(x, [-1]), 0, idx)
     return aten.view.default(picked, list(size))
 
@@ -183,7 +178,7 @@ def _as_strided_copy(x, size, stride, storage_offset=None):
 def _as_strided_scatter(self, src, size, stride, storage_offset=None):
     idx = _strided_positions(self, size, stride, storage_offset, unique=True)
     if idx is None:
-        return _torch_own(aten.as_strided_scatter.default)(self, src, size, stride, storage_offset)
+        return torch_decomposition(aten.as_strided_scatter.default)(self, src, size, stride, storage_offset)
     flat = aten.index_put.default(aten.reshape.default(self, [-1]), [idx], aten.reshape.default(src, [-1]))
     return aten.view.default(flat, list(self.shape))
 

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .._compat import TensorMeta, torch_decomposition_table
+from .._compat import TensorMeta, torch_decomposition
 from ..errors import DataDependent, UnsupportedOp
 from . import signs
 from .graph import CONST, INPUT, NODE, PrimGraph, PrimNode, ValueInfo, leaves, map_leaves
@@ -44,20 +44,14 @@ def to_meta(x: Any) -> Any:
 
 def find_decomposition(op: OpOverload) -> Callable | None:
     """Lookup order: torch's decomposition table, CompositeImplicitAutograd, then ours —
-    except for the few ops whose torch decomposition is layout-dependent (as_strided),
-    where decompshard's override comes first (decomps.PROJECT_OVERRIDES)."""
-    from ..decomps import PROJECT_OVERRIDES
+    except for the few ops whose torch decomposition hides what makes a rule valid
+    (as_strided, aliasing writes, prelu's masked sign), where decompshard's override
+    comes first (decomps.PROJECT_OVERRIDES)."""
+    from ..decomps import PROJECT_DECOMPOSITIONS, PROJECT_OVERRIDES
 
     if op in PROJECT_OVERRIDES:
         return PROJECT_OVERRIDES[op]
-    table = torch_decomposition_table()
-    if op in table:
-        return table[op]
-    if op._can_decompose():
-        return op.decompose
-    from ..decomps import PROJECT_DECOMPOSITIONS
-
-    return PROJECT_DECOMPOSITIONS.get(op)
+    return torch_decomposition(op) or PROJECT_DECOMPOSITIONS.get(op)
 
 
 def has_decomposition(op: OpOverload) -> bool:
