@@ -98,6 +98,7 @@ def propagate(
                 return result
             env0[v] = p
     live_after = _live_after(graph)
+    input_ids = set(graph.inputs)
     states = [_State(env0, False, ())]
 
     for node in graph.nodes:
@@ -125,7 +126,7 @@ def propagate(
                             tuple(st.env.get(v) for v in node.inputs),
                         )
                     )
-        states = _undominated(nxt, live_after[node.index], set(graph.inputs), floating)
+        states = _undominated(nxt, live_after[node.index], input_ids, floating)
         if not states:
             return result
 

@@ -181,8 +181,12 @@ class TracingMode(TorchDispatchMode):
 _META = torch.device("meta")
 
 
+def _device_on_meta(x: Any) -> Any:
+    return _META if isinstance(x, torch.device) else x
+
+
 def _on_meta(tree):
-    return map_leaves(lambda x: _META if isinstance(x, torch.device) else x, tree)
+    return map_leaves(_device_on_meta, tree)
 
 
 def _one_line(e: BaseException) -> str:
@@ -204,7 +208,7 @@ def trace(
     if decomp is None:
         raise UnsupportedOp(f"no decomposition: {op} has neither a decomposition nor a strategy")
     rec = _Recorder(op)
-    margs, mkwargs = map_leaves(lambda x: _META if isinstance(x, torch.device) else to_meta(x), (args, kwargs))
+    margs, mkwargs = map_leaves(lambda x: to_meta(_device_on_meta(x)), (args, kwargs))
     rec.graph.inputs = tuple(
         rec.new_value(x, INPUT) for x in leaves((margs, mkwargs)) if isinstance(x, torch.Tensor)
     )

@@ -126,19 +126,21 @@ def _scalar_rules(node: PrimNode) -> list[SingleDimRule]:
 # x * c with c replicated and of a sign the trace knows (dispatch_modes/signs.py): every
 # part of a P(max)/P(min) x is scaled by the same c, so c >= 0 keeps max and min, c <= 0
 # swaps them. (P(sum)/P(avg) times R is linear: torch's own mul rule has it.)
+_KEEP = ((P("max"), P("max")), (P("min"), P("min")))
+_SWAP = ((P("max"), P("min")), (P("min"), P("max")))
+
+
 def _signed_factor_rules(node: PrimNode) -> list[SingleDimRule]:
     metas = node.args[:2]
     if len(node.in_signs) != 2 or not all(getattr(m, "dtype", None) is not None and m.dtype.is_floating_point for m in metas):
         return []
     n_out = len(node.outputs)
     out = []
-    for side, sign in enumerate(node.in_signs):
-        keep = {P("max"): P("max"), P("min"): P("min")}
-        swap = {P("max"): P("min"), P("min"): P("max")}
-        for maps in ([keep] if sign & signs.NONNEG else []) + ([swap] if sign & signs.NONPOS else []):
-            for p_in, p_out in maps.items():
-                ins = (p_in, R) if side == 1 else (R, p_in)
-                out.append(SingleDimRule(ins, (p_out,) * n_out, source=SOURCE))
+    for side, sign in enumerate(node.in_signs):  # `side` is the replicated factor
+        pairs = (_KEEP if sign & signs.NONNEG else ()) + (_SWAP if sign & signs.NONPOS else ())
+        for p_in, p_out in pairs:
+            ins = (p_in, R) if side == 1 else (R, p_in)
+            out.append(SingleDimRule(ins, (p_out,) * n_out, source=SOURCE))
     return out
 
 
