@@ -24,7 +24,8 @@ from .localcheck import check_local
 from .placements import MaybePlacement, P, R, SingleDimRule, format_placement, format_rule, is_partial
 from .propagate import Propagation, Survivor, propagate
 from .rules import clear_cache as clear_rule_cache
-from .rules import has_rule, rules_for
+from ._compat import has_native_strategy, op_strategy_func, single_dim_strategy_info
+from .rules import has_rule, rules_for, torch_op_strategy, torch_single_dim
 from .rules.project_rules import value_checked_inputs
 
 OpOverload = torch._ops.OpOverload
@@ -53,6 +54,10 @@ class DerivedRules:
     op: OpOverload
     unsupported_reason: str | None = None
     seconds: float = 0.0
+    # Where DTensor's own strategy for this op comes from, if it has one. DTensor then
+    # never asks decompshard (enable() only serves ops without one); the rules here are
+    # what the decomposition yields, for comparison (`native_rules` gives DTensor's own).
+    native: str | None = None
     graph: PrimGraph | None = field(default=None, repr=False)
     _rejected: list[RejectedCandidate] = field(default_factory=list, repr=False)
     _survivors: dict[tuple, list[Survivor]] = field(default_factory=dict, repr=False)
@@ -124,6 +129,9 @@ class DerivedRules:
         from tabulate import tabulate
 
         head = f"{self.op}: "
+        if self.native:  # two short lines: explain --all indents this table
+            head = (f"note: DTensor uses its own strategy for {self.op} ({self.native});\n"
+                    f"these rules are derived from its decomposition, for comparison.\n{head}")
         if self.unsupported_reason:
             return head + f"unsupported: {self.unsupported_reason}"
         if not self.rules:
@@ -212,7 +220,7 @@ def derive_rules(op: OpOverload | str, *args: Any, **kwargs: Any) -> DerivedRule
     if hit is not None:
         return hit
     start = time.perf_counter()
-    result = DerivedRules(op)
+    result = DerivedRules(op, native=native_source(op))
     with clean_dispatch_state():  # a caller's FakeTensorMode/LocalTensorMode stays out
         try:
             result.graph = traced(op, args, kwargs)
@@ -224,6 +232,37 @@ def derive_rules(op: OpOverload | str, *args: Any, **kwargs: Any) -> DerivedRule
     result.seconds = time.perf_counter() - start
     _DERIVED[key] = result
     return result
+
+
+def native_source(op: OpOverload) -> str | None:
+    """The kind of strategy DTensor has registered for `op` itself, or None."""
+    if single_dim_strategy_info(op) is not None:
+        return "torch single-dim strategy"
+    if op_strategy_func(op) is not None:
+        return "torch op strategy"
+    return "torch legacy sharding rule" if has_native_strategy(op) else None
+
+
+def native_rules(op: OpOverload | str, *args: Any, **kwargs: Any) -> list[SingleDimRule] | None:
+    """DTensor's own single-dim rules for `op` at these arguments, as decompshard reads
+    them (the same rule sources the primitives use), all-Replicate first; None if the op
+    has no strategy decompshard can read. `explain` shows them next to the derivation,
+    so nobody debugs a native op through a decomposition DTensor never runs."""
+    op = resolve_op(op)
+    if single_dim_strategy_info(op) is None and op_strategy_func(op) is None:
+        return None  # no strategy at all, or a legacy rule decompshard cannot read
+    with clean_dispatch_state():
+        try:  # the op itself as the one "primitive" of its own graph
+            graph = trace(op, args, kwargs, lambda _: True, decomp=op)
+        except UnsupportedOp:
+            return None
+    if len(graph.nodes) != 1:
+        return None
+    # only torch's own rules: not the twins and extras decompshard adds to primitives
+    return [r for r in rules_for(graph.nodes[0]) if r.source in _TORCH_SOURCES]
+
+
+_TORCH_SOURCES = {"implied", torch_single_dim.SOURCE, torch_op_strategy.SOURCE}
 
 
 def _solve(result: DerivedRules, args: tuple, kwargs: dict) -> None:

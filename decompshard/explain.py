@@ -28,7 +28,7 @@ import torch
 from torch.utils._pytree import tree_flatten_with_path, tree_map
 
 from ._compat import TensorMeta, from_torch_placement
-from .derive import DerivedRules, derive_rules, resolve_op, traced
+from .derive import DerivedRules, derive_rules, native_rules, resolve_op, traced
 from .dispatch_modes.graph import PrimGraph, PrimNode
 from .localcheck import LocalVerdict, check_local
 from .placements import (
@@ -152,6 +152,9 @@ class Explanation:
     suggestions: list[Suggestion] = field(default_factory=list)
     mesh: MeshReport | None = None
     show_all: bool = False
+    # DTensor's own rules when the op has a native strategy (derive.native_rules); None
+    # when it has none, or one decompshard cannot read
+    native_rules: list[SingleDimRule] | None = None
 
     # ---------------------------------------------------------------- verdict
 
@@ -162,6 +165,19 @@ class Explanation:
     @property
     def unsupported_reason(self) -> str | None:
         return self.derived.unsupported_reason
+
+    @property
+    def native(self) -> str | None:
+        """Where DTensor's own strategy for the op comes from, if it has one: DTensor
+        then uses that, and the derivation shown is for comparison only."""
+        return self.derived.native
+
+    @property
+    def native_accepts(self) -> list[SingleDimRule]:
+        """DTensor's own rules that take the requested placements as they are."""
+        if self.placements is None or self.native_rules is None:
+            return []
+        return [r for r in self.native_rules if r.inputs == self.placements]
 
     @property
     def rules(self) -> list[SingleDimRule]:
@@ -253,6 +269,8 @@ def explain(
 
     derived = derive_rules(op, *args, **kwargs)
     ex = Explanation(op, args, kwargs, names, metas, cand, derived, show_all=show_all)
+    if derived.native:
+        ex.native_rules = native_rules(op, *args, **kwargs)
     if derived.graph is not None and cand is not None:
         _follow(ex)
     if mesh is not None:

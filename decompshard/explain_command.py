@@ -100,8 +100,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.op is None:
         raise UsageError("missing the op (e.g. aten.addmv.default); or use --interactive")
-    if args.shapes is None:
-        raise UsageError("missing --shapes: one ';'-separated entry per positional argument")
     if (args.mesh is None) != (args.mesh_placements is None):
         raise UsageError("--mesh and --mesh-placements go together: give both or neither")
     call = build_call(args.op, args.shapes, args.op_args, args.dtype, args.op_kwargs)
@@ -222,11 +220,11 @@ def build_call(
     args, a shape where the schema has no tensor (or the reverse), or arguments the op
     itself rejects."""
     op = resolve_op(op_name)
-    if shapes is None:
-        raise UsageError("missing --shapes: one ';'-separated entry per positional argument")
-    dt = parse_dtype(dtype)
     pos = _positional(op)
     sig = ", ".join(f"{a.name}: {a.type}" for a in pos)
+    if shapes is None:
+        raise UsageError(f"missing --shapes: one ';'-separated entry per positional argument of {op}({sig})")
+    dt = parse_dtype(dtype)
     entries = shapes.split(";")
     queue = parse_literals(op_args)
     n_literals = len(queue)

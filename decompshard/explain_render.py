@@ -33,6 +33,8 @@ def render_lines(ex: Explanation) -> list[str]:
         f"{n}: {_dtype(m.dtype)}{_shape(m.shape)}" for n, m in zip(ex.input_names, ex.input_metas)
     )
     out += _wrap(f"explain {ex.op}({sig})", 8)
+    if ex.native:
+        out += _wrap("native:    " + _native_line(ex), 11)
     if ex.unsupported_reason:
         out.append(f"unsupported: {ex.unsupported_reason}")
         return out
@@ -73,6 +75,21 @@ def decomposition_lines(graph: PrimGraph) -> list[str]:
         rows.append((n.index, _call(graph, n, width=80), src))
     table = tabulate(rows, headers=["#", "primitive call (output shape)", "rules from"], tablefmt="simple")
     return [f"decomposition: {len(graph.nodes)} primitive calls"] + _indent(table)
+
+
+def _native_line(ex: Explanation) -> str:
+    head = (f"DTensor has its own strategy for this op ({ex.native}) and uses it; decompshard.enable() "
+            f"never replaces it.")
+    tail = " Below, for comparison only: what decompshard derives from the op's decomposition."
+    if ex.native_rules is None:
+        return head + " (decompshard cannot read that strategy.)" + tail
+    if ex.placements is None:
+        return head + tail
+    if all(p == R for p in ex.placements) or ex.native_accepts:
+        took = "; ".join(format_rule(r) for r in ex.native_accepts) or "all-Replicate"
+        return head + f" It runs this candidate as it is: {took}." + tail
+    cand = ", ".join(map(str, ex.placements))
+    return head + f" None of its rules takes ({cand}) as it is: DTensor redistributes first." + tail
 
 
 def _verdict_line(ex: Explanation) -> str:

@@ -175,6 +175,49 @@ def test_api_errors_are_value_errors():
         explain("aten.not_an_op.default", meta(3), placements="R")
 
 
+# ------------------------------------------------------------------ native ops
+
+
+def _torch_single_dim_rules(op, *metas):
+    """torch's own single-dim strategy, called directly (TORCH_NOTES), as rule strings."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import TensorMeta
+
+    from decompshard._compat import from_torch_placement
+    from decompshard.placements import SingleDimRule
+
+    sp = DTensor._op_dispatcher.sharding_propagator
+    tms = tuple(TensorMeta(m.shape, m.stride(), m.dtype) for m in metas)
+    out = {"R, R -> R"}
+    for entry in sp.op_single_dim_strategy_funcs[op].func(op, tms, {}):
+        ps = tuple(from_torch_placement(p) for p in entry)
+        out.add(format_rule(SingleDimRule(ps[1:], ps[:1])))
+    return out
+
+
+def test_native_op_says_dtensor_uses_its_own_strategy():
+    x = meta(4, 6)
+    ex = explain(aten.mul.Tensor, x, x, placements="S(0);S(0)")
+    assert ex.native == "torch single-dim strategy" and ex.derived.native == ex.native
+    # what explain calls DTensor's own rules is exactly torch's strategy function
+    assert {format_rule(r) for r in ex.native_rules} == _torch_single_dim_rules(aten.mul.Tensor, x, x)
+    assert [format_rule(r) for r in ex.native_accepts] == ["S(0), S(0) -> S(0)"]
+    native_line = " ".join(str(ex).split("candidate:")[0].split())  # unwrapped
+    assert "its own strategy" in native_line and "runs this candidate as it is: S(0), S(0) -> S(0)" in native_line
+    assert "for comparison only" in native_line
+    assert "DTensor uses its own strategy for aten.mul.Tensor" in str(ex.derived)
+    # a placement its own table does not take as it is
+    ex = explain(aten.mul.Tensor, x, x, placements="S(0);P(sum)")
+    assert ex.native_accepts == []
+    assert "DTensor redistributes first" in " ".join(str(ex).split("candidate:")[0].split())
+
+
+def test_op_without_a_native_strategy_has_no_native_note():
+    ex = explain(*ADDMV, placements="S(0);S(0);R")
+    assert ex.native is None and ex.native_rules is None and "native:" not in str(ex)
+    assert "own strategy" not in str(ex.derived)
+
+
 def test_repr_and_html_show_the_trace():
     ex = explain(*ADDMV, placements="R;S(1);S(0)")
     assert repr(ex) == str(ex)
