@@ -8,13 +8,14 @@ which traces (dispatch_modes/), looks up primitive rules (rules/), propagates
 
 import os as _os
 
+from .caches import cache_info
 from .derive import DerivedRules, clear_caches, derive_rules, resolve_op
 from .enable import disable, enable, enabled, is_enabled
 from .explain import explain
 from .placements import P, R, S, SingleDimRule, parse_rule
 
 __all__ = [
-    "DerivedRules", "P", "R", "S", "SingleDimRule", "clear_caches", "derive_rules",
+    "DerivedRules", "P", "R", "S", "SingleDimRule", "cache_info", "clear_caches", "derive_rules",
     "disable", "enable", "enabled", "explain", "is_enabled", "parse_rule", "resolve_op",
 ]
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from . import caches
 from .dispatch_modes import trace
 from .dispatch_modes.clean import clean_dispatch_state
 from .dispatch_modes.graph import PrimGraph, freeze, map_leaves
@@ -166,8 +167,9 @@ def resolve_op(op: OpOverload | str) -> OpOverload:
 
 # ------------------------------------------------------------------------ caches
 
-_TRACES: dict[Any, PrimGraph | UnsupportedOp] = {}
-_DERIVED: dict[Any, DerivedRules] = {}
+# Both bounded LRUs (caches.py): a job that meets an op at many shapes keeps the latest.
+_TRACES = caches.TRACES
+_DERIVED = caches.DERIVED
 
 
 def _key(op: OpOverload, args: tuple, kwargs: dict) -> Any:
@@ -191,7 +193,7 @@ def traced(op: OpOverload, args: tuple, kwargs: dict) -> PrimGraph:
             hit = trace(op, args, kwargs, has_rule)
         except UnsupportedOp as e:
             hit = e
-        _TRACES[key] = hit
+        _TRACES.put(key, hit)
     if isinstance(hit, UnsupportedOp):
         raise hit
     return hit
@@ -230,7 +232,7 @@ def derive_rules(op: OpOverload | str, *args: Any, **kwargs: Any) -> DerivedRule
         else:
             _solve(result, args, kwargs)
     result.seconds = time.perf_counter() - start
-    _DERIVED[key] = result
+    _DERIVED.put(key, result)
     return result
 
 

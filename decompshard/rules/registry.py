@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import caches
 from ..dispatch_modes.graph import PrimNode, freeze
 from ..placements import P, R, SingleDimRule, is_partial, is_shard
 from . import project_rules, torch_op_strategy, torch_single_dim
@@ -30,7 +31,7 @@ def source_of(op: torch._ops.OpOverload) -> str | None:
     return None
 
 
-_CACHE: dict[tuple, tuple[SingleDimRule, ...]] = {}
+_CACHE = caches.RULE_TABLES  # a bounded LRU (decompshard/caches.py)
 
 
 def rules_for(node: PrimNode) -> tuple[SingleDimRule, ...]:
@@ -42,7 +43,7 @@ def rules_for(node: PrimNode) -> tuple[SingleDimRule, ...]:
         return _compute_rules(node)
     hit = _CACHE.get(key)
     if hit is None:
-        hit = _CACHE[key] = _compute_rules(node)
+        hit = _CACHE.put(key, _compute_rules(node))
     return hit
 
 
