@@ -14,7 +14,8 @@ bug this package can have):
 * Partial parts are random with per-element random magnitudes spanning three decades
   (linear-looking ops that clamp or saturate get pushed past their kinks), several
   independent draws are used, and one extra draw negates the noise of the first
-  (P(sum)/P(avg)) or moves every element's "holder" rank (P(max)/P(min));
+  (P(sum)/P(avg)) or moves every element's "holder" rank and puts exact zeros in the
+  other ranks' parts wherever zero is below (P(max)) or above (P(min)) the value;
 * P(max)/P(min) parts are strictly smaller/larger than the value on every rank but the
   randomly chosen holder, so index-returning ops (argmax) disagree across ranks;
 * besides the caller's data, every rule must also hold on derived samples (ties,
@@ -154,7 +155,11 @@ def make_parts(x: torch.Tensor, p: Partial, world_size: int, draw: Draw, salt: i
             decades = 10.0 ** torch.empty((W, *shape), dtype=torch.float64).uniform_(-2, 1, generator=g)
             off = (mag + spread) * decades
         sign = -1 if op == "max" else 1
-        parts = [torch.where(holder == r, xi, xi + sign * off[r]) for r in range(W)]
+        others = xi + sign * off
+        if flipped:  # where zero lies on the far side of the value, the others hold 0:
+            # count_nonzero(P(max)) -> P(min) looks valid as long as no part is zero
+            others = torch.where(sign * xi < 0, torch.zeros_like(others), others)
+        parts = [torch.where(holder == r, xi, others[r]) for r in range(W)]
     return [q.to(x.dtype).contiguous() for q in parts]
 
 

@@ -302,6 +302,23 @@ def test_flipped_draw_differs_from_its_source():
     assert not (holder0 & holder1).any()  # every element's holder moved
 
 
+def test_flipped_max_min_draw_puts_exact_zeros_on_the_other_ranks():
+    x = randn(3, 5, seed=32).double()
+    for op, zero_side in (("max", x > 0), ("min", x < 0)):
+        parts = torch.stack(make_parts(x, P(op), 3, (0, True), salt=0))
+        others = parts != x
+        # every non-holder part of an element whose value is beyond zero is exactly 0
+        assert torch.equal(others & (parts == 0), others & zero_side.expand_as(others))
+
+
+def test_count_nonzero_of_a_partial_max_is_not_a_partial_min():
+    """count_nonzero(P(max)) -> P(min) holds as long as no rank's part is zero; on a 0-d
+    input no value variant refutes it, only parts that hit zero do."""
+    claimed = [parse_rule("P(max) -> P(min)"), parse_rule("P(min) -> P(min)")]
+    rep = check_rules(aten.count_nonzero.default, (torch.tensor(1.5),), {}, claimed)
+    assert [r for r, _ in rep.incorrect] == claimed
+
+
 # ---------------------------------------------------------------- claimed vs truth
 
 
