@@ -15,14 +15,20 @@ Reported as ratios torch/decompshard (higher is better for decompshard): per op,
 the median. Timings are the minimum of `--repeat` runs (noise on shared machines only
 ever adds time). Usage: python bench/derive.py [--repeat 3] [--ops PATTERN]
 
-Why (a) sits far below 20x, measured rather than argued: the "floor" column is one
-plain run of the op's decomposition on meta tensors (no recording, no rules), i.e.
-torch's own Python refs and meta kernels. decompshard runs it once globally and once
-per distinct local shape the local-shape check needs ("traces"): a rule derived from
-the decomposition must hold when DTensor runs the op on each rank's shard, and the
-check is what keeps channel_shuffle, pixel_shuffle and mean losses correct. "ceiling"
-is torch's time / ((1 + traces) x floor): the best ratio any implementation doing that
-tracing could reach, with zero overhead of its own.
+Why (a) sits far below 20x, measured rather than argued. decompshard must run the
+decomposition once globally and once per distinct local shape the local-shape check
+needs ("traces"): a rule derived from the decomposition must hold when DTensor runs the
+op on each rank's shard, and that check is what keeps channel_shuffle, pixel_shuffle and
+mean losses correct. Three ceilings, each torch's time divided by a lower bound on ours:
+
+- "ceiling": (1 + traces) x "floor", one plain run of the decomposition on meta tensors
+  (torch's Python refs and meta kernels; no recording at all);
+- "mode ceiling": (1 + traces) x one run under a do-nothing TorchDispatchMode, the least
+  any recorder built on a Python dispatch mode pays;
+- "+tables ceiling": that plus the time decompshard spends building the primitives'
+  rule tables from torch's strategy functions (the rule sources the design names).
+  Everything else decompshard does (recording, propagation, comparing local traces)
+  counts as zero here.
 """
 
 from __future__ import annotations
@@ -56,19 +62,44 @@ def main(argv: list[str] | None = None) -> int:
 
     samples = capture_aten_samples()
     ops = [op for op in sorted(decomp_only_ops(samples), key=str) if fnmatch.fnmatch(str(op), args.ops)]
+    from torch.utils._python_dispatch import TorchDispatchMode
+
     from decompshard.derive import _TRACES
     from decompshard.dispatch_modes.graph import map_leaves
     from decompshard.dispatch_modes.tracing import find_decomposition, to_meta
+    from decompshard.rules import registry
 
-    rows, full_ratios, first_ratios, ceilings = [], [], [], []
+    class DoNothing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    table_seconds = [0.0]
+    compute_rules = registry._compute_rules
+
+    def timed_compute_rules(node):
+        t = time.perf_counter()
+        try:
+            return compute_rules(node)
+        finally:
+            table_seconds[0] += time.perf_counter() - t
+
+    registry._compute_rules = timed_compute_rules
+
+    rows, full_ratios, first_ratios = [], [], []
+    ceilings: dict[str, list[float]] = {"ceiling": [], "mode": [], "tables": []}
     for op in ops:
         s = max(samples[op], key=lambda s: sum(t.numel() for t in s.tensors()))
 
+        ours_tables = {}  # ours_full's time -> its rule-table seconds
+
         def ours_full() -> float:
             decompshard.clear_caches()
+            table_seconds[0] = 0.0
             t = time.perf_counter()
             decompshard.derive_rules(op, *s.args, **s.kwargs).rules  # forces every local check
-            return time.perf_counter() - t
+            took = time.perf_counter() - t
+            ours_tables[took] = table_seconds[0]
+            return took
 
         def torch_full() -> float:
             _clear_torch_caches()  # cold, like ours: inner-op strategies are recomputed
@@ -88,39 +119,56 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 decompshard.disable()
 
-        def floor() -> float:
+        def floor(mode=None) -> float:
             margs, mkwargs = map_leaves(to_meta, (s.args, s.kwargs))
             t = time.perf_counter()
             try:
-                find_decomposition(op)(*margs, **mkwargs)
+                if mode is None:
+                    find_decomposition(op)(*margs, **mkwargs)
+                else:
+                    with mode:
+                        find_decomposition(op)(*margs, **mkwargs)
             except Exception:
                 pass
             return time.perf_counter() - t
 
         supported = torch_fallback_rules(op, s.args, s.kwargs).unsupported_reason is None
         o_full, t_full = _best(ours_full, args.repeat), _best(torch_full, args.repeat)
+        tables = ours_tables[o_full]
         n_local = max(len(_TRACES) - 1, 0)  # after ours_full: the global trace + local ones
         t_first, o_first = _best(torch_first, args.repeat), _best(ours_first, args.repeat)
         f = _best(floor, args.repeat)
+        m = _best(lambda: floor(DoNothing()), args.repeat)
         ceiling = t_full / ((1 + n_local) * f)
+        mode_ceiling = t_full / ((1 + n_local) * m)
+        tables_ceiling = t_full / ((1 + n_local) * m + tables)
         if supported:  # where torch aborts at once, its time measures no derivation
             full_ratios.append(t_full / o_full)
             first_ratios.append(t_first / o_first)
-            ceilings.append(ceiling)
+            ceilings["ceiling"].append(ceiling)
+            ceilings["mode"].append(mode_ceiling)
+            ceilings["tables"].append(tables_ceiling)
         rows.append((str(op) + ("" if supported else " (torch: unsupported)"), t_full * 1e3, o_full * 1e3, t_full / o_full,
-                     f * 1e3, n_local, ceiling, t_first * 1e3, o_first * 1e3, t_first / o_first))
-        print(f"{rows[-1][0]:48s} full {rows[-1][1]:8.1f} / {rows[-1][2]:6.1f} ms = {rows[-1][3]:6.1f}x"
-              f" (ceiling {ceiling:6.1f}x)   first {rows[-1][7]:7.1f} / {rows[-1][8]:6.1f} ms = {rows[-1][9]:5.1f}x", file=sys.stderr)
+                     n_local, f * 1e3, m * 1e3, tables * 1e3, ceiling, mode_ceiling, tables_ceiling,
+                     t_first * 1e3, o_first * 1e3, t_first / o_first))
+        print(f"{rows[-1][0]:48s} full {t_full * 1e3:8.1f} / {o_full * 1e3:6.1f} ms = {t_full / o_full:6.1f}x"
+              f" (ceilings {ceiling:6.1f} {mode_ceiling:6.1f} {tables_ceiling:6.1f}x)"
+              f"   first {t_first * 1e3:7.1f} / {o_first * 1e3:6.1f} ms = {t_first / o_first:5.1f}x", file=sys.stderr)
+    registry._compute_rules = compute_rules
 
     from tabulate import tabulate
 
-    print(tabulate(rows, headers=["op", "torch full ms", "ours full ms", "ratio", "floor ms", "traces", "ceiling",
-                                  "torch 1st ms", "ours 1st ms", "ratio"], floatfmt=".1f"))
+    print(tabulate(rows, headers=["op", "torch full ms", "ours full ms", "ratio", "traces", "floor ms", "mode ms",
+                                  "tables ms", "ceiling", "mode ceil.", "+tables ceil.", "torch 1st ms", "ours 1st ms",
+                                  "ratio"], floatfmt=".1f"))
     print()
     print(f"ops: {len(rows)}; ratios below are over the {len(full_ratios)} ops torch's fallback supports")
     print(f"(a) complete rule set, median speed-up torch/decompshard: {statistics.median(full_ratios):.1f}x (target >= 20x)")
-    print(f"    median ceiling with the same local-shape traces:       {statistics.median(ceilings):.1f}x; "
-          f"ops whose ceiling is < 20x: {sum(c < 20 for c in ceilings)} of {len(ceilings)}")
+    for key, what in (("ceiling", "plain meta runs of the decomposition"),
+                      ("mode", "runs under a do-nothing dispatch mode"),
+                      ("tables", "dispatch-mode runs + today's rule tables")):
+        c = ceilings[key]
+        print(f"    median ceiling, {what + ':':44s} {statistics.median(c):5.1f}x; ops < 20x: {sum(x < 20 for x in c)} of {len(c)}")
     print(f"(b) first DTensor call (all Shard(0)), median speed-up:   {statistics.median(first_ratios):.1f}x (target >= 2x)")
     return 0
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from . import caches
+from ._compat import has_native_strategy, op_strategy_func, single_dim_strategy_info
 from .dispatch_modes import trace
 from .dispatch_modes.clean import clean_dispatch_state
 from .dispatch_modes.graph import PrimGraph, freeze, map_leaves
@@ -25,7 +26,6 @@ from .localcheck import check_local
 from .placements import MaybePlacement, P, R, SingleDimRule, format_placement, format_rule, is_partial
 from .propagate import Propagation, Survivor, propagate
 from .rules import clear_cache as clear_rule_cache
-from ._compat import has_native_strategy, op_strategy_func, single_dim_strategy_info
 from .rules import has_rule, rules_for, torch_op_strategy, torch_single_dim
 from .rules.project_rules import value_checked_inputs
 

@@ -287,20 +287,11 @@ def _sample_inputs(opinfo: Any) -> Iterable[Any]:
 # ----------------------------------------------------------------------------- op sets
 
 
-def _sharding_propagator():
-    from torch.distributed.tensor import DTensor
-
-    return DTensor._op_dispatcher.sharding_propagator
-
-
 def has_dtensor_strategy(op: OpOverload) -> bool:
     """DTensor has a registered single-dim strategy, op strategy or legacy rule."""
-    sp = _sharding_propagator()
-    return (
-        op in sp.op_single_dim_strategy_funcs
-        or op in sp.op_strategy_funcs
-        or op in sp.op_to_rules
-    )
+    from .._compat import has_native_strategy
+
+    return has_native_strategy(op)
 
 
 def has_decomposition(op: OpOverload) -> bool:

@@ -200,9 +200,9 @@ def _one_line(e: BaseException) -> str:
 
 
 def _sharding_propagator():
-    from torch.distributed.tensor import DTensor
+    from .._compat import sharding_propagator
 
-    return DTensor._op_dispatcher.sharding_propagator
+    return sharding_propagator()
 
 
 def _specs(args: Sequence[Any], kwargs: dict[str, Any], mesh, placement_of) -> tuple[tuple, dict]:
