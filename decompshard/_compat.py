@@ -16,7 +16,7 @@ __all__ = [
     "DTensor", "DTensorSpec", "DecompShardingStrategy", "OpSchema", "OpSpec", "OpStrategy",
     "TensorMeta", "TorchPartial", "TorchReplicate", "TorchShard", "TorchStridedShard",
     "TupleStrategy", "_ShardingPlaceholder", "_compute_local_shape_and_global_offset",
-    "fake_one_rank_mesh", "from_torch_placement", "has_native_strategy", "op_strategy_func",
+    "fake_one_rank_mesh", "from_torch_placement", "has_native_strategy", "is_dispatchable", "op_strategy_func",
     "sharding_propagator", "single_dim_strategy_info", "to_torch_placement",
     "torch_decomposition_table",
 ]
@@ -57,6 +57,17 @@ def op_strategy_func(op: torch._ops.OpOverload) -> Any | None:
     return sharding_propagator().op_strategy_funcs.get(op)
 
 
+def is_dispatchable(op: torch._ops.OpOverload) -> bool:
+    """Whether the dispatcher knows the overload. torch.ops also lists TorchScript-only
+    overloads (aten.add_.t, on Python lists); most questions about them (can it
+    decompose? its tags?) raise a RuntimeError from deep inside torch."""
+    try:
+        torch._C._dispatch_find_schema_or_throw(op._schema.name, op._schema.overload_name)
+    except RuntimeError:
+        return False
+    return True
+
+
 def has_native_strategy(op: torch._ops.OpOverload) -> bool:
     sp = sharding_propagator()
     return (
@@ -86,7 +97,10 @@ def torch_decomposition(op: Any) -> Any:
     table = torch_decomposition_table()
     if op in table:
         return table[op]
-    return op.decompose if op._can_decompose() else None
+    try:
+        return op.decompose if op._can_decompose() else None
+    except RuntimeError:  # an overload the dispatcher lacks (is_dispatchable)
+        return None
 
 
 def from_torch_placement(p: Any):

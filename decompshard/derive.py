@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from . import caches
-from ._compat import has_native_strategy, op_strategy_func, single_dim_strategy_info
+from ._compat import has_native_strategy, is_dispatchable, op_strategy_func, single_dim_strategy_info
 from .dispatch_modes import trace
 from .dispatch_modes.clean import clean_dispatch_state
 from .dispatch_modes.graph import PrimGraph, freeze, map_leaves
@@ -145,9 +145,10 @@ class DerivedRules:
 
 
 def resolve_op(op: OpOverload | str) -> OpOverload:
-    """`aten.addmv.default` / `aten::addmv.default` / an OpOverload -> the OpOverload."""
+    """`aten.addmv.default` / `aten::addmv.default` / an OpOverload -> the OpOverload.
+    ValueError for a malformed or unknown name, or an overload the dispatcher lacks."""
     if isinstance(op, OpOverload):
-        return op
+        return _dispatchable(op, str(op))
     if not isinstance(op, str):
         raise ValueError(f"expected an aten OpOverload or its name, got {type(op).__name__}")
     name = op.strip().replace("::", ".")
@@ -160,9 +161,17 @@ def resolve_op(op: OpOverload | str) -> OpOverload:
         raise ValueError(f"malformed op name {op!r}: expected e.g. 'aten.addmv.default'")
     ns, packet, overload = parts
     try:
-        return getattr(getattr(getattr(torch.ops, ns), packet), overload)
+        resolved = getattr(getattr(getattr(torch.ops, ns), packet), overload)
     except (AttributeError, RuntimeError):
         raise ValueError(f"unknown op {op!r}: no such operator overload in torch.ops") from None
+    return _dispatchable(resolved, op)
+
+
+def _dispatchable(op: OpOverload, name: str) -> OpOverload:
+    if not is_dispatchable(op):
+        raise ValueError(f"op {name!r} has a schema but no dispatcher entry (a TorchScript-only overload, "
+                         f"like aten.add_.t on Python lists): no tensor ever reaches it")
+    return op
 
 
 # ------------------------------------------------------------------------ caches

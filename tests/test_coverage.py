@@ -229,6 +229,7 @@ def test_diff_two_reports(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--ops", "aten.no_such_op.default"], "unknown op"),
+    (["--ops", "aten.add_.t"], "no dispatcher entry"),
     (["--ops", "aten.zz_no_match*", *FAST], "matches no aten op"),
     (["--model", "no_such_module_xyz:build"], "cannot import 'no_such_module_xyz'"),
     (["--model", "_tiny_model:nope"], "has no attribute"),

@@ -183,3 +183,14 @@ def test_as_strided_outside_a_gather_or_scatter_is_refused():
     assert not derive_rules(aten.as_strided_scatter.default, torch.randn(6), torch.randn(3, 3), [3, 3], [1, 1], 0).rules
     # a non-contiguous input: positions would not be its logical elements
     assert not derive_rules(aten.as_strided_copy.default, torch.randn(4, 4).t(), [2, 2], [1, 4], 0).rules
+
+
+def test_torchscript_only_overload_is_a_clear_value_error():
+    """torch.ops lists aten.add_.t (Python lists, TorchScript only); the dispatcher has no
+    entry, and asking torch about it raises from deep inside. We say what it is."""
+    from decompshard.dispatch_modes.tracing import has_decomposition
+
+    for op in ("aten.add_.t", torch.ops.aten.add_.t):
+        with pytest.raises(ValueError, match="no dispatcher entry"):
+            derive_rules(op, [1], [2])
+    assert has_decomposition(torch.ops.aten.add_.t) is False

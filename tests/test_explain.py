@@ -286,6 +286,8 @@ def test_cli_all_lists_every_derived_rule_and_rejection(capsys):
         (ADDMV_CLI + ["--mesh", "2x4", "--mesh-placements", "R;R,R;R,R"], "expected 2 placements"),
         (ADDMV_CLI + ["--dtype", "float33"], "unknown dtype"),
         (["explain", "aten.addmv.default"], "missing --shapes"),
+        (["explain", "aten.no_such_op.default"], "unknown op"),  # the op first, then its shapes
+        (["explain", "aten.add_.t", "--shapes", ";"], "no dispatcher entry"),
     ],
 )
 def test_cli_bad_input_is_one_line_and_exit_2(capsys, argv, message):
