@@ -19,7 +19,7 @@ from . import caches
 from ._compat import has_native_strategy, is_dispatchable, op_strategy_func, single_dim_strategy_info
 from .dispatch_modes import trace
 from .dispatch_modes.clean import clean_dispatch_state
-from .dispatch_modes.graph import PrimGraph, freeze, map_leaves
+from .dispatch_modes.graph import PrimGraph, freeze, leaves, map_leaves
 from .dispatch_modes.tracing import tensor_meta
 from .errors import UnsupportedOp
 from .localcheck import check_local
@@ -147,6 +147,8 @@ class DerivedRules:
 def resolve_op(op: OpOverload | str) -> OpOverload:
     """`aten.addmv.default` / `aten::addmv.default` / an OpOverload -> the OpOverload.
     ValueError for a malformed or unknown name, or an overload the dispatcher lacks."""
+    if isinstance(op, torch._ops.OpOverloadPacket) and "default" in op.overloads():
+        op = op.default  # aten.mv -> aten.mv.default, as the string "aten.mv" does
     if isinstance(op, OpOverload):
         return _dispatchable(op, str(op))
     if not isinstance(op, str):
@@ -226,6 +228,9 @@ def derive_rules(op: OpOverload | str, *args: Any, **kwargs: Any) -> DerivedRule
     when `.rules` is first read (see DerivedRules).
     """
     op = resolve_op(op)
+    odd = unsupported_inputs(args, kwargs)
+    if odd is not None:  # no metadata to key a cache on: say so, each time
+        return DerivedRules(op, unsupported_reason=odd, native=native_source(op), _rules=[])
     key = _key(op, args, kwargs)
     hit = _DERIVED.get(key)
     if hit is not None:
@@ -243,6 +248,22 @@ def derive_rules(op: OpOverload | str, *args: Any, **kwargs: Any) -> DerivedRule
     result.seconds = time.perf_counter() - start
     _DERIVED.put(key, result)
     return result
+
+
+def unsupported_inputs(args: tuple, kwargs: dict) -> str | None:
+    """Why these tensors are outside what decompshard derives for, or None. DTensor
+    shards dense strided tensors; a nested, quantized or sparse tensor has no strides
+    (or no meta form) to trace with, and torch's own error would come from deep inside."""
+    for x in leaves((args, kwargs)):
+        if not isinstance(x, torch.Tensor):
+            continue
+        if x.is_nested:
+            return "nested tensors: decompshard derives rules for dense strided tensors only"
+        if x.is_quantized:
+            return "quantized tensors: decompshard derives rules for dense strided tensors only"
+        if x.layout != torch.strided:
+            return f"{x.layout} tensors: decompshard derives rules for dense strided tensors only"
+    return None
 
 
 def native_source(op: OpOverload) -> str | None:

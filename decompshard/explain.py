@@ -28,7 +28,7 @@ import torch
 from torch.utils._pytree import tree_flatten_with_path, tree_map
 
 from ._compat import TensorMeta, from_torch_placement
-from .derive import DerivedRules, derive_rules, native_rules, resolve_op, traced
+from .derive import DerivedRules, derive_rules, native_rules, resolve_op, traced, unsupported_inputs
 from .dispatch_modes.graph import PrimGraph, PrimNode
 from .localcheck import LocalVerdict, check_local
 from .placements import (
@@ -260,6 +260,9 @@ def explain(
     placements.
     """
     op = resolve_op(op)
+    odd = unsupported_inputs(args, kwargs)
+    if odd is not None:
+        raise ValueError(f"unsupported: {odd}")
     names, metas = _tensor_inputs(op, args, kwargs)
     if not metas:
         raise ValueError(f"{op} has no tensor inputs in this call: nothing to shard")

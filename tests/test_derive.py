@@ -194,3 +194,27 @@ def test_torchscript_only_overload_is_a_clear_value_error():
         with pytest.raises(ValueError, match="no dispatcher entry"):
             derive_rules(op, [1], [2])
     assert has_decomposition(torch.ops.aten.add_.t) is False
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # prototype/deprecation notes from torch
+@pytest.mark.parametrize(
+    "make, kind",
+    [
+        (lambda: torch.nested.nested_tensor([torch.randn(2, 5), torch.randn(3, 5)]), "nested"),
+        (lambda: torch.quantize_per_tensor(torch.randn(4, 5), 0.1, 0, torch.qint8), "quantized"),
+        (lambda: torch.randn(4, 5).to_sparse(), "sparse_coo"),
+    ],
+)
+def test_tensors_decompshard_cannot_trace_are_unsupported_with_the_reason(make, kind):
+    from decompshard import explain
+
+    got = derive_rules(torch.ops.aten.mv.default, make(), torch.randn(5))
+    assert got.rules == [] and kind in got.unsupported_reason and "dense strided" in got.unsupported_reason
+    with pytest.raises(ValueError, match=kind):
+        explain(torch.ops.aten.mv.default, make(), torch.randn(5), placements="S(0);R")
+
+
+def test_an_op_packet_means_its_default_overload():
+    x, v = torch.randn(4, 5), torch.randn(5)
+    assert derive_rules(torch.ops.aten.mv, x, v).op is torch.ops.aten.mv.default
+    assert derive_rules(torch.ops.aten.mv, x, v).as_strings() == derive_rules("aten.mv.default", x, v).as_strings()
