@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="decompshard",
         description="DTensor sharding strategies derived from aten decompositions: coverage tables and traces.",
     )
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     modules = {}
     for name, (module_name, help_text) in COMMANDS.items():
@@ -47,6 +48,22 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, ValueError) as e:
         print(f"decompshard {args.command}: error: {e}", file=sys.stderr)
         return 2
+
+
+def _version() -> str:
+    """decompshard's version and the torch it runs on: the first thing a bug report needs."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    from ._compat import SUPPORTED
+
+    try:
+        mine = version("decompshard")
+    except PackageNotFoundError:  # run from a checkout without installing
+        mine = "unknown (not installed)"
+    supported = ", ".join(f"{major}.{minor}.x" for major, minor in SUPPORTED)
+    return f"decompshard {mine} (torch {torch.__version__}; supported: torch {supported})"
 
 
 if __name__ == "__main__":

@@ -367,3 +367,11 @@ def test_cli_mesh(capsys):
     assert "REJECTED at node" in out  # the single-dim trace is still there
     assert "N-D strategies on mesh 2x4" in out and "CHOSEN" in out
     assert max(len(line) for line in out.splitlines()) <= 120
+
+
+def test_cli_version_names_decompshard_and_torch(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0
+    assert out.startswith("decompshard ") and f"torch {torch.__version__}" in out
