@@ -218,3 +218,19 @@ def test_an_op_packet_means_its_default_overload():
     x, v = torch.randn(4, 5), torch.randn(5)
     assert derive_rules(torch.ops.aten.mv, x, v).op is torch.ops.aten.mv.default
     assert derive_rules(torch.ops.aten.mv, x, v).as_strings() == derive_rules("aten.mv.default", x, v).as_strings()
+
+
+def test_isin_keeps_elements_sharded_whichever_algorithm_torch_picks():
+    """torch's isin decomposition sorts when test_elements is large next to elements (a
+    branch on sizes, through ops without rules); the project's broadcast form is the same
+    function, so elements' sharding survives on both sides of torch's branch."""
+    from decompshard.verify import check_rules
+
+    isin = torch.ops.aten.isin.Tensor_Tensor
+    for elements, test in [(torch.randint(0, 30, (20,)), torch.randint(0, 30, (5,))),  # broadcast branch
+                           (torch.randint(0, 30, (5,)), torch.randint(0, 30, (40,)))]:  # sorting branch
+        for invert in (False, True):
+            got = derive_rules(isin, elements, test, invert=invert)
+            assert "S(0), R -> S(0)" in got.as_strings()
+            report = check_rules(isin, (elements, test), {"invert": invert}, got.rules)
+            assert report.incorrect == [] and len(report.confirmed) == len(got.rules)

@@ -191,8 +191,23 @@ def _prelu_kernel(x, weight):
     return aten.add.Tensor(aten.relu.default(x), aten.mul.Tensor(weight, aten.clamp_max.default(x, 0)))
 
 
+def _isin(elements, test_elements, *, assume_unique=False, invert=False):
+    # torch's decomposition picks a sort-based algorithm when test_elements is large next
+    # to elements: a branch on sizes (so a rank's shard can take the other path) through
+    # sort and searchsorted, which mix every element with every other and have no rules.
+    # The broadcast comparison is the same function, and DTensor runs the real kernel on
+    # each rank anyway; it keeps `elements`' layout visible (S(d), R -> S(d)).
+    if elements.numel() == 0 or test_elements.ndim == 0:
+        return torch_decomposition(aten.isin.Tensor_Tensor)(
+            elements, test_elements, assume_unique=assume_unique, invert=invert)
+    x = aten.view.default(elements, list(elements.shape) + [1] * test_elements.ndim)
+    dims = list(range(-1, -test_elements.ndim - 1, -1))
+    found = aten.any.dims(aten.eq.Tensor(x, test_elements), dims)
+    return aten.logical_not.default(found) if invert else found
+
+
 # Preferred over torch's own decomposition for these ops (see _unfold, _complex,
-# _prelu_kernel, _strided_positions).
+# _prelu_kernel, _strided_positions, _isin).
 PROJECT_OVERRIDES: dict[torch._ops.OpOverload, Callable] = {
     aten.as_strided_copy.default: _as_strided_copy,
     aten.as_strided_scatter.default: _as_strided_scatter,
@@ -201,6 +216,7 @@ PROJECT_OVERRIDES: dict[torch._ops.OpOverload, Callable] = {
     aten.complex.default: _complex,
     aten.polar.default: _polar,
     aten.unfold_copy.default: lambda x, d, size, step: aten.clone.default(_unfold(x, d, size, step)),
+    aten.isin.Tensor_Tensor: _isin,
 }
 
 
