@@ -234,3 +234,15 @@ def test_isin_keeps_elements_sharded_whichever_algorithm_torch_picks():
             assert "S(0), R -> S(0)" in got.as_strings()
             report = check_rules(isin, (elements, test), {"invert": invert}, got.rules)
             assert report.incorrect == [] and len(report.confirmed) == len(got.rules)
+
+
+def test_take_with_a_0d_index_is_derived_not_called_data_dependent():
+    """torch's take decomposition indexes in Python, which reads a 0-d index's value."""
+    from decompshard.verify import check_rules
+
+    take = torch.ops.aten.take.default
+    for x, index in [(torch.randn(3, 3), torch.tensor(-2)), (torch.tensor(3.0), torch.tensor(0))]:
+        got = derive_rules(take, x, index)
+        assert got.unsupported_reason is None and "P(sum), R -> P(sum)" in got.as_strings()
+        report = check_rules(take, (x, index), {}, got.rules)
+        assert report.incorrect == [] and report.recall == 1.0

@@ -206,8 +206,15 @@ def _isin(elements, test_elements, *, assume_unique=False, invert=False):
     return aten.logical_not.default(found) if invert else found
 
 
+def _take(x, index):
+    # torch's decomposition is `x.reshape(-1)[index]`: Python indexing, which for a 0-d
+    # index reads its value (.item(): "data-dependent") instead of calling index.Tensor.
+    # index.Tensor is what it calls for every other index, and the same function here.
+    return aten.index.Tensor(aten.reshape.default(x, [-1]), [index])
+
+
 # Preferred over torch's own decomposition for these ops (see _unfold, _complex,
-# _prelu_kernel, _strided_positions, _isin).
+# _prelu_kernel, _strided_positions, _isin, _take).
 PROJECT_OVERRIDES: dict[torch._ops.OpOverload, Callable] = {
     aten.as_strided_copy.default: _as_strided_copy,
     aten.as_strided_scatter.default: _as_strided_scatter,
@@ -217,6 +224,7 @@ PROJECT_OVERRIDES: dict[torch._ops.OpOverload, Callable] = {
     aten.polar.default: _polar,
     aten.unfold_copy.default: lambda x, d, size, step: aten.clone.default(_unfold(x, d, size, step)),
     aten.isin.Tensor_Tensor: _isin,
+    aten.take.default: _take,
 }
 
 
