@@ -57,6 +57,7 @@ def op_strategy_func(op: torch._ops.OpOverload) -> Any | None:
     return sharding_propagator().op_strategy_funcs.get(op)
 
 
+@functools.lru_cache(maxsize=None)  # one answer per overload, asked on every derive_rules call
 def is_dispatchable(op: torch._ops.OpOverload) -> bool:
     """Whether the dispatcher knows the overload. torch.ops also lists TorchScript-only
     overloads (aten.add_.t, on Python lists); most questions about them (can it

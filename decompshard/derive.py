@@ -184,7 +184,18 @@ _DERIVED = caches.DERIVED
 
 
 def _key(op: OpOverload, args: tuple, kwargs: dict) -> Any:
-    return (op, freeze(map_leaves(lambda x: tensor_meta(x) if isinstance(x, torch.Tensor) else _hashable(x), (args, kwargs))))
+    """The cache key; raises UnsupportedOp for a tensor decompshard cannot trace (one walk
+    over the arguments serves both: this runs on every call, cache hits included)."""
+    return (op, freeze(map_leaves(_key_leaf, (args, kwargs))))
+
+
+def _key_leaf(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        odd = _unsupported_tensor(x)
+        if odd is not None:
+            raise UnsupportedOp(odd)
+        return tensor_meta(x)
+    return _hashable(x)
 
 
 def _hashable(x: Any) -> Any:
@@ -228,10 +239,10 @@ def derive_rules(op: OpOverload | str, *args: Any, **kwargs: Any) -> DerivedRule
     when `.rules` is first read (see DerivedRules).
     """
     op = resolve_op(op)
-    odd = unsupported_inputs(args, kwargs)
-    if odd is not None:  # no metadata to key a cache on: say so, each time
-        return DerivedRules(op, unsupported_reason=odd, native=native_source(op), _rules=[])
-    key = _key(op, args, kwargs)
+    try:
+        key = _key(op, args, kwargs)
+    except UnsupportedOp as e:  # a tensor with no metadata to key a cache on: say so, each time
+        return DerivedRules(op, unsupported_reason=e.reason, native=native_source(op), _rules=[])
     hit = _DERIVED.get(key)
     if hit is not None:
         return hit
@@ -254,16 +265,22 @@ def unsupported_inputs(args: tuple, kwargs: dict) -> str | None:
     """Why these tensors are outside what decompshard derives for, or None. DTensor
     shards dense strided tensors; a nested, quantized or sparse tensor has no strides
     (or no meta form) to trace with, and torch's own error would come from deep inside."""
-    for x in leaves((args, kwargs)):
-        if not isinstance(x, torch.Tensor):
-            continue
-        if x.is_nested:
-            return "nested tensors: decompshard derives rules for dense strided tensors only"
-        if x.is_quantized:
-            return "quantized tensors: decompshard derives rules for dense strided tensors only"
-        if x.layout != torch.strided:
-            return f"{x.layout} tensors: decompshard derives rules for dense strided tensors only"
-    return None
+    return next(
+        (odd for x in leaves((args, kwargs)) if isinstance(x, torch.Tensor) and (odd := _unsupported_tensor(x))),
+        None,
+    )
+
+
+def _unsupported_tensor(x: torch.Tensor) -> str | None:
+    if x.is_nested:
+        kind = "nested"
+    elif x.is_quantized:
+        kind = "quantized"
+    elif x.layout != torch.strided:
+        kind = str(x.layout)
+    else:
+        return None
+    return f"{kind} tensors: decompshard derives rules for dense strided tensors only"
 
 
 def native_source(op: OpOverload) -> str | None:
