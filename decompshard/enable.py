@@ -6,10 +6,11 @@ swap in `DerivedStrategy`, which answers with the one strategy `lift.choose` pic
 (so DTensor's own cost model never overrides ours), and widen `has_decomp` to the
 decompositions decompshard registers itself. Ops with native strategies never reach it.
 
-If the op cannot be derived (data-dependent, random, no meta kernel) it runs fully
-replicated — always correct — and says so once in a warning. Under torch.compile with
-dynamic (symbolic) shapes it hands the op to torch's own fallback, also with a warning
-(and runs it replicated where torch has no strategy either).
+If the op cannot be derived (data-dependent, random, no meta kernel), or has no
+decomposition at all (many backward ops), it runs fully replicated — always correct —
+and says so once in a warning. Under torch.compile with dynamic (symbolic) shapes it
+runs replicated too: derived rules are proven per shape, and torch's own fallback gives
+wrong mean losses on uneven batches.
 
 Derivation runs with DTensor's and the caller's modes (LocalTensorMode, FakeTensorMode)
 switched off and the dispatch keys of a plain thread, so what DTensor gets is what a
@@ -19,6 +20,7 @@ direct `derive_rules` call gives, and the cache holds one answer per op and shap
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import warnings
 from typing import Any, Iterator
@@ -33,7 +35,6 @@ from .dispatch_modes.tracing import has_decomposition
 _lock = threading.RLock()
 _saved: dict[str, Any] = {}
 _warned: set[str] = set()
-_local = threading.local()
 
 
 def _warn_once(key: str, message: str) -> None:
@@ -51,7 +52,7 @@ class DerivedStrategy:
 
     @staticmethod
     def has_decomp(op: torch._ops.OpOverload) -> bool:
-        return has_decomposition(op)
+        return reaches_decompshard(op)
 
     def ensure_schema_info(self, op: torch._ops.OpOverload) -> None:
         self.torch_fallback.ensure_schema_info(op)
@@ -63,6 +64,7 @@ class DerivedStrategy:
         from .errors import UnsupportedOp
 
         op = op_schema.op
+        _see_into_lists(op_schema, self.sharding_prop)
         flat, spec = tree_flatten((op_schema.args_schema, op_schema.kwargs_schema))
         specs = [x for x in flat if isinstance(x, DTensorSpec)]
         if not specs:
@@ -70,6 +72,9 @@ class DerivedStrategy:
         if any(not isinstance(s, int) for x in specs for s in x.tensor_meta.shape):
             return self._symbolic(op_schema, specs)
         mesh = specs[0].mesh
+        if not has_decomposition(op):
+            _warn_once(f"nodecomp:{op}", f"decompshard: {op} has no sharding strategy and no decomposition; running replicated")
+            return _replicated(op_schema, specs, mesh)
         current = [tuple(s.placements) for s in specs]
         try:
             with clean_dispatch_state():
@@ -96,29 +101,16 @@ class DerivedStrategy:
         n_args = len(op_schema.args_spec)
         return OpStrategy([OpSpec(output_specs, input_specs=ins[:n_args], redistribute_cost=[[0.0] for _ in ins[:n_args]])])
 
-    def _symbolic(self, op_schema: Any, specs: list) -> OpStrategy | None:
-        """Symbolic shapes (torch.compile, dynamic=True). Derived rules hold for the shapes
-        they were derived at ([even] rules, local checks), so these go to torch's own
-        fallback; where torch has nothing either, all-Replicate is right for any shape.
-        torch's fallback asks the propagator about the ops inside the decomposition too;
-        those nested calls get exactly torch's answer."""
+    def _symbolic(self, op_schema: Any, specs: list) -> OpStrategy:
+        """Symbolic shapes (torch.compile, dynamic=True): one compiled graph serves every
+        size its guards admit, so a strategy must hold for every size. Derived rules are
+        proven at the shapes they were derived at ([even] rules, local-shape checks), and
+        torch's own fallback is wrong for mean losses on uneven batches, so both are out:
+        the op runs replicated, which is right for any size."""
         op = op_schema.op
-        nested = getattr(_local, "in_torch_fallback", False)
-        if not nested:
-            _warn_once(f"dyn:{op}", f"decompshard: {op} has symbolic shapes; using torch's own decomposition fallback")
-        _local.in_torch_fallback = True
-        try:
-            theirs = self.torch_fallback.propagate_strategy(op_schema)
-        except (NotImplementedError, AssertionError):
-            if nested:
-                raise
-            theirs = None
-        finally:
-            _local.in_torch_fallback = nested
-        if theirs is None and not nested:
-            _warn_once(f"dynrep:{op}", f"decompshard: {op}: torch's fallback has no strategy for symbolic shapes; running replicated")
-            return _replicated(op_schema, specs, specs[0].mesh)
-        return theirs
+        _warn_once(f"dyn:{op}", f"decompshard: {op} has symbolic shapes; running replicated "
+                   "(derived strategies are proven per shape)")
+        return _replicated(op_schema, specs, specs[0].mesh)
 
 
 def _first_runnable(op, args, kwargs, mesh_shape, current, n_args):
@@ -150,8 +142,46 @@ def _replicated(op_schema, specs, mesh) -> OpStrategy:
     return OpStrategy([OpSpec(out if n_out <= 1 else tuple(out for _ in range(n_out)), input_specs=ins, redistribute_cost=[[0.0] for _ in ins])])
 
 
+def _see_into_lists(op_schema: Any, sharding_prop: Any) -> None:
+    """Make DTensor see (and redistribute) the tensors inside list arguments.
+
+    DTensor builds an op's schema before asking the fallback, so on an op's first call
+    its `schema_info` is None and `args_spec` lists only top-level tensors: the input
+    specs we return for `Tensor[]` elements were then silently dropped, and the local
+    kernel ran on shards the chosen strategy never asked for (block_diag returned a
+    [5, 9] tensor claiming [11, 9]). Torch reads `args_spec` and rewraps its
+    redistribution suggestion from this same object after we return."""
+    if op_schema.schema_info is not None and op_schema.schema_info.needs_pytree:
+        return
+    if not _has_tensor_list_arg(op_schema.op):
+        return
+    info = sharding_prop.op_to_schema_info.get(op_schema.op)
+    if info is not None and info.needs_pytree:
+        op_schema.schema_info = info
+
+
+@functools.lru_cache(maxsize=None)
+def reaches_decompshard(op: torch._ops.OpOverload) -> bool:
+    """The ops DTensor sends us when it has no strategy: those with a decomposition, and
+    those without one that can safely run replicated (deterministic, out-of-place,
+    returning fresh tensors), which otherwise stop a user's program with "does not have
+    a sharding strategy registered" (backward ops such as replication_pad2d_backward)."""
+    if has_decomposition(op):
+        return True
+    schema = op._schema
+    return (
+        op.namespace == "aten"
+        and torch.Tag.nondeterministic_seeded not in op.tags
+        and not any(a.alias_info is not None for a in schema.arguments)
+        and not any(r.alias_info is not None for r in schema.returns)
+        and any("Tensor" in str(r.type) for r in schema.returns)
+    )
+
+
 def _has_tensor_list_arg(op) -> bool:
-    return any("Tensor" in str(a.type) and "[]" in str(a.type) for a in op._schema.arguments)
+    """`Tensor[]` or `Tensor?[]` in the schema (printed `List[Tensor]`, `List[Optional[Tensor]]`)."""
+    return any(isinstance(a.type, torch.ListType) and "Tensor" in str(a.type.getElementType())
+               for a in op._schema.arguments)
 
 
 def _clear_dtensor_caches() -> None:
@@ -173,7 +203,7 @@ def enable() -> None:
         _saved["decomp_strategy"] = sp.decomp_strategy
         _saved["has_decomp"] = DecompShardingStrategy.__dict__["has_decomp"]
         sp.decomp_strategy = DerivedStrategy(sp.decomp_strategy)
-        DecompShardingStrategy.has_decomp = staticmethod(has_decomposition)
+        DecompShardingStrategy.has_decomp = staticmethod(reaches_decompshard)
         _clear_dtensor_caches()
 
 

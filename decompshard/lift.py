@@ -211,6 +211,9 @@ def _same_kind(p: MaybePlacement, cur: TorchPlacement) -> bool:
 
 
 def _invalid_reason(op, args, kwargs, combo, ins, outs, tensors, mesh: tuple[int, ...]) -> str:
+    mixed = _mixed_partials(ins, outs)
+    if mixed:
+        return mixed
     if all(all(isinstance(p, TorchReplicate) for p in i) for i in ins):
         return ""  # everything replicated: the op runs as on one device
     for m, rule in enumerate(combo):
@@ -222,6 +225,18 @@ def _invalid_reason(op, args, kwargs, combo, ins, outs, tensors, mesh: tuple[int
             if isinstance(p, (TorchShard, TorchStridedShard)) and before[p.dim] % mesh[m]:
                 return f"rule {rule} on mesh dim {m} needs even shards; dim {p.dim} of size {before[p.dim]} does not split over {mesh[m]}"
     return _meta_check(op, args, kwargs, ins, outs, tensors, mesh)
+
+
+def _mixed_partials(ins, outs) -> str:
+    """DTensor refuses a placement list that mixes Partial reduce ops across mesh dims
+    (`[Partial(sum), Partial(max)]`: the order of reductions would change the value), so
+    a strategy that needs one, as an input target or an output, cannot run."""
+    for kind, rows in (("input", ins), ("output", outs)):
+        for j, row in enumerate(rows):
+            ops = {p.reduce_op for p in row or () if isinstance(p, TorchPartial)}
+            if len(ops) > 1:
+                return f"{kind} {j} would mix Partial reduce ops {sorted(ops)} across mesh dims"
+    return ""
 
 
 def _meta_check(op, args, kwargs, ins, outs, tensors, mesh) -> str:

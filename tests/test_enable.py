@@ -405,14 +405,14 @@ def test_compile_static_shapes_matches_eager(mesh4):
     assert (compiled[0].placements, compiled[1].placements) == ((Partial("sum"),), (S0,))
 
 
-def test_compile_dynamic_shapes_falls_back_to_torch_with_a_warning(mesh4):
-    # Derived rules hold at the shapes they were derived at, so symbolic shapes go to
-    # torch's fallback; where torch has no strategy (renorm) the op runs replicated.
-    args = _fake_group_args(mesh4, addmv_placements=(S0, S0, R))  # torch keeps this sharded
+def test_compile_dynamic_shapes_run_replicated_with_a_warning(mesh4):
+    # Derived rules hold at the shapes they were derived at, and torch's fallback is
+    # wrong for mean losses on uneven batches, so symbolic shapes run replicated.
+    args = _fake_group_args(mesh4, addmv_placements=(S0, S0, R))
     with decompshard.enabled():
         eager, compiled, warned = _compiled_vs_eager(_model_fn, args, dynamic=True)
-    assert "decompshard: aten.addmv.default has symbolic shapes; using torch's own decomposition fallback" in warned
+    assert any("aten.addmv.default has symbolic shapes; running replicated" in w for w in warned), warned
     assert any("aten.renorm.default" in w and "running replicated" in w for w in warned), warned
-    assert compiled[0].placements == eager[0].placements == (S0,)
-    torch.testing.assert_close(compiled[0].to_local(), eager[0].to_local())
+    assert eager[0].placements == (S0,)  # eager (static shapes) keeps the derived strategy
+    assert compiled[0].placements == (R,) and compiled[0].shape == eager[0].shape
     assert compiled[1].placements == (R,) and compiled[1].shape == eager[1].shape
