@@ -13,6 +13,7 @@ import sys
 COMMANDS = {
     "coverage": ("decompshard.coverage.command", "op coverage tables: native, derived, unsupported and why"),
     "explain": ("decompshard.explain_command", "why an op gets (or refuses) a sharding: a readable trace"),
+    "check": ("decompshard.check.command", "runtime check: DTensor with enable() against one device"),
 }
 
 

@@ -214,14 +214,30 @@ def per_rank_values(t: torch.Tensor, n: int) -> dict[int, torch.Tensor]:
     return dict(lt) if lt is not None else {r: t for r in range(n)}
 
 
+def _simulating() -> bool:
+    from torch.distributed._local_tensor import local_tensor_mode
+
+    return local_tensor_mode() is not None
+
+
+def rank_locals(t: torch.Tensor, mesh: Any) -> dict[int, torch.Tensor]:
+    """The local values this process can see, by rank index within `mesh` (row-major):
+    every rank when simulated, this process's own rank in a real process group."""
+    if _simulating():
+        return per_rank_values(t, mesh.size())
+    coord = mesh.get_coordinate()
+    return {_mesh_coords(tuple(mesh.shape)).index(tuple(coord)): t}
+
+
 def _mesh_coords(mesh_shape: Sequence[int]) -> list[tuple[int, ...]]:
     return list(itertools.product(*(range(s) for s in mesh_shape)))
 
 
 def make_dtensor(x: torch.Tensor, mesh: Any, placements: Sequence[TorchPlacement], seed: int, salt: int) -> Any:
     """A DTensor of global value `x`: chunks for Shard, a view of an unflattened shard for
-    _StridedShard, random parts (see `_rank_sim.make_parts`) for Partial. Must run under
-    LocalTensorMode; `x` is a plain tensor."""
+    _StridedShard, random parts (see `_rank_sim.make_parts`) for Partial. Runs under
+    LocalTensorMode (every rank at once) or in one real process of a group (its own
+    rank's part: the same numbers either way); `x` is a plain tensor."""
     from torch.distributed._local_tensor import LocalTensor
     from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -236,18 +252,22 @@ def make_dtensor(x: torch.Tensor, mesh: Any, placements: Sequence[TorchPlacement
         return dt
     reduce_op = placements[partial_dims[0]].reduce_op
     mesh_shape = tuple(mesh.shape)
-    per_rank = per_rank_values(dt.to_local(), math.prod(mesh_shape))
+    per_rank = rank_locals(dt.to_local(), mesh)
     rank_of = {c: r for r, c in enumerate(_mesh_coords(mesh_shape))}
     w = math.prod(mesh_shape[m] for m in partial_dims)
     groups: dict[tuple, list[int]] = {}
     for c, r in rank_of.items():
         groups.setdefault(tuple(v for m, v in enumerate(c) if m not in partial_dims), []).append(r)
     for g, (key, ranks) in enumerate(sorted(groups.items())):
-        parts = make_parts(per_rank[ranks[0]], Partial(reduce_op), w, (seed, False), salt * 101 + g)
+        held = [r for r in ranks if r in per_rank]
+        if not held:
+            continue
+        parts = make_parts(per_rank[held[0]], Partial(reduce_op), w, (seed, False), salt * 101 + g)
         for r, part in zip(ranks, parts):  # ranks are in row-major order of their partial coords
-            per_rank[r] = part
-    lt = LocalTensor({r: t.detach() for r, t in per_rank.items()})
-    return DTensor.from_local(lt, mesh, placements, run_check=False, shape=x.shape, stride=dt.stride())
+            if r in per_rank:
+                per_rank[r] = part.detach()
+    local = LocalTensor(per_rank) if _simulating() else next(iter(per_rank.values()))
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=x.shape, stride=dt.stride())
 
 
 def _strided_dtensor(x, mesh, placements, seed, salt):
@@ -398,13 +418,14 @@ def _mutates(op: Any) -> bool:
 
 def run_case(op: Any, args: tuple, kwargs: dict | None, mesh_shape: Sequence[int],
              placements: Sequence[Sequence[TorchPlacement]], *, seed: int = 0, backward: bool = True,
-             use_decompshard: bool = True) -> Outcome:
+             use_decompshard: bool = True, simulate: bool = True) -> Outcome:
     """Run `op` on DTensors laid out as `placements` on a simulated mesh and compare every
     rank's result (outputs, written inputs, input gradients) with one device.
 
     Floating inputs are promoted to float64 on both sides, so a tight tolerance separates
-    rounding from real mismatches. Needs a fake process group of >= prod(mesh_shape)
-    ranks (`simulated_world`)."""
+    rounding from real mismatches. Simulated (default): needs a fake process group of
+    >= prod(mesh_shape) ranks (`simulated_world`); `simulate=False` runs in every process
+    of a real group (gloo) of exactly that size, each judging its own rank."""
     from torch.distributed._local_tensor import LocalTensorMode
 
     kwargs = dict(kwargs or {})
@@ -419,8 +440,10 @@ def run_case(op: Any, args: tuple, kwargs: dict | None, mesh_shape: Sequence[int
         return Outcome("n/a", "setup", f"the op fails on one device: {_one_line(e)}")
     mesh = device_mesh(mesh_shape)
     n = math.prod(mesh_shape)
-    with decompshard_on(use_decompshard), warnings.catch_warnings(), _simulator_chunks(), \
-            LocalTensorMode(frozenset(range(n))):
+    sim = (_simulator_chunks(), LocalTensorMode(frozenset(range(n)))) if simulate else ()
+    with decompshard_on(use_decompshard), warnings.catch_warnings(), contextlib.ExitStack() as stack:
+        for ctx in sim:
+            stack.enter_context(ctx)
         warnings.simplefilter("ignore")
         return _run_dtensor(op, flat, spec, tensor_idx, mesh, placements, ref, seed)
 
@@ -508,17 +531,17 @@ def _compare_dtensor(g: Any, w: torch.Tensor) -> tuple[str, float] | None:
     if g.dtype != w.dtype:
         return f"{where} has dtype {g.dtype}, one device gives {w.dtype}", math.inf
     mesh_shape = tuple(g.device_mesh.shape)
-    per_rank = per_rank_values(g.to_local(), math.prod(mesh_shape))
-    for r, coord in enumerate(_mesh_coords(mesh_shape)):
-        lt = per_rank[r]
+    per_rank = rank_locals(g.to_local(), g.device_mesh)
+    coords = _mesh_coords(mesh_shape)
+    for r, lt in per_rank.items():
+        coord = coords[r]
         expect = local_shape_nd(tuple(g.shape), placements, mesh_shape, coord)
         if tuple(lt.shape) != tuple(expect):
             return f"{where}: rank {r} holds shape {list(lt.shape)}, the placements say {list(expect)}", math.inf
         if _layout_disagrees(g, lt):
             return (f"{where}: the DTensor's strides {list(g.stride())} disagree with rank {r}'s local "
                     f"strides {list(lt.stride())} (a later view would fail)"), math.inf
-    full_ranks = per_rank_values(g.full_tensor(), len(per_rank))
-    for r, f in full_ranks.items():
+    for r, f in rank_locals(g.full_tensor(), g.device_mesh).items():
         if not close(f, w, []):
             err = _max_err(f, w)
             return f"{where}: rank {r}'s full_tensor() differs from one device (max error {err:.3g})", err

@@ -1,0 +1,12 @@
+"""`decompshard check`: prove `enable()` where users run it.
+
+`sweep.py` runs every derived op's OpInfo samples as real DTensors on simulated meshes
+(random placements, forward and backward) with decompshard and with torch's own fallback,
+case by case (the engine is `verify_dtensor.py`); `model.py` runs one training step of a
+user's model sharded as given and names the first op that diverges from one device;
+`command.py` is the CLI.
+"""
+
+from .sweep import check_op, check_ops, plan_cases, summarize
+
+__all__ = ["check_op", "check_ops", "plan_cases", "summarize"]

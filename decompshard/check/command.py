@@ -1,0 +1,195 @@
+"""`decompshard check`: does DTensor with enable() give one-device numbers?
+
+    decompshard check                                   # every derived op, meshes 6 / 2x3 / 2x2x2
+    decompshard check --ops "aten.addmv.default,aten.block_diag.*" --mesh 2x3 --combos 12
+    decompshard check --ops aten.addmv.default --sample 0 --mesh 2x3 --placements "R,P(sum);S(1),S(0);S(0),R"
+    decompshard check --model mypkg.models:build --input-shapes 8,16 --mesh 2x2 --placements "S(0),R"
+    decompshard check --format json --output check.json
+
+Placements, per tensor input ';'-separated, per mesh dim ','-separated: R, S(d),
+P(sum|avg|max|min), SS(d,k) (_StridedShard(d, split_factor=k)).
+
+Exit codes: 0 nothing counts against decompshard (no WRONG, no error where torch's own
+fallback runs the case), 3 something does (each failure printed with a reproducer),
+2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+EXIT_FAILURES = 3
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = ("Runtime check: real DTensors on simulated meshes, with decompshard and with torch's "
+                          "own fallback, forward and backward, against one device.")
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = "examples:\n" + __doc__.split("\n\n")[1] + "\n\n" + __doc__.split("\n\n")[3]
+    parser.add_argument("--ops", metavar="PATTERNS",
+                        help="comma-separated globs or exact names; default: every op decompshard derives "
+                        "(no DTensor strategy, a decomposition, reached by OpInfo)")
+    parser.add_argument("--mesh", default="1d,2d,3d", metavar="MESHES",
+                        help="comma-separated mesh shapes such as 6, 2x3, 2x2x2 (or 1d, 2d, 3d for those); "
+                        "default 1d,2d,3d")
+    parser.add_argument("--combos", type=int, default=6, help="random placement combinations per sample and mesh")
+    parser.add_argument("--samples", type=int, default=2, help="OpInfo samples per op, largest first (default 2)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the placement draw (default 0)")
+    parser.add_argument("--placements", metavar="TEXT",
+                        help="run one case with these placements (needs one op, --sample and one --mesh)")
+    parser.add_argument("--sample", type=int, default=None, help="with --placements: which sample (0 = largest)")
+    parser.add_argument("--no-backward", action="store_true", help="forward only")
+    parser.add_argument("--no-torch", action="store_true", help="skip torch's own fallback (half the time)")
+    parser.add_argument("--model", metavar="MODULE:CALLABLE",
+                        help="check one training step of a model: the callable returns an nn.Module or "
+                        "(module, example_inputs)")
+    parser.add_argument("--input-shapes", metavar="SHAPES", help="with --model: ';'-separated input shapes")
+    parser.add_argument("--format", choices=("text", "json"), default="text", help="report format (default text)")
+    parser.add_argument("--output", "-o", metavar="FILE", help="write the report here instead of stdout")
+    parser.add_argument("--jobs", "-j", type=int, default=min(os.cpu_count() or 1, 8),
+                        help="worker processes (default: CPU count, at most 8; 0: in this process)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per op (default 600)")
+    parser.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
+
+
+def _meshes(text: str) -> list[tuple[int, ...]]:
+    from ..verify_dtensor import parse_mesh
+
+    return [parse_mesh(part.strip()) for part in text.split(",") if part.strip()]
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..cli import UsageError
+
+    for name in ("combos", "samples"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name} must be >= 1")
+    meshes = _meshes(args.mesh)
+    if not meshes:
+        raise UsageError("--mesh is empty")
+    if args.model:
+        from .model import check_model
+
+        return check_model(args.model, args.input_shapes, meshes, args.placements, args)
+    if args.placements is not None:
+        return _one_case(args, meshes)
+    doc = _sweep(args, meshes)
+    _emit(json.dumps(doc, indent=1) if args.format == "json" else render(doc), args.output)
+    return EXIT_FAILURES if doc["summary"]["failures"] else 0
+
+
+def _samples_for(patterns: str | None, n: int, progress: bool) -> list[tuple[Any, list]]:
+    from ..coverage.command import select_ops
+    from ..coverage.opinfo_samples import capture_aten_samples, decomp_only_ops
+    from ..coverage.sweep import pick_samples
+
+    if progress:
+        print("check: capturing aten calls from torch's OpInfo samples...", file=sys.stderr, flush=True)
+    captured = capture_aten_samples()
+    derived = decomp_only_ops(captured)
+    ops = select_ops(patterns, derived) if patterns else derived
+    return [(op, pick_samples(captured.get(op, []), n)) for op in ops if captured.get(op)]
+
+
+def _sweep(args: argparse.Namespace, meshes: list) -> dict[str, Any]:
+    from .sweep import check_ops, summarize
+
+    t0 = time.perf_counter()
+    per_op = _samples_for(args.ops, args.samples, not args.quiet)
+    done = [0]
+
+    def step(name: str) -> None:
+        done[0] += 1
+        if not args.quiet:
+            print(f"check: [{done[0]}/{len(per_op)}] {name}", file=sys.stderr, flush=True)
+
+    records = check_ops(per_op, meshes=meshes, combos=args.combos, seed=args.seed, backward=not args.no_backward,
+                        with_torch=not args.no_torch, jobs=args.jobs, timeout=args.timeout, on_op=step)
+    summary = summarize(records)
+    run_info = {"meshes": ["x".join(map(str, m)) for m in meshes], "combos": args.combos, "samples": args.samples,
+                "seed": args.seed, "backward": not args.no_backward, "seconds": round(time.perf_counter() - t0, 1)}
+    return {"run": run_info, "summary": summary, "cases": records}
+
+
+def _one_case(args: argparse.Namespace, meshes: list) -> int:
+    from ..cli import UsageError
+    from ..verify_dtensor import simulated_world
+    from .sweep import run_one
+
+    if len(meshes) != 1 or args.sample is None or not args.ops or any(c in args.ops for c in ",*?["):
+        raise UsageError("--placements runs one case: give one exact op in --ops, --sample and one --mesh")
+    per_op = _samples_for(args.ops, args.sample + 1, not args.quiet)
+    if not per_op or len(per_op[0][1]) <= args.sample:
+        raise UsageError(f"{args.ops}: no OpInfo sample number {args.sample}")
+    op, samples = per_op[0]
+    sample = samples[args.sample]
+    with simulated_world(math.prod(meshes[0])):
+        rec = run_one(op, (sample.args, sample.kwargs), args.sample, meshes[0], args.placements, args.seed,
+                      backward=not args.no_backward, with_torch=not args.no_torch)
+    from dataclasses import asdict
+
+    d = asdict(rec)
+    if args.format == "json":
+        _emit(json.dumps(d, indent=1), args.output)
+    else:
+        lines = [f"{d['op']} sample {d['sample']} ({d['shapes']}) on mesh {d['mesh']}: {d['placements']}",
+                 f"  decompshard: {_outcome(d['ours'])}"]
+        if d["torch"]:
+            lines.append(f"  torch:       {_outcome(d['torch'])}")
+        _emit("\n".join(lines), args.output)
+    from .sweep import counts_against_us
+
+    return EXIT_FAILURES if counts_against_us(d) else 0
+
+
+def _outcome(o: dict) -> str:
+    if o["status"] == "ok":
+        return "ok"
+    return f"{o['status']} ({o['stage']}): {o['detail']}"
+
+
+def render(doc: dict[str, Any]) -> str:
+    from tabulate import tabulate
+
+    from .sweep import reproducer
+
+    s = doc["summary"]
+    rows = []
+    for mesh, m in sorted(s["by_mesh"].items()):
+        rows.append([mesh, m["cases"], m.get("ok", 0), m.get("WRONG", 0), m.get("error", 0), m.get("n/a", 0),
+                     m.get("torch_ok", 0), m.get("torch_WRONG", 0), m.get("torch_error", 0)])
+    out = [f"decompshard check: {s['ops']} ops, {s['cases']} cases ({doc['run']['seconds']:.0f} s)", "",
+           tabulate(rows, headers=["mesh", "cases", "ok", "WRONG", "error", "n/a", "torch ok", "torch WRONG",
+                                   "torch error"]), ""]
+    fails = s["failures"]
+    out.append(f"against decompshard: {len(fails)} (WRONG, or an error where torch's fallback runs the case)")
+    for r in fails:
+        out.append(f"  {r['op']} [{r['shapes']}] mesh {r['mesh']} {r['placements']}: {_outcome(r['ours'])}")
+        out.append(f"    torch: {_outcome(r['torch']) if r.get('torch') else '-'}")
+        out.append(f"    reproduce: {reproducer(r)}")
+    both = s["errors_where_torch_fails_too"]
+    if both:
+        out.append("")
+        out.append(f"errors where torch's fallback fails too: {len(both)} cases in "
+                   f"{len({r['op'] for r in both})} ops (first of each op):")
+        seen = set()
+        for r in both:
+            if r["op"] in seen:
+                continue
+            seen.add(r["op"])
+            out.append(f"  {r['op']} mesh {r['mesh']} {r['placements']}: {_outcome(r['ours'])}")
+    return "\n".join(out)
+
+
+def _emit(text: str, output: str | None) -> None:
+    if output:
+        with open(output, "w") as f:
+            f.write(text + "\n")
+    else:
+        print(text)
