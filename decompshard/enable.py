@@ -28,7 +28,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ._compat import DTensorSpec, OpSpec, OpStrategy, sharding_propagator
+from ._compat import DTensorSpec, OpSpec, OpStrategy, TensorMeta, sharding_propagator
 from .dispatch_modes.clean import clean_dispatch_state
 from .dispatch_modes.tracing import has_decomposition
 
@@ -96,7 +96,7 @@ class DerivedStrategy:
         if best is None:
             return _replicated(op_schema, specs, mesh)
         ins = [DTensorSpec(mesh, tuple(p), tensor_meta=s.tensor_meta) for p, s in zip(best.input_placements, specs)]
-        outs = [None if o is None else DTensorSpec(mesh, tuple(o)) for o in best.output_placements]
+        outs = _output_specs(op_schema, specs, ins, [None if o is None else tuple(o) for o in best.output_placements])
         output_specs = outs[0] if len(outs) == 1 else tuple(outs)
         n_args = len(op_schema.args_spec)
         return OpStrategy([OpSpec(output_specs, input_specs=ins[:n_args], redistribute_cost=[[0.0] for _ in ins[:n_args]])])
@@ -138,8 +138,83 @@ def _replicated(op_schema, specs, mesh) -> OpStrategy:
     n_args = len(op_schema.args_spec)
     ins = [DTensorSpec(mesh, rep, tensor_meta=s.tensor_meta) for s in specs[:n_args]]
     n_out = sum(1 for r in op_schema.op._schema.returns if "Tensor" in str(r.type))
-    out = DTensorSpec(mesh, rep)
-    return OpStrategy([OpSpec(out if n_out <= 1 else tuple(out for _ in range(n_out)), input_specs=ins, redistribute_cost=[[0.0] for _ in ins])])
+    outs = _output_specs(op_schema, specs, ins + specs[n_args:], [rep] * max(n_out, 1))
+    return OpStrategy([OpSpec(outs[0] if n_out <= 1 else tuple(outs), input_specs=ins, redistribute_cost=[[0.0] for _ in ins])])
+
+
+class _LocalLayoutSpec(DTensorSpec):
+    """An output spec whose strides describe what the local kernel returns.
+
+    DTensor gives an op's output the strides its meta kernel computes from the *global*
+    inputs. After a redistribution a local input is contiguous whatever the global
+    layout says (an all-gathered `x.view(B,S,H,d).transpose(1,2)`), so an op whose output
+    layout follows its input's (CPU flash attention) returns a local tensor laid out
+    differently from what the DTensor claims, and the next view fails ("view size is
+    not compatible"). DTensor attaches the output's metadata through this method; we
+    keep its shape and dtype and put in the strides the local kernel will produce."""
+
+    local_stride: tuple[int, ...] = ()
+
+    def shallow_copy_with_tensor_meta(self, tensor_meta: Any) -> DTensorSpec:
+        if tensor_meta is not None and self.local_stride and len(self.local_stride) == len(tensor_meta.shape):
+            tensor_meta = TensorMeta(tensor_meta.shape, self.local_stride, tensor_meta.dtype)
+        return DTensorSpec(self.mesh, self.placements, tensor_meta=tensor_meta)
+
+
+def _output_specs(op_schema: Any, specs: list, targets: list, placements: list) -> list:
+    """Output DTensorSpecs for these placements, laid out as the local kernel will lay
+    them out when a redistribution makes a non-contiguous input contiguous."""
+    mesh = specs[0].mesh
+    plain = [None if p is None else DTensorSpec(mesh, tuple(p)) for p in placements]
+    moved = [tuple(t.placements) != tuple(s.placements) and not _is_contiguous(s.tensor_meta)
+             for s, t in zip(specs, targets)]
+    if not any(moved):
+        return plain
+    try:
+        strides = _local_output_strides(op_schema, moved)
+    except Exception:  # a meta kernel that refuses the contiguous layout: keep DTensor's
+        return plain
+    if strides is None:
+        return plain
+    out = []
+    for spec, stride in zip(plain, list(strides) + [None] * len(plain)):
+        if spec is not None and stride is not None:
+            spec = _LocalLayoutSpec(mesh, spec.placements)
+            object.__setattr__(spec, "local_stride", stride)
+        out.append(spec)
+    return out
+
+
+def _is_contiguous(tm: Any) -> bool:
+    expect, acc = [], 1
+    for size in reversed(tm.shape):
+        expect.append(acc)
+        acc *= max(int(size), 1)
+    return all(int(sz) <= 1 or int(st) == e for sz, st, e in zip(tm.shape, tm.stride, reversed(expect)))
+
+
+def _local_output_strides(op_schema: Any, moved: list[bool]) -> list | None:
+    """The op's output strides on inputs laid out as they will be locally (moved ones
+    contiguous), where they differ from those on the global layout; else None."""
+    flat, spec = tree_flatten((op_schema.args_schema, op_schema.kwargs_schema))
+
+    def run(contiguous: list[bool]) -> list:
+        it = iter(contiguous)
+        metas = []
+        for x in flat:
+            if isinstance(x, DTensorSpec):
+                tm = x.tensor_meta
+                t = torch.empty(tm.shape, dtype=tm.dtype, device="meta")
+                metas.append(t if next(it) else t.as_strided(tm.shape, tm.stride))
+            else:
+                metas.append(x)
+        args, kwargs = tree_unflatten(metas, spec)
+        return [tuple(o.stride()) if isinstance(o, torch.Tensor) else None
+                for o in tree_flatten(op_schema.op(*args, **kwargs))[0]]
+
+    with clean_dispatch_state():
+        local, claimed = run(moved), run([False] * len(moved))
+    return local if local != claimed else None
 
 
 def _see_into_lists(op_schema: Any, sharding_prop: Any) -> None:

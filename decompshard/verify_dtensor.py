@@ -116,6 +116,9 @@ def parse_mesh(text: str | Sequence[int]) -> tuple[int, ...]:
 # ------------------------------------------------------------------ simulated world
 
 
+_MESHES: dict[tuple[int, ...], Any] = {}
+
+
 @contextlib.contextmanager
 def simulated_world(world_size: int) -> Iterator[None]:
     """A fake process group of at least `world_size` ranks (reused if one is up)."""
@@ -123,6 +126,7 @@ def simulated_world(world_size: int) -> Iterator[None]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     created = False
+    _MESHES.clear()  # a mesh belongs to the process group it was made under
     if dist.is_initialized():
         if dist.get_backend() != "fake" or dist.get_world_size() < world_size:
             raise RuntimeError(
@@ -135,10 +139,8 @@ def simulated_world(world_size: int) -> Iterator[None]:
         yield
     finally:
         if created:
+            _MESHES.clear()
             dist.destroy_process_group()
-
-
-_MESHES: dict[tuple[int, ...], Any] = {}
 
 
 def device_mesh(shape: Sequence[int]) -> Any:

@@ -157,3 +157,73 @@ def test_inputs_that_cannot_take_a_gradient_are_left_out():
     # against the input that can, not reported as failing on one device.
     x, y = torch.randn(5), torch.randn(5).sign()
     assert _case(aten.soft_margin_loss.default, (x, y, 1), "R,S(0),P(max);R,S(0),P(min)", "2x2x2").status == "ok"
+
+
+def test_outputs_describe_the_local_layout_after_a_redistribution():
+    # Head-sharded CPU attention ran replicated; the all-gathered q/k/v were contiguous,
+    # the output DTensor claimed the transposed layout of the global inputs, and the
+    # next `.transpose(1, 2).reshape(B, S, -1)` raised "view size is not compatible".
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from decompshard.verify_dtensor import decompshard_on
+
+    B, S, H, hd = 2, 6, 4, 8
+    x = torch.randn(B, S, H * hd, dtype=torch.float64)
+
+    def attention(q, k, v):
+        q, k, v = (t.view(B, S, H, hd).transpose(1, 2) for t in (q, k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, S, -1)
+
+    ref = attention(x, x, x)
+    mesh = device_mesh((4,))
+    with decompshard_on(True), LocalTensorMode(frozenset(range(4))):
+        d = distribute_tensor(x, mesh, [Shard(2)])
+        out = attention(d, d, d)
+        full = per_rank_values(out.full_tensor(), 4)
+    for r in range(4):
+        torch.testing.assert_close(full[r], ref)
+
+
+def test_check_model_finds_the_op_that_diverges(monkeypatch):
+    import sys
+
+    import _check_models as CM
+    from decompshard.check.model import run_model_check
+
+    module, inputs = CM.block()
+    ok = run_model_check(module, inputs, (2, 2), "S(0),R")
+    assert ok.divergence is None and ok.calls > 50
+    # a deliberately wrong strategy for the attention op must be named
+    en = sys.modules["decompshard.enable"]
+    real = en._first_runnable
+
+    def wrong(op, args, kwargs, mesh_shape, current, n_args):
+        best = real(op, args, kwargs, mesh_shape, current, n_args)
+        if "flash_attention" not in str(op) or best is None:
+            return best
+        from dataclasses import replace
+
+        from decompshard._compat import TorchPartial
+        # claim pending sums where each rank holds the whole value: full_tensor() adds them up
+        return replace(best, output_placements=tuple(None if o is None else tuple(TorchPartial("sum") for _ in o)
+                                                     for o in best.output_placements))
+
+    monkeypatch.setattr(en, "_first_runnable", wrong)
+    decompshard.disable()
+    bad = run_model_check(module, inputs, (2, 2), "S(0),R")
+    decompshard.disable()
+    assert bad.divergence is not None and "flash_attention" in bad.divergence.op, bad
+    assert bad.divergence.phase == "forward"
+
+
+def test_check_model_cli_on_a_conv_net():
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(__file__)
+    p = subprocess.run([sys.executable, "-m", "decompshard", "check", "--model", "_check_models:convnet",
+                        "--mesh", "4", "--placements", "S(0)"], cwd=here, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "forward and backward match one device" in p.stdout

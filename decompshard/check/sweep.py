@@ -99,6 +99,11 @@ def check_op(name: str, samples: Sequence[Sample], meshes: Sequence[Sequence[int
     from ..derive import resolve_op
     from ..verify_dtensor import simulated_world
 
+    import logging
+
+    # torch warns on every multi-dim redistribution ("2 sequential all_gather ..."):
+    # thousands of lines that say nothing about correctness
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     op = resolve_op(name)
     records = []
     world = max(math.prod(m) for m in meshes)
