@@ -166,6 +166,8 @@ def _output_specs(op_schema: Any, specs: list, targets: list, placements: list) 
     them out when a redistribution makes a non-contiguous input contiguous."""
     mesh = specs[0].mesh
     plain = [None if p is None else DTensorSpec(mesh, tuple(p)) for p in placements]
+    if any(not isinstance(v, int) for s in specs for v in (*s.tensor_meta.shape, *s.tensor_meta.stride)):
+        return plain  # symbolic: reading a size would specialize the compiled graph
     moved = [tuple(t.placements) != tuple(s.placements) and not _is_contiguous(s.tensor_meta)
              for s, t in zip(specs, targets)]
     if not any(moved):
