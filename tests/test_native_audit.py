@@ -142,6 +142,10 @@ def test_cli_verify_native(tmp_path):
     assert {w["op"] for w in doc["wrong_rules"]} == {"aten.convolution.default"}
     assert doc["summary"]["wrong_rules"] == len(doc["wrong_rules"]) > 0
     assert main(["coverage", "--verify-native", "--model", "x:y"]) == 2
+    md = tmp_path / "native.md"
+    assert main(["coverage", "--from", str(out), "--format", "markdown", "-o", str(md)]) == 0
+    text = md.read_text()
+    assert text.startswith("native audit") and "| aten.convolution.default" in text
 
 
 def test_layouts_with_no_meaning_are_refused_not_reported(world):

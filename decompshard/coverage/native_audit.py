@@ -147,6 +147,19 @@ def build_native_report(records: Sequence[dict[str, Any]], run: dict[str, Any]) 
 # ------------------------------------------------------------------ rendering
 
 
+def load_native(path: str) -> dict[str, Any] | None:
+    """A saved native audit (`--format json`), or None if the file is something else
+    (a coverage report: `--from` renders those as before)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return None  # the coverage report loader says what is wrong with it
+    if isinstance(doc, dict) and doc.get("schema") == SCHEMA and isinstance(doc.get("wrong_rules"), list):
+        return doc
+    return None
+
+
 def render_native(doc: dict[str, Any], fmt: str = "text", width: int = 120) -> str:
     """json: the document; text/markdown: a summary and one row per wrong behaviour;
     csv: the wrong behaviours without scripts."""
