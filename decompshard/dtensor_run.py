@@ -28,7 +28,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._rank_sim import close, leaves_equal, make_local, promote
-from .placements import MaybePlacement, Partial, format_placement
+from .placements import MaybePlacement, Partial
 
 __all__ = ["DTensorRun", "LOCAL_KERNEL", "RANKS_DISAGREE", "REFUSED", "exact_parts", "run_on_dtensor",
            "simulated_world"]

@@ -155,3 +155,28 @@ def test_layouts_with_no_meaning_are_refused_not_reported(world):
     assert not run.ok and not run.wrong
     assert run_on_dtensor(aten.logical_not.default, (t,), {}, (S(0),), 2).ok
     assert run_on_dtensor(aten.logical_not.default, (t,), {}, (R,), 2).ok
+
+
+class _Die:
+    def __reduce__(self):
+        import os
+
+        return (os._exit, (7,))
+
+
+def test_a_crashing_op_costs_one_record_not_the_sweep():
+    """The sweep's worker pool isolates each op: a worker that dies is reported as
+    crashed and the next op's audit runs in a fresh one."""
+    import pickle
+
+    from decompshard.coverage.native_audit import _from_pool, _job, build_native_report
+    from decompshard.coverage.sweep import run_jobs
+
+    x = torch.randn(4, 6)
+    jobs = [("aten.die.default", pickle.dumps(_Die())), _job("aten.mul.Tensor", [((x, x), {}, "mul")])]
+    recs = []
+    run_jobs(jobs, 1, 60.0, lambda name, rec: recs.append(_from_pool(name, rec)))
+    doc = build_native_report(recs, {"jobs": 1})
+    assert doc["summary"]["crashed"] == ["aten.die.default"]
+    mul = next(r for r in doc["ops"] if r["op"] == "aten.mul.Tensor")
+    assert mul["status"] == "checked" and mul["n_rules"] > 0 and mul["n_wrong"] == 0
