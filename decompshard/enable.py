@@ -269,10 +269,18 @@ def _clear_dtensor_caches() -> None:
         clear()
 
 
-def enable() -> None:
-    """Route every DTensor op that lacks a strategy through decompshard. Idempotent."""
+def enable(guard_native: bool | None = None) -> None:
+    """Route every DTensor op that lacks a strategy through decompshard. Idempotent.
+
+    `guard_native=True` (default: the DECOMPSHARD_GUARD_NATIVE environment variable) also
+    keeps DTensor away from native strategies decompshard's audit proved wrong (guard.py)."""
+    from . import guard
     from ._compat import DecompShardingStrategy
 
+    if guard.wanted(guard_native):
+        guard.install()
+    elif guard_native is False:
+        guard.uninstall()
     with _lock:
         if _saved:
             return
@@ -286,8 +294,10 @@ def enable() -> None:
 
 def disable() -> None:
     """Restore DTensor exactly as it was before `enable()`. Idempotent."""
+    from . import guard
     from ._compat import DecompShardingStrategy
 
+    guard.uninstall()
     with _lock:
         if not _saved:
             return
@@ -301,12 +311,15 @@ def is_enabled() -> bool:
 
 
 @contextlib.contextmanager
-def enabled() -> Iterator[None]:
+def enabled(guard_native: bool | None = None) -> Iterator[None]:
     """`with decompshard.enabled(): ...` — enabled inside, previous state restored after."""
-    was = is_enabled()
-    enable()
+    from . import guard
+
+    was, guarded = is_enabled(), guard.is_installed()
+    enable(guard_native)
     try:
         yield
     finally:
         if not was:
             disable()
+        (guard.install if guarded else guard.uninstall)()

@@ -201,6 +201,39 @@ def check_rule(op: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, An
     return _check(OpCase(op, args, kwargs), rule, world_sizes, draws, seed)
 
 
+@_one_thread
+def check_rules_at(op: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any] | None,
+                   rules: Sequence[tuple[SingleDimRule, Sequence[int]]], *, draws: int = 3,
+                   seed: int = 0) -> list[RuleCheck]:
+    """Verdicts on rules, each at exactly the world sizes given with it (no probe W, and
+    [even] ignored): for judging someone else's rules under their own conditions, e.g.
+    DTensor's, which it applies whenever every sharded dim has at least W elements.
+    One `OpCase` (reference runs on every data sample) serves all the rules."""
+    case = OpCase(op, args, kwargs)
+    out = []
+    for rule, world_sizes in rules:
+        if case.untestable:
+            out.append(RuleCheck(None, case.untestable, rule))
+            continue
+        err = case.rule_error(rule.inputs, rule.outputs)
+        if err:
+            out.append(RuleCheck(False, err, rule))
+            continue
+        ws = tuple(dict.fromkeys(int(w) for w in world_sizes))
+        if not ws:
+            out.append(RuleCheck(None, "no world size to test", rule))
+            continue
+        schedule = draw_schedule(rule.inputs, draws, seed, [x.numel() for x in case.inputs])
+        verdict = RuleCheck(True, f"holds at W={list(ws)}", rule, ws)
+        for w in ws:
+            sets, why = _passing_outputs(case, rule.inputs, w, schedule, [{q} for q in rule.outputs])
+            if not all(sets):
+                verdict = RuleCheck(False, why, rule, (w,))
+                break
+        out.append(verdict)
+    return out
+
+
 # ------------------------------------------------------------------ ground truth
 
 

@@ -5,6 +5,7 @@
     decompshard coverage --model mypkg.models:build_model --input-shapes 8,128
     decompshard coverage --format markdown|csv|json --output report.md
     decompshard coverage --diff old.json new.json
+    decompshard coverage --verify-native --format json -o native.json   # audit DTensor's own strategies
 
 Exit codes: 0 a completed sweep (whatever it found), 2 bad arguments (one line on stderr).
 """
@@ -62,6 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--status", metavar="LIST",
                         help=f"table rows to show, comma-separated among {', '.join(STATUSES)} (summary unchanged)")
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
+    parser.add_argument("--verify-native", action="store_true",
+                        help="audit DTensor's own strategies instead: check each native op's rules numerically and "
+                        "run it through DTensor on 4 simulated ranks; report the wrong ones with reproducers "
+                        "(--format json: the machine-readable list)")
 
 
 def _check_args(args: argparse.Namespace) -> list[str] | None:
@@ -110,6 +115,18 @@ def _emit(text: str, output: str | None) -> None:
 def run(args: argparse.Namespace) -> int:
     statuses = _check_args(args)
     width = _width(not args.output and sys.stdout.isatty())
+    if args.verify_native or args.from_json:
+        from .native_audit import load_native, native_sweep, render_native
+
+        doc = load_native(args.from_json) if args.from_json else None
+        if args.verify_native and (args.model or args.diff):
+            raise UsageError("--verify-native works on --ops (or every op), not --model/--diff")
+        if args.verify_native and doc is None and not args.from_json:
+            doc = native_sweep(args.ops, jobs=args.jobs, timeout=args.timeout, samples_per_op=args.samples,
+                               opinfo_samples=args.opinfo_samples, progress=not args.quiet)
+        if doc is not None:
+            _emit(render_native(doc, args.format, width), args.output)
+            return 0
     if args.diff:
         old, new = (rep.load_report(p) for p in args.diff)
         _emit(rep.render_diff(rep.diff_reports(old, new), args.format, width), args.output)

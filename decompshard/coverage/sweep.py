@@ -265,11 +265,18 @@ def _worker_main(conn: Any) -> None:
         name = "?"
         t0 = time.perf_counter()
         try:
-            name, samples, verify = pickle.loads(data)
-            rec = analyse_op(name, samples, verify)
+            job = pickle.loads(data)
+            name = job[1] if callable(job[0]) else job[0]
+            rec = _run_job(job)
         except Exception as e:
             rec = failed_record(name, f"error: {_one_line(e)}", time.perf_counter() - t0)
         conn.send_bytes(pickle.dumps(rec))
+
+
+def _run_job(job: tuple) -> dict[str, Any]:
+    """A job is `(name, samples, verify)` for `analyse_op`, or `(fn, name, *args)`: any
+    module-level function returning a record (the native audit uses this pool too)."""
+    return job[0](*job[1:]) if callable(job[0]) else analyse_op(*job)
 
 
 def _context() -> Any:
@@ -304,7 +311,7 @@ class _Worker:
 
 def run_jobs(jobs: Sequence[tuple[str, bytes]], workers: int, timeout: float,
              on_result: Callable[[str, dict[str, Any]], None]) -> None:
-    """Run pickled `analyse_op` jobs on `workers` processes (0: in this process, no timeout).
+    """Run pickled jobs (see `_run_job`) on `workers` processes (0: in this process, no timeout).
 
     Each job's deadline starts when a ready worker receives it; an overrun kills that
     worker and reports the op as unsupported with the timeout as its reason."""
@@ -312,7 +319,7 @@ def run_jobs(jobs: Sequence[tuple[str, bytes]], workers: int, timeout: float,
         for name, payload in jobs:
             t0 = time.perf_counter()
             try:
-                on_result(name, analyse_op(*pickle.loads(payload)))
+                on_result(name, _run_job(pickle.loads(payload)))
             except Exception as e:
                 on_result(name, failed_record(name, f"error: {_one_line(e)}", time.perf_counter() - t0))
         return

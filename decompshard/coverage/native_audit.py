@@ -1,0 +1,197 @@
+"""`decompshard coverage --verify-native`: audit every native DTensor strategy OpInfo reaches.
+
+For each aten op with a registered strategy, `native_rules.audit_native_op_detailed` runs
+on its two largest OpInfo samples in a worker process (the coverage sweep's pool:
+`sweep.run_jobs`, one job per op with a deadline, so a crash or a hang costs one op).
+The result is one JSON document, ready to report upstream::
+
+    {"schema": "decompshard-native-audit/1", "version", "torch_version", "run": {...},
+     "summary": {"ops", "checked", "ops_with_wrong", "wrong_rules", "by_kind",
+                 "rules_checked", "rules_refuted", "unconfirmed", "dispatch_runs",
+                 "crashed": [op], "timed_out": [op]},
+     "ops": [{"op", "registry", "status" (checked | skipped | no sample | crashed |
+              timed out), "reason", "n_samples", "n_rules", "n_refuted",
+              "n_dispatch_runs", "n_wrong", "unconfirmed", "seconds"}],
+     "wrong_rules": [WrongRule as JSON: op, kind, rule, input_placements,
+                     output_placements, world_size, shapes, dtypes, max_error, reason,
+                     checker, sample, script]}
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import sys
+import time
+from collections import Counter
+from typing import Any, Sequence
+
+import torch
+from tabulate import tabulate
+
+from .report import Progress, package_version
+from .sweep import Sample, pick_samples, registry_of, run_jobs
+
+SCHEMA = "decompshard-native-audit/1"
+
+
+def audit_job(name: str, samples: Sequence[Sample]) -> dict[str, Any]:
+    """One op's record (runs in a worker)."""
+    from ..derive import resolve_op
+    from ..native_rules import audit_native_op_detailed
+
+    op = resolve_op(name)
+    rec = _record(str(op), registry_of(op))
+    audit = audit_native_op_detailed(op, list(samples))
+    rec.update(
+        status="skipped" if audit.skipped and not audit.n_dispatch_runs else "checked",
+        reason=audit.skipped, n_samples=audit.n_samples, n_rules=audit.n_rules,
+        n_refuted=audit.n_refuted, n_dispatch_runs=audit.n_dispatch_runs, n_wrong=len(audit.wrong),
+        unconfirmed=audit.unconfirmed, seconds=audit.seconds, wrong=[w.to_json() for w in audit.wrong],
+    )
+    return rec
+
+
+def _job(name: str, samples: list[Sample]) -> tuple[str, bytes]:
+    """A pool job running `audit_job`; samples that cannot be pickled are dropped."""
+    kept = []
+    for sample in samples:
+        try:
+            pickle.dumps(sample)
+        except Exception:
+            continue
+        kept.append(sample)
+    return name, pickle.dumps((audit_job, name, kept))
+
+
+def _record(op: str, registry: str | None) -> dict[str, Any]:
+    return {"op": op, "registry": registry, "status": "checked", "reason": "", "n_samples": 0, "n_rules": 0,
+            "n_refuted": 0, "n_dispatch_runs": 0, "n_wrong": 0, "unconfirmed": [], "seconds": 0.0,
+            "wrong": [], "native_audit": True}
+
+
+def _from_pool(name: str, rec: dict[str, Any]) -> dict[str, Any]:
+    """A pool failure record (crash, timeout, error) in this report's shape."""
+    if rec.get("native_audit"):
+        return rec
+    reason = rec.get("reason", "")
+    out = _record(name, None)
+    status = "timed out" if reason.startswith("timed out") else "crashed"
+    out.update(status=status, reason=reason, seconds=rec.get("seconds", 0.0))
+    return out
+
+
+def native_sweep(patterns: str | None = None, *, jobs: int = 1, timeout: float = 60.0, samples_per_op: int = 2,
+                 opinfo_samples: int | None = None, progress: bool = True) -> dict[str, Any]:
+    """Capture OpInfo samples, pick the native ops among the selected ones, audit each."""
+    from .command import _validate_exact, select_ops
+    from .opinfo_samples import capture_aten_samples
+
+    _validate_exact(patterns)
+    t0 = time.perf_counter()
+    if progress:
+        print("native audit: capturing aten calls from torch's OpInfo samples...", file=sys.stderr, flush=True)
+    captured = capture_aten_samples(max_samples_per_opinfo=opinfo_samples)
+    t_capture = time.perf_counter() - t0
+    ops = [op for op in select_ops(patterns, [op for op in captured if op.namespace == "aten"])
+           if registry_of(op) is not None]
+    records: list[dict[str, Any]] = []
+    job_list = []
+    for op in ops:
+        best = pick_samples(captured.get(op, []), samples_per_op)
+        if not best:
+            rec = _record(str(op), registry_of(op))
+            rec.update(status="no sample", reason="no sample inputs with a tensor")
+            records.append(rec)
+            continue
+        job_list.append(_job(str(op), [(s.args, s.kwargs, s.opinfo_name) for s in best]))
+    bar = Progress(len(job_list), enabled=progress)
+
+    def done(name: str, rec: dict[str, Any]) -> None:
+        records.append(_from_pool(name, rec))
+        bar.step(name)
+
+    try:
+        run_jobs(job_list, jobs, timeout, done)
+    finally:
+        bar.close()
+    seconds = time.perf_counter() - t0
+    if progress:
+        print(f"native audit: {len(ops)} native ops in {seconds:.0f} s (OpInfo capture {t_capture:.0f} s)",
+              file=sys.stderr, flush=True)
+    run = {"jobs": jobs, "timeout": timeout, "samples_per_op": samples_per_op, "opinfo_samples": opinfo_samples,
+           "selection": patterns or "default", "capture_seconds": round(t_capture, 1), "seconds": round(seconds, 1)}
+    return build_native_report(records, run)
+
+
+def build_native_report(records: Sequence[dict[str, Any]], run: dict[str, Any]) -> dict[str, Any]:
+    records = sorted(records, key=lambda r: r["op"])
+    wrong = [w for r in records for w in r.pop("wrong", [])]
+    for r in records:
+        r.pop("native_audit", None)
+    status = Counter(r["status"] for r in records)
+    summary = {
+        "ops": len(records), "checked": status.get("checked", 0),
+        "ops_with_wrong": sum(1 for r in records if r["n_wrong"]), "wrong_rules": len(wrong),
+        "by_kind": dict(Counter(w["kind"] for w in wrong)),
+        "rules_checked": sum(r["n_rules"] for r in records), "rules_refuted": sum(r["n_refuted"] for r in records),
+        "unconfirmed": sum(len(r["unconfirmed"]) for r in records),
+        "dispatch_runs": sum(r["n_dispatch_runs"] for r in records),
+        "crashed": [r["op"] for r in records if r["status"] == "crashed"],
+        "timed_out": [r["op"] for r in records if r["status"] == "timed out"],
+    }
+    return {"schema": SCHEMA, "version": package_version(), "torch_version": torch.__version__, "run": run,
+            "summary": summary, "ops": records, "wrong_rules": wrong}
+
+
+# ------------------------------------------------------------------ rendering
+
+
+def load_native(path: str) -> dict[str, Any] | None:
+    """A saved native audit (`--format json`), or None if the file is something else
+    (a coverage report: `--from` renders those as before)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return None  # the coverage report loader says what is wrong with it
+    if isinstance(doc, dict) and doc.get("schema") == SCHEMA and isinstance(doc.get("wrong_rules"), list):
+        return doc
+    return None
+
+
+def render_native(doc: dict[str, Any], fmt: str = "text", width: int = 120) -> str:
+    """json: the document; text/markdown: a summary and one row per wrong behaviour;
+    csv: the wrong behaviours without scripts."""
+    if fmt == "json":
+        return json.dumps(doc, indent=1)
+    rows = [[w["op"], w["kind"], w["rule"], w["world_size"], "; ".join(map(str, w["shapes"])),
+             "-" if w["max_error"] is None else f"{w['max_error']:.3g}", _cut(w["reason"], 70)]
+            for w in doc["wrong_rules"]]
+    headers = ["op", "kind", "placements -> DTensor's claim", "W", "shapes", "max err", "what happens"]
+    if fmt == "csv":
+        import csv
+        import io
+
+        buf = io.StringIO()
+        wr = csv.writer(buf)
+        wr.writerow(headers)
+        wr.writerows(rows)
+        return buf.getvalue().rstrip("\n")
+    s = doc["summary"]
+    lines = [
+        f"native audit (torch {doc['torch_version']}): {s['ops']} native ops, {s['checked']} checked, "
+        f"{s['rules_checked']} rule checks ({s['rules_refuted']} refuted, {s['unconfirmed']} of those "
+        f"not reproduced by DTensor), {s['dispatch_runs']} DTensor runs; {doc['run'].get('seconds', '?')} s",
+        f"wrong: {s['wrong_rules']} behaviours in {s['ops_with_wrong']} ops "
+        f"({', '.join(f'{k} {v}' for k, v in sorted(s['by_kind'].items())) or 'none'})",
+    ]
+    if s["crashed"] or s["timed_out"]:
+        lines.append(f"isolated: crashed {s['crashed'] or '-'}; timed out {s['timed_out'] or '-'}")
+    if rows:
+        lines += ["", tabulate(rows, headers=headers, tablefmt="github" if fmt == "markdown" else "simple")]
+    return "\n".join(lines)
+
+
+def _cut(text: str, n: int) -> str:
+    return text if len(text) <= n else text[: n - 1] + "…"

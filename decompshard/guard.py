@@ -1,0 +1,315 @@
+"""Opt-in guard: keep DTensor away from native behaviour the audit proved wrong.
+
+`decompshard.enable(guard_native=True)` (or `DECOMPSHARD_GUARD_NATIVE=1`) installs it;
+`disable()` removes it and DTensor's tables hold exactly the objects they held before.
+Off by default: with the guard off nothing of DTensor's native path is touched.
+
+What it guards is the list `guard_table.py` holds, found by `decompshard coverage
+--verify-native` (every entry is confirmed by a direct DTensor run in the tests):
+
+* **Handlers that skip the redistribution their strategy asks for** (convolution and
+  its backward: the custom handler runs the local kernel on the inputs as they are and
+  labels the result with the strategy's output placements). The guard asks the sharding
+  propagator first and, when it wants the inputs moved, moves them (DTensor's own
+  `redistribute`) before the handler runs: the handler then sees the layout its
+  strategy was written for.
+* **Rules in a strategy table that are wrong** (`any(P(sum)) -> P(sum)`, say). The
+  guard wraps the op's entry in the propagator's tables and drops a listed rule when
+  the numerical checker (`verify.check_rules_at`, on random data of the shapes at hand,
+  at the world sizes where DTensor would apply it) refutes it there; DTensor then picks
+  the next valid strategy (all-Replicate at worst: always right). At shapes too large
+  to check quickly, or that the checker cannot build data for, a listed rule is dropped
+  unchecked: skipping a right rule costs communication, using a wrong one costs the
+  training run.
+
+Each guarded op warns once, naming the op and what was skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import warnings
+from typing import Any, Callable
+
+import torch
+
+from ._compat import (
+    DTensor,
+    DTensorSpec,
+    OpSpec,
+    OpStrategy,
+    TensorMeta,
+    TorchReplicate,
+    from_torch_placement,
+    sharding_propagator,
+)
+from .dispatch_modes.graph import freeze, leaves
+from .guard_table import HANDLERS_SKIPPING_REDISTRIBUTION, WRONG_RULES
+from .placements import SingleDimRule, format_rule
+
+__all__ = ["ENV", "install", "is_installed", "uninstall", "wanted"]
+
+ENV = "DECOMPSHARD_GUARD_NATIVE"
+CHECK_LIMIT = 1 << 18  # input elements up to which a listed rule is checked at the shapes at hand
+
+_lock = threading.RLock()
+_saved: dict[tuple[str, Any], Any] = {}  # (table, op) -> the entry it held before
+_warned: set[str] = set()
+_verdicts: dict[tuple, frozenset] = {}
+
+
+def wanted(flag: bool | None) -> bool:
+    """The guard setting: the argument when given, else the environment variable."""
+    if flag is not None:
+        return bool(flag)
+    return os.environ.get(ENV, "") not in ("", "0")
+
+
+def is_installed() -> bool:
+    return bool(_saved)
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=4)
+
+
+def _resolve(name: str) -> torch._ops.OpOverload | None:
+    from .derive import resolve_op
+
+    try:
+        return resolve_op(name)
+    except ValueError:  # an overload this torch does not have
+        return None
+
+
+def _clear_dtensor_caches() -> None:
+    sp = sharding_propagator()
+    sp.propagate_op_sharding.cache_clear()
+    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear is not None:
+        clear()
+
+
+def install() -> None:
+    """Wrap the listed ops' handlers and strategy-table entries. Idempotent."""
+    with _lock:
+        if _saved:
+            return
+        _warned.clear()  # one warning per op and installation
+        sp = sharding_propagator()
+        handlers = DTensor._op_dispatcher._custom_op_handlers
+        for name in HANDLERS_SKIPPING_REDISTRIBUTION:
+            op = _resolve(name)
+            if op is not None and op in handlers:
+                _saved[("handler", op)] = handlers[op]
+                handlers[op] = _redistributing_handler(op, handlers[op])
+        for name, rules in WRONG_RULES.items():
+            op = _resolve(name)
+            if op is None:
+                continue
+            if op in sp.op_single_dim_strategy_funcs:
+                info = sp.op_single_dim_strategy_funcs[op]
+                _saved[("single-dim", op)] = info
+                sp.op_single_dim_strategy_funcs[op] = dataclasses.replace(
+                    info, func=_filtered_single_dim(op, info.func, frozenset(rules)))
+            elif op in sp.op_strategy_funcs:
+                fn = sp.op_strategy_funcs[op]
+                _saved[("op-strategy", op)] = fn
+                sp.op_strategy_funcs[op] = _filtered_op_strategy(op, fn, frozenset(rules))
+        _clear_dtensor_caches()
+
+
+def uninstall() -> None:
+    """Put back exactly what `install` replaced. Idempotent."""
+    with _lock:
+        if not _saved:
+            return
+        sp = sharding_propagator()
+        handlers = DTensor._op_dispatcher._custom_op_handlers
+        for (table, op), old in _saved.items():
+            if table == "handler":
+                handlers[op] = old
+            elif table == "single-dim":
+                sp.op_single_dim_strategy_funcs[op] = old
+            else:
+                sp.op_strategy_funcs[op] = old
+        _saved.clear()
+        _verdicts.clear()
+        _clear_dtensor_caches()
+
+
+# ------------------------------------------------------------------ handlers
+
+
+def _redistributing_handler(op: torch._ops.OpOverload, original: Callable) -> Callable:
+    """`original`, run after the inputs are moved to the layout the strategy chose."""
+
+    def handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
+        dispatcher = DTensor._op_dispatcher
+        op_info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
+        dispatcher.sharding_propagator.propagate(op_info)
+        out = op_info.output_sharding
+        suggestion = getattr(out, "redistribute_schema", None)
+        if out is not None and out.needs_redistribute and suggestion is not None:
+            moved = []
+            for arg, want in zip(args, suggestion.args_schema):
+                if isinstance(arg, DTensor) and isinstance(want, DTensorSpec) and arg.placements != want.placements:
+                    _warn_once(f"handler:{op}", (
+                        f"decompshard guard: {op}: DTensor's handler would run the local kernel on "
+                        f"{tuple(arg.placements)} inputs its strategy asked to be {tuple(want.placements)} "
+                        f"(wrong results); redistributing first"))
+                    arg = arg.redistribute(want.mesh, want.placements)
+                moved.append(arg)
+            args = tuple(moved) + tuple(args[len(moved):])
+        return original(op_call, args, kwargs)
+
+    handler.__wrapped__ = original  # type: ignore[attr-defined]
+    return handler
+
+
+# ------------------------------------------------------------------ strategy tables
+
+
+def _symbolic(metas: list[TensorMeta]) -> bool:
+    return any(not isinstance(s, int) for m in metas for s in m.shape)
+
+
+def _materialize(meta: TensorMeta, gen: torch.Generator) -> torch.Tensor | None:
+    """Random data of the meta's shape (floating and complex only: integers are indices,
+    masks and counts whose valid values a shape does not say)."""
+    if meta.dtype.is_floating_point or meta.dtype.is_complex:
+        return torch.randn(tuple(meta.shape), dtype=meta.dtype, generator=gen)
+    return None
+
+
+def _refuted_here(op: Any, args: Any, kwargs: Any, watched: list[SingleDimRule]) -> frozenset:
+    """Keys of the watched rules to drop for this call: refuted by the checker on random
+    data of these shapes, or not checkable here (symbolic, too large, integer inputs)."""
+    from .dispatch_modes.clean import clean_dispatch_state
+    from .native_rules import world_sizes_for
+    from .verify import check_rules_at
+
+    if not watched:
+        return frozenset()
+    metas = [x for x in leaves((args, kwargs)) if isinstance(x, TensorMeta)]
+    if _symbolic(metas):
+        return frozenset(r.key() for r in watched)
+    try:
+        key = (op, freeze((args, kwargs)), tuple(r.key() for r in watched))
+        hash(key)
+    except TypeError:
+        key = None
+    if key is not None and key in _verdicts:
+        return _verdicts[key]
+    drop = frozenset(r.key() for r in watched)
+    if sum(m.shape.numel() for m in metas) <= CHECK_LIMIT:
+        with clean_dispatch_state():
+            gen = torch.Generator().manual_seed(0)
+            real = {id(m): _materialize(m, gen) for m in metas}
+            if all(v is not None for v in real.values()):
+                from .dispatch_modes.graph import map_leaves
+
+                r_args, r_kwargs = map_leaves(lambda x: real[id(x)] if isinstance(x, TensorMeta) else x,
+                                              (args, kwargs))
+                tensors = [real[id(m)] for m in metas]
+                plan = [(r, world_sizes_for(r, tensors)) for r in watched]
+                verdicts = check_rules_at(op, r_args, r_kwargs, [(r, ws) for r, ws in plan if ws])
+                # a rule no W can apply to is never used by DTensor here: keeping it is harmless
+                drop = frozenset(v.rule.key() for v in verdicts if v.ok is not True)
+    if key is not None:
+        _verdicts[key] = drop
+    return drop
+
+
+def _as_rule(entry: list, n_in: int) -> SingleDimRule | None:
+    ps = [from_torch_placement(p) for p in entry]
+    if NotImplemented in ps or len(ps) <= n_in:
+        return None
+    k = len(ps) - n_in
+    return SingleDimRule(tuple(ps[k:]), tuple(ps[:k]))
+
+
+def _filtered_single_dim(op: Any, func: Callable, listed: frozenset) -> Callable:
+    def filtered(op_: Any, args_schema: Any, kwargs_schema: Any) -> list:
+        raw = func(op_, args_schema, kwargs_schema)
+        n_in = sum(1 for x in leaves((args_schema, kwargs_schema)) if isinstance(x, TensorMeta))
+        rules = [(entry, _as_rule(entry, n_in)) for entry in raw]
+        watched = [r for _, r in rules if r is not None and format_rule(r) in listed]
+        drop = _refuted_here(op, args_schema, kwargs_schema, watched)
+        if drop:
+            _warn_skip(op, [format_rule(r) for r in watched if r.key() in drop])
+        return [entry for entry, r in rules if r is None or r.key() not in drop]
+
+    filtered.__wrapped__ = func  # type: ignore[attr-defined]
+    return filtered
+
+
+def _spec_rules(spec: OpSpec) -> list[SingleDimRule] | None:
+    """One single-dim rule per mesh dim of a full-mesh OpSpec; None if not expressible."""
+    if spec.input_specs is None:
+        return None
+    outs = spec.output_specs if isinstance(spec.output_specs, (tuple, list)) else (spec.output_specs,)
+    ndim = spec.input_specs[0].mesh.ndim if spec.input_specs else 0
+    rules = []
+    for d in range(ndim):
+        ins = tuple(from_torch_placement(s.placements[d]) for s in spec.input_specs)
+        os_ = tuple(None if s is None else from_torch_placement(s.placements[d]) for s in outs)
+        if NotImplemented in ins or NotImplemented in os_:
+            return None
+        rules.append(SingleDimRule(ins, os_))
+    return rules
+
+
+def _filtered_op_strategy(op: Any, fn: Callable, listed: frozenset) -> Callable:
+    def filtered(op_schema: Any) -> Any:
+        strategy = fn(op_schema)
+        if not isinstance(strategy, OpStrategy):
+            return strategy
+        per_spec = [(s, _spec_rules(s)) for s in strategy.strategies]
+        watched = list({r.key(): r for _, rs in per_spec for r in (rs or ()) if format_rule(r) in listed}.values())
+        drop = _refuted_here(op, op_schema.args_meta, op_schema.kwargs_meta, watched)
+        if not drop:
+            return strategy
+        skipped = [format_rule(r) for r in watched if r.key() in drop]
+        _warn_skip(op, skipped)
+        kept = [s for s, rs in per_spec if rs is None or not any(r.key() in drop for r in rs)]
+        if op._opname.endswith("_"):  # in place: `self` cannot change placement
+            here = op_schema.args_strategy[0].strategies[0].output_spec.placements
+            kept = [s for s in kept if s.input_specs and s.input_specs[0].placements == here]
+            if not kept:
+                raise RuntimeError(
+                    f"decompshard guard: {op} in place on {tuple(here)} has only wrong strategies "
+                    f"({', '.join(skipped)}); use the out-of-place op or redistribute first")
+        if not kept:
+            kept = [_replicated(op_schema, strategy)]
+        return OpStrategy(kept)
+
+    filtered.__wrapped__ = fn  # type: ignore[attr-defined]
+    return filtered
+
+
+def _replicated(op_schema: Any, strategy: OpStrategy) -> OpSpec:
+    """All inputs and outputs Replicate: right for every op."""
+    from torch.distributed.tensor._ops.utils import generate_redistribute_costs
+
+    inputs = op_schema.args_strategy
+    mesh = inputs[0].mesh
+    rep = tuple(TorchReplicate() for _ in range(mesh.ndim))
+    in_specs = [DTensorSpec(mesh, rep, tensor_meta=s.strategies[0].output_spec.tensor_meta) for s in inputs]
+    sample = strategy.strategies[0].output_specs
+    if isinstance(sample, (tuple, list)):
+        out: Any = tuple(None if s is None else DTensorSpec(mesh, rep, tensor_meta=s.tensor_meta) for s in sample)
+    else:
+        out = DTensorSpec(mesh, rep, tensor_meta=sample.tensor_meta)
+    return OpSpec(out, input_specs=in_specs,
+                  redistribute_cost=[generate_redistribute_costs(s, sp) for s, sp in zip(inputs, in_specs)])
+
+
+def _warn_skip(op: Any, rules: list[str]) -> None:
+    _warn_once(f"rule:{op}", (
+        f"decompshard guard: {op}: skipping DTensor's native rule(s) {', '.join(rules)}, wrong at these "
+        f"shapes (numerical check); DTensor uses its next valid strategy"))

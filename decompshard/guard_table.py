@@ -1,0 +1,29 @@
+"""What the native guard (`guard.py`) guards: findings of `decompshard coverage
+--verify-native` on torch 2.13 (docs/native_audit.json), each confirmed by a direct
+DTensor run in tests/test_native_audit.py. Op names are aten overloads; rules are in
+decompshard's rule format (`placements.py`), as torch's strategy table states them.
+"""
+
+from __future__ import annotations
+
+# Custom DTensor handlers that run the local kernel without the redistribution their
+# strategy asked for (torch/distributed/tensor/_tp_conv.py): any layout that needs one
+# gives a result labelled with placements the local tensors do not have.
+HANDLERS_SKIPPING_REDISTRIBUTION: tuple[str, ...] = (
+    "aten.convolution.default",
+    "aten.convolution_backward.default",
+)
+
+# Rules in DTensor's strategy tables that the numerical checker refutes and a DTensor
+# run at their input placements confirms. The guard re-checks each at the shapes at
+# hand, so a rule wrong only for some arguments (threshold's P(max) holds when
+# value <= threshold) or some shapes (an empty shard) is skipped only there.
+WRONG_RULES: dict[str, tuple[str, ...]] = {
+    # silently wrong values
+    "aten.any.default": ("P(sum) -> P(sum)",),
+    "aten.any.dim": ("P(sum) -> P(sum)",),
+    "aten.any.dims": ("P(sum) -> P(sum)",),
+    "aten.fill_.Scalar": ("P(sum) -> P(sum)",),
+    "aten.threshold.default": ("P(max) -> P(max)", "P(min) -> P(min)"),
+    "aten.nll_loss_forward.default": ("S(0), S(0), R -> P(avg), P(sum)",),  # class weights: not a mean of means
+}
