@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils._pytree import tree_leaves
 
+from .._compat import TorchReplicate
 from ..verify_dtensor import MESHES, Outcome, format_placements, parse_placements, random_placements, run_case
 
 DEFAULT_MESHES = ("1d", "2d", "3d")
@@ -51,9 +52,9 @@ def _seed(*parts: Any) -> int:
 
 def plan_cases(op: str, sample_index: int, tensors: Sequence[torch.Tensor], mesh: Sequence[int],
                combos: int, seed: int) -> list[tuple[str, int]]:
-    """`combos` distinct (placement text, seed) pairs for one sample on one mesh. The
-    first is always all-Replicate-free when the inputs allow it: the interesting cases
-    shard something."""
+    """`combos` distinct (placement text, seed) pairs for one sample on one mesh. Only
+    all-Replicate when nothing else is possible (0-d integer inputs): the interesting
+    cases shard something."""
     shapes = [tuple(t.shape) for t in tensors]
     floating = [t.dtype.is_floating_point for t in tensors]
     rng = random.Random(_seed(op, sample_index, mesh_text(mesh), seed))
@@ -67,6 +68,8 @@ def plan_cases(op: str, sample_index: int, tensors: Sequence[torch.Tensor], mesh
             continue
         seen.add(text)
         out.append((text, seed + len(out)))
+    if not out:
+        out.append((format_placements([(TorchReplicate(),) * len(mesh)] * len(tensors)), seed))
     return out
 
 
