@@ -295,32 +295,46 @@ def _strided_dtensor(x, mesh, placements, seed, salt):
 
 @contextlib.contextmanager
 def _simulator_chunks() -> Iterator[None]:
-    """Mend one LocalTensorMode gap for the duration: DTensor splits a tensor with
-    `torch.chunk`, which returns fewer pieces when a dim is short; with ranks of unequal
-    local sizes (an uneven shard on an earlier mesh dim) the simulated ranks disagree on
-    the count and the simulator fails ('NoneType' object has no attribute
-    'requires_grad'). A real process pads its own list with empty shards; we do the same
-    per rank. Only the simulation changes: on gloo the same redistribution runs as is."""
-    from torch.distributed._local_tensor import LocalTensor, maybe_disable_local_tensor_mode
+    """Mend one LocalTensorMode gap for the duration: DTensor and its collectives split
+    tensors with `torch.chunk`, which returns fewer pieces when a dim is short or empty.
+    With ranks of unequal local sizes (an uneven or empty shard on another mesh dim) the
+    simulated ranks disagree on the count and the simulator fails ('NoneType' object has
+    no attribute 'requires_grad'; "Sizes of tensors must match" in an all-gather). Each
+    real process splits its own tensor; we run the two splitting helpers per rank, which
+    is what they do there. Only the simulation changes: tests/test_check_gloo.py runs
+    such cases on real gloo processes."""
+    import torch._utils as tutils
 
     from ._compat import TorchShard as Shard
 
-    original = Shard.__dict__["_custom_chunk"]
-    plain = original.__func__
-
-    def chunk(tensor: torch.Tensor, num_chunks: Any, dim: int) -> list[torch.Tensor]:
-        per_rank = getattr(tensor, "_local_tensors", None)
-        if per_rank is None:
-            return plain(tensor, num_chunks, dim)
-        with maybe_disable_local_tensor_mode():
-            pieces = {r: plain(t, num_chunks, dim) for r, t in per_rank.items()}
-        return [LocalTensor({r: p[i] for r, p in pieces.items()}) for i in range(int(num_chunks))]
-
-    Shard._custom_chunk = staticmethod(chunk)
+    original_chunk = Shard.__dict__["_custom_chunk"]
+    original_cat = tutils._chunk_or_narrow_cat
+    Shard._custom_chunk = staticmethod(_per_rank(original_chunk.__func__))
+    tutils._chunk_or_narrow_cat = _per_rank(original_cat)
     try:
         yield
     finally:
-        Shard._custom_chunk = original
+        Shard._custom_chunk = original_chunk
+        tutils._chunk_or_narrow_cat = original_cat
+
+
+def _per_rank(fn: Any) -> Any:
+    """`fn(tensor, ...)` run on each simulated rank's tensor separately (outside the
+    mode), its results (a tensor or a list of them) put back together as LocalTensors."""
+    from torch.distributed._local_tensor import LocalTensor, maybe_disable_local_tensor_mode
+
+    def wrapped(tensor: torch.Tensor, *rest: Any, **kwargs: Any) -> Any:
+        per_rank = getattr(tensor, "_local_tensors", None)
+        if per_rank is None:
+            return fn(tensor, *rest, **kwargs)
+        with maybe_disable_local_tensor_mode():
+            results = {r: fn(t, *rest, **kwargs) for r, t in per_rank.items()}
+        first = next(iter(results.values()))
+        if isinstance(first, torch.Tensor):
+            return LocalTensor(results)
+        return [LocalTensor({r: p[i] for r, p in results.items()}) for i in range(len(first))]
+
+    return wrapped
 
 
 # ------------------------------------------------------------------ one case

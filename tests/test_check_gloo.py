@@ -35,7 +35,14 @@ def _cases():
         ("aten.vdot.default", (r(7), r(7)), {}),
     ]
     cases = []
+    explicit = {  # the crash and silent-wrong cases, on 4 ranks
+        "aten.huber_loss.default": "S(0),P(avg);P(min),P(min)",  # Partial -> Shard after an uneven Shard
+        "aten.vdot.default": "S(0),P(sum);S(0),S(0)",
+        "aten.block_diag.default": "S(0),R;R,S(1)",
+    }
     for name, args, kwargs in samples:
+        if name in explicit:
+            cases += [(name, args, kwargs, (2, 2), explicit[name], 0, on) for on in (True, False)]
         tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         for text, seed in plan_cases(name, 0, tensors, (2, 2), 3, 0):
             for on in (True, False):

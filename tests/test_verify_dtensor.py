@@ -227,3 +227,12 @@ def test_check_model_cli_on_a_conv_net():
                         "--mesh", "4", "--placements", "S(0)"], cwd=here, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "forward and backward match one device" in p.stdout
+
+
+def test_gathers_with_empty_shards_run_in_the_simulator():
+    # permute_copy's output sharded a size-1 dim over 2 ranks (an empty shard) beside
+    # other shards; LocalTensorMode's all-gather split the gathered tensor with
+    # torch.chunk, whose piece count differed between ranks ("Sizes of tensors must
+    # match"). 8 real gloo processes ran the same case fine.
+    x = torch.arange(24.0).reshape(1, 2, 3, 4)
+    assert _case(aten.permute_copy.default, (x, [0, 2, 3, 1]), "S(2),S(0),S(1)", "2x2x2", seed=2).status == "ok"
