@@ -17,18 +17,18 @@ the same values.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import traceback
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._rank_sim import close, leaves_equal, make_local, promote
 from .placements import MaybePlacement, Partial
+from .verify_dtensor import simulated_world  # one fake world for every DTensor check
 
 __all__ = ["DTensorRun", "LOCAL_KERNEL", "RANKS_DISAGREE", "REFUSED", "exact_parts", "run_on_dtensor",
            "simulated_world"]
@@ -59,28 +59,6 @@ class DTensorRun:
     def wrong(self) -> bool:
         """Silently wrong numbers or metadata, or a kernel fed shards it cannot take."""
         return not self.ok and self.error_kind != REFUSED
-
-
-@contextlib.contextmanager
-def simulated_world(world_size: int) -> Iterator[None]:
-    """A fake process group of at least `world_size` ranks for the duration. Reuses a fake
-    group that is already up; refuses to run beside a real one (its collectives would be
-    issued for real); tears down only what it created."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    created = False
-    if dist.is_initialized():
-        if dist.get_backend() != "fake" or dist.get_world_size() < world_size:
-            raise RuntimeError("a DTensor check needs a fake process group, and another process group is up")
-    else:
-        dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
-        created = True
-    try:
-        yield
-    finally:
-        if created:
-            dist.destroy_process_group()
 
 
 def _mesh(world_size: int) -> Any:

@@ -339,26 +339,12 @@ def count_table(theirs: dict[str, OpResult], ours: dict[str, OpResult]) -> str:
 # ------------------------------------------------------------------- process groups
 
 
-@contextlib.contextmanager
 def fake_world(world_size: int):
     """A fake process group of `world_size` ranks for the duration (sharding decisions and
-    collective counts are real, data moved by collectives is not). Reuses a fake group
-    that is already up and large enough; tears down only what it created."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    collective counts are real, data moved by collectives is not): the checker's own."""
+    from decompshard.verify_dtensor import simulated_world
 
-    created = False
-    if dist.is_initialized():
-        if dist.get_backend() != "fake" or dist.get_world_size() < world_size:
-            raise RuntimeError("a non-fake or too small process group is already initialized")
-    else:
-        dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
-        created = True
-    try:
-        yield
-    finally:
-        if created:
-            dist.destroy_process_group()
+    return simulated_world(world_size)
 
 
 def submesh(shape: Sequence[int]):
