@@ -15,7 +15,7 @@ import torch
 __all__ = [
     "DTensor", "DTensorSpec", "DecompShardingStrategy", "OpSchema", "OpSpec", "OpStrategy",
     "TensorMeta", "TorchPartial", "TorchReplicate", "TorchShard", "TorchStridedShard",
-    "TupleStrategy", "_ShardingPlaceholder", "_compute_local_shape_and_global_offset",
+    "TupleStrategy", "_ShardingPlaceholder", "_compute_local_shape_and_global_offset", "clear_dtensor_caches",
     "fake_one_rank_mesh", "from_torch_placement", "has_native_strategy", "is_dispatchable", "op_strategy_func",
     "sharding_propagator", "single_dim_strategy_info", "to_torch_placement",
     "torch_decomposition_table",
@@ -47,6 +47,16 @@ except ImportError as e:  # pragma: no cover - exercised only on unsupported tor
 def sharding_propagator() -> Any:
     """DTensor's process-wide ShardingPropagator (holds every registered strategy)."""
     return DTensor._op_dispatcher.sharding_propagator
+
+
+def clear_dtensor_caches() -> None:
+    """Forget DTensor's cached sharding decisions (Python and C++ caches), so a changed
+    strategy table or fallback takes effect on the next call."""
+    sp = sharding_propagator()
+    sp.propagate_op_sharding.cache_clear()
+    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear is not None:
+        clear()
 
 
 def single_dim_strategy_info(op: torch._ops.OpOverload) -> Any | None:

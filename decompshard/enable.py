@@ -28,7 +28,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ._compat import DTensorSpec, OpSpec, OpStrategy, TensorMeta, sharding_propagator
+from ._compat import DTensorSpec, OpSpec, OpStrategy, TensorMeta, clear_dtensor_caches, sharding_propagator
 from .dispatch_modes.clean import clean_dispatch_state
 from .dispatch_modes.tracing import has_decomposition
 
@@ -261,14 +261,6 @@ def _has_tensor_list_arg(op) -> bool:
                for a in op._schema.arguments)
 
 
-def _clear_dtensor_caches() -> None:
-    sp = sharding_propagator()
-    sp.propagate_op_sharding.cache_clear()
-    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-    if clear is not None:
-        clear()
-
-
 def enable(guard_native: bool | None = None) -> None:
     """Route every DTensor op that lacks a strategy through decompshard. Idempotent.
 
@@ -289,7 +281,7 @@ def enable(guard_native: bool | None = None) -> None:
         _saved["has_decomp"] = DecompShardingStrategy.__dict__["has_decomp"]
         sp.decomp_strategy = DerivedStrategy(sp.decomp_strategy)
         DecompShardingStrategy.has_decomp = staticmethod(reaches_decompshard)
-        _clear_dtensor_caches()
+        clear_dtensor_caches()
 
 
 def disable() -> None:
@@ -303,7 +295,7 @@ def disable() -> None:
             return
         sharding_propagator().decomp_strategy = _saved.pop("decomp_strategy")
         DecompShardingStrategy.has_decomp = _saved.pop("has_decomp")
-        _clear_dtensor_caches()
+        clear_dtensor_caches()
 
 
 def is_enabled() -> bool:

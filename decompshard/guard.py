@@ -42,6 +42,7 @@ from ._compat import (
     OpStrategy,
     TensorMeta,
     TorchReplicate,
+    clear_dtensor_caches,
     from_torch_placement,
     sharding_propagator,
 )
@@ -86,14 +87,6 @@ def _resolve(name: str) -> torch._ops.OpOverload | None:
         return None
 
 
-def _clear_dtensor_caches() -> None:
-    sp = sharding_propagator()
-    sp.propagate_op_sharding.cache_clear()
-    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-    if clear is not None:
-        clear()
-
-
 def install() -> None:
     """Wrap the listed ops' handlers and strategy-table entries. Idempotent."""
     with _lock:
@@ -120,7 +113,7 @@ def install() -> None:
                 fn = sp.op_strategy_funcs[op]
                 _saved[("op-strategy", op)] = fn
                 sp.op_strategy_funcs[op] = _filtered_op_strategy(op, fn, frozenset(rules))
-        _clear_dtensor_caches()
+        clear_dtensor_caches()
 
 
 def uninstall() -> None:
@@ -139,7 +132,7 @@ def uninstall() -> None:
                 sp.op_strategy_funcs[op] = old
         _saved.clear()
         _verdicts.clear()
-        _clear_dtensor_caches()
+        clear_dtensor_caches()
 
 
 # ------------------------------------------------------------------ handlers

@@ -291,7 +291,7 @@ def test_strided_shard_input_is_kept():
 
 
 def test_derivation_is_paid_once_per_op_and_shapes(mesh4, monkeypatch):
-    from decompshard.enable import _clear_dtensor_caches
+    from decompshard._compat import clear_dtensor_caches as _clear_dtensor_caches
 
     solved = []
     real = decompshard.derive._solve
