@@ -339,13 +339,16 @@ def _drop_implied(rules) -> list[SingleDimRule]:
     replicated), and an output P(avg|max|min) where the same inputs give R (identical
     copies satisfy those trivially; R is strictly more useful)."""
     rules = [r for r in rules if any(p is not None and p != R for p in r.inputs)]
+    by_inputs: dict[tuple, list[SingleDimRule]] = {}
+    for r in rules:  # only rules with the same inputs compare: linear in the rule count
+        by_inputs.setdefault(r.inputs, []).append(r)
 
     def dominated(b: SingleDimRule, a: SingleDimRule) -> bool:
-        return a is not b and a.inputs == b.inputs and a.even_only <= b.even_only and all(
+        return a is not b and a.even_only <= b.even_only and all(
             x == y or (x == R and y in _WEAKER_THAN_R) for x, y in zip(a.outputs, b.outputs)
         )
 
-    return [b for b in rules if not any(dominated(b, a) for a in rules)]
+    return [b for b in rules if not any(dominated(b, a) for a in by_inputs[b.inputs])]
 
 
 def _rejections(graph: PrimGraph, prop: Propagation) -> list[RejectedCandidate]:
