@@ -22,7 +22,7 @@ from .dispatch_modes.clean import clean_dispatch_state
 from .dispatch_modes.graph import PrimGraph, freeze, leaves, map_leaves
 from .dispatch_modes.tracing import tensor_meta
 from .errors import UnsupportedOp
-from .localcheck import check_local
+from .localcheck import check_local, clear_empty_shard_runs
 from .placements import MaybePlacement, P, R, SingleDimRule, format_placement, format_rule, is_partial
 from .propagate import Propagation, Survivor, propagate
 from .rules import clear_cache as clear_rule_cache
@@ -226,6 +226,7 @@ def clear_caches() -> None:
     _TRACES.clear()
     _DERIVED.clear()
     clear_rule_cache()
+    clear_empty_shard_runs()
 
 
 # ------------------------------------------------------------------------ derive
@@ -359,11 +360,8 @@ def _rejections(graph: PrimGraph, prop: Propagation) -> list[RejectedCandidate]:
             continue
         node = graph.nodes[rej.node]
         arriving = ", ".join("?" if p is None else format_placement(p) for p in rej.arriving)
-        out.append(
-            RejectedCandidate(
-                rej.inputs, f"no rule of node {rej.node} ({node.op}) accepts ({arriving})", rej.node
-            )
-        )
+        reason = rej.reason or f"no rule of node {rej.node} ({node.op}) accepts ({arriving})"
+        out.append(RejectedCandidate(rej.inputs, reason, rej.node))
     return out
 
 

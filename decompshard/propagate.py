@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from .dispatch_modes.graph import PrimGraph, PrimNode
-from .placements import MaybePlacement, P, Placement, R, SingleDimRule, alphabet, is_partial
+from .placements import MaybePlacement, P, Placement, R, SingleDimRule, alphabet, is_partial, is_strided
 
 UNSET = object()  # graph input not read yet
 MAX_REJECTIONS = 2000
@@ -38,6 +38,7 @@ class Rejection:
     inputs: tuple[MaybePlacement, ...]
     node: int
     arriving: tuple[MaybePlacement, ...]  # placements of the node's inputs (None: undecided)
+    reason: str = ""  # set when the death is not "no rule accepts the arriving placements"
 
 
 @dataclass
@@ -251,6 +252,7 @@ def _collect_survivors(result: Propagation, graph: PrimGraph, owner: dict, allow
     unread = [v for v in dict.fromkeys(graph.inputs) if v not in owner]
     seen: set[tuple] = set()
     n = len(graph.nodes)
+    producer = graph.producer()
     for parts in itertools.product(*(f.entries for f in factors)):
         base: dict[int, MaybePlacement] = {}
         steps: dict[int, int] = {}
@@ -267,7 +269,23 @@ def _collect_survivors(result: Propagation, graph: PrimGraph, owner: dict, allow
             if key in seen:
                 continue
             seen.add(key)
+            strided = [(v, p) for v, p in zip(graph.outputs, outs) if is_strided(p)]
+            if strided:  # a layout inside the graph only: an op's rule says S(d), R or P
+                _record_strided_output(result, graph, producer, env, ins, strided[0])
+                continue
             result.survivors.append(Survivor(ins, outs, even, env, path))
+
+
+def _record_strided_output(result: Propagation, graph: PrimGraph, producer: dict, env: dict, ins: tuple, out) -> None:
+    v, p = out
+    result.n_rejections += 1
+    if len(result.rejections) >= MAX_REJECTIONS or v not in producer:
+        return
+    node = graph.nodes[producer[v]]
+    result.rejections.append(Rejection(
+        ins, node.index, tuple(env.get(u) for u in node.inputs),
+        f"node {node.index} ({node.op}) leaves an output as the strided shard {p}: "
+        "a layout inside a decomposition, not a placement of an op's rule"))
 
 
 # A replicated value is also a valid P(avg), P(max) and P(min) (every rank holds the true
