@@ -9,6 +9,7 @@ DTensor's dispatch, the coverage sweep and `explain` all pay the derivation once
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,7 +103,8 @@ class DerivedRules:
         trace_at = lambda a, k: traced(self.op, a, k)  # noqa: E731
         best = None
         for cand in self._survivors[key]:  # same rule reached through different paths
-            with clean_dispatch_state():
+            # traces and kernels run only for a sharded candidate: keep a caller's modes out
+            with clean_dispatch_state() if cand.sharded else contextlib.nullcontext():
                 verdict = check_local(self.graph, cand, meta_args, meta_kwargs, trace_at)
             if not verdict.ok:
                 self._rejected.append(RejectedCandidate(cand.inputs, verdict.reason))

@@ -90,7 +90,7 @@ def check_local(
 ) -> LocalVerdict:
     """Accept, accept as [even] (fails only where some sharded dim splits unevenly, and
     holds at an even world size), or refuse with the first disagreement."""
-    if not any(is_shard(p) for p in cand.env.values()):
+    if not (cand.sharded and any(is_shard(p) for p in cand.env.values())):
         # nothing sharded anywhere: every rank's shapes are the global ones. (A shard
         # made from nothing, e.g. expand R -> S(d), still has to meet the check.)
         return LocalVerdict(True, cand.outputs, cand.even_only)

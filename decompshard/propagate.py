@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from .dispatch_modes.graph import PrimGraph, PrimNode
-from .placements import MaybePlacement, P, Placement, R, SingleDimRule, alphabet, is_partial, is_strided
+from .placements import MaybePlacement, P, Placement, R, SingleDimRule, alphabet, is_partial, is_shard, is_strided
 
 UNSET = object()  # graph input not read yet
 MAX_REJECTIONS = 2000
@@ -50,6 +50,7 @@ class Survivor:
     even_only: bool
     env: dict[int, MaybePlacement]  # placement of every value it touched
     path: tuple[int, ...]  # index of the matched rule in each node's table
+    sharded: bool = True  # some value in env is sharded (False: every local shape is global)
 
 
 @dataclass
@@ -134,6 +135,7 @@ class _Entry:
     env: dict[int, MaybePlacement]
     even: bool
     path: dict[int, int]
+    sharded: bool = False  # some value it placed is sharded (else no local shape differs)
 
 
 @dataclass
@@ -189,7 +191,8 @@ def _join(node: PrimNode, table, touched: list[_Factor], owner: dict, allowed: d
         for v, p in zip(node.outputs, rule.outputs):
             if v is not None:
                 env[v] = p
-        entries.append(_Entry(env, rule.even_only or any(e.even for e in parts), path))
+        sharded = any(e.sharded for e in parts) or any(is_shard(p) for p in (*assigned.values(), *rule.outputs))
+        entries.append(_Entry(env, rule.even_only or any(e.even for e in parts), path, sharded))
     return _Joined(entries, matched)
 
 
@@ -232,12 +235,14 @@ def _record_deaths(result: Propagation, graph: PrimGraph, node: PrimNode, touche
     result.n_rejections += dead
     if len(result.rejections) >= MAX_REJECTIONS:
         return
+    wanted = tuple(dict.fromkeys((*graph.inputs, *node.inputs)))  # only these are recorded
+    seen = [[{v: e.env[v] for v in wanted if v in e.env} for e in f.entries] for f in touched]
     for combo in itertools.product(*(range(n) for n in sizes)):
         if combo in matched:
             continue
         env: dict[int, MaybePlacement] = {}
-        for f, i in zip(touched, combo):
-            env.update(f.entries[i].env)
+        for part, i in zip(seen, combo):
+            env.update(part[i])
         result.rejections.append(
             Rejection(tuple(env.get(v) for v in graph.inputs), node.index, tuple(env.get(v) for v in node.inputs))
         )
@@ -260,6 +265,7 @@ def _collect_survivors(result: Propagation, graph: PrimGraph, owner: dict, allow
             base.update(e.env)
             steps.update(e.path)
         even = any(e.even for e in parts)
+        sharded = any(e.sharded for e in parts)
         path = tuple(steps.get(i, 0) for i in range(n))
         for combo in itertools.product(*(sorted(allowed[v], key=_order) for v in unread)):
             env = {**base, **dict(zip(unread, combo))}
@@ -273,7 +279,7 @@ def _collect_survivors(result: Propagation, graph: PrimGraph, owner: dict, allow
             if strided:  # a layout inside the graph only: an op's rule says S(d), R or P
                 _record_strided_output(result, graph, producer, env, ins, strided[0])
                 continue
-            result.survivors.append(Survivor(ins, outs, even, env, path))
+            result.survivors.append(Survivor(ins, outs, even, env, path, sharded or any(map(is_shard, combo))))
 
 
 def _record_strided_output(result: Propagation, graph: PrimGraph, producer: dict, env: dict, ins: tuple, out) -> None:
