@@ -185,13 +185,19 @@ _PLACEMENT_RE = re.compile(r"^(?:(R)|S\((-?\d+)\)|P\((\w+)\)|(None))$")
 _STRIDED_RE = re.compile(r"^_S\(\s*(\d+)\s*,\s*(\d+)\s*(?:,\s*(\d+)\s*)?\)$")
 
 
-def parse_placement(text: str) -> MaybePlacement:
-    """Parse `R`, `S(d)`, `P(sum|avg|max|min)`, `None`, or a graph-internal strided shard
-    `_S(d, sf)` / `_S(d, sf, inner)`; raise ValueError otherwise."""
+def parse_placement(text: str, *, strided: bool = False) -> MaybePlacement:
+    """Parse `R`, `S(d)`, `P(sum|avg|max|min)` or `None`, and with `strided` a
+    graph-internal strided shard `_S(d, sf)` / `_S(d, sf, inner)`; raise ValueError
+    otherwise (an op's own inputs and outputs are never strided shards)."""
     s = text.strip()
-    strided = _STRIDED_RE.match(s)
-    if strided:
-        dim, sf, inner = int(strided.group(1)), int(strided.group(2)), int(strided.group(3) or 1)
+    m_strided = _STRIDED_RE.match(s)
+    if m_strided and not strided:
+        raise ValueError(
+            f"placement {text!r} is a strided shard, which exists only inside a traced "
+            "decomposition: an op's inputs and outputs are R, S(<dim>) or P(sum|avg|max|min)"
+        )
+    if m_strided:
+        dim, sf, inner = (int(g or 1) for g in m_strided.groups())
         if sf < 1 or inner < 1:
             raise ValueError(f"malformed placement {text!r}: split factors must be >= 1")
         return StridedShard(dim, sf, inner)
@@ -212,15 +218,16 @@ def parse_placement(text: str) -> MaybePlacement:
     return None
 
 
-def parse_placements(text: str, sep: str = ",") -> tuple[MaybePlacement, ...]:
+def parse_placements(text: str, sep: str = ",", *, strided: bool = False) -> tuple[MaybePlacement, ...]:
     """Parse a separated list of placements, e.g. "R, S(1), S(0)"."""
     if not text.strip():
         return ()
-    return tuple(parse_placement(part) for part in _split_top_level(text, sep))
+    return tuple(parse_placement(part, strided=strided) for part in _split_top_level(text, sep))
 
 
-def parse_rule(text: str) -> SingleDimRule:
-    """Inverse of `format_rule`: "S(1), S(0) -> P(sum) [even]"."""
+def parse_rule(text: str, *, strided: bool = False) -> SingleDimRule:
+    """Inverse of `format_rule`: "S(1), S(0) -> P(sum) [even]" (with `strided`, also a
+    primitive's rule inside a graph: "_S(0, 4), R -> _S(0, 4)")."""
     s = text.strip()
     even = False
     if s.endswith("[even]"):
@@ -228,7 +235,7 @@ def parse_rule(text: str) -> SingleDimRule:
     if s.count("->") != 1:
         raise ValueError(f"malformed rule {text!r}: expected exactly one '->'")
     lhs, rhs = s.split("->")
-    return SingleDimRule(parse_placements(lhs), parse_placements(rhs), even_only=even)
+    return SingleDimRule(parse_placements(lhs, strided=strided), parse_placements(rhs, strided=strided), even_only=even)
 
 
 def _split_top_level(text: str, sep: str) -> list[str]:

@@ -59,10 +59,13 @@ def test_strided_shard_is_dtensors_strided_shard():
 
 def test_strided_placements_print_and_parse():
     for p in (StridedShard(0, 4), StridedShard(2, 3, 5)):
-        assert parse_placement(format_placement(p)) == p
-    assert str(parse_rule("_S(0, 4), R -> _S(0, 4)")) == "_S(0, 4), R -> _S(0, 4)"
-    with pytest.raises(ValueError):
-        parse_placement("_S(0, 0)")
+        assert parse_placement(format_placement(p), strided=True) == p
+    assert str(parse_rule("_S(0, 4), R -> _S(0, 4)", strided=True)) == "_S(0, 4), R -> _S(0, 4)"
+    with pytest.raises(ValueError, match="split factors"):
+        parse_placement("_S(0, 0)", strided=True)
+    # an op's own placements are never strided: explain --placements says so
+    with pytest.raises(ValueError, match="only inside a traced decomposition"):
+        parse_placement("_S(0, 4)")
 
 
 # Shapes as groupings of the same row of factors: any two groupings are views of each other.
