@@ -9,6 +9,7 @@ DTensor's dispatch, the coverage sweep and `explain` all pay the derivation once
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +23,7 @@ from .dispatch_modes.clean import clean_dispatch_state
 from .dispatch_modes.graph import PrimGraph, freeze, leaves, map_leaves
 from .dispatch_modes.tracing import tensor_meta
 from .errors import UnsupportedOp
-from .localcheck import check_local
+from .localcheck import check_local, clear_empty_shard_runs
 from .placements import MaybePlacement, P, R, SingleDimRule, format_placement, format_rule, is_partial
 from .propagate import Propagation, Survivor, propagate
 from .rules import clear_cache as clear_rule_cache
@@ -102,7 +103,8 @@ class DerivedRules:
         trace_at = lambda a, k: traced(self.op, a, k)  # noqa: E731
         best = None
         for cand in self._survivors[key]:  # same rule reached through different paths
-            with clean_dispatch_state():
+            # traces and kernels run only for a sharded candidate: keep a caller's modes out
+            with clean_dispatch_state() if cand.sharded else contextlib.nullcontext():
                 verdict = check_local(self.graph, cand, meta_args, meta_kwargs, trace_at)
             if not verdict.ok:
                 self._rejected.append(RejectedCandidate(cand.inputs, verdict.reason))
@@ -226,6 +228,7 @@ def clear_caches() -> None:
     _TRACES.clear()
     _DERIVED.clear()
     clear_rule_cache()
+    clear_empty_shard_runs()
 
 
 # ------------------------------------------------------------------------ derive
@@ -339,13 +342,16 @@ def _drop_implied(rules) -> list[SingleDimRule]:
     replicated), and an output P(avg|max|min) where the same inputs give R (identical
     copies satisfy those trivially; R is strictly more useful)."""
     rules = [r for r in rules if any(p is not None and p != R for p in r.inputs)]
+    by_inputs: dict[tuple, list[SingleDimRule]] = {}
+    for r in rules:  # only rules with the same inputs compare: linear in the rule count
+        by_inputs.setdefault(r.inputs, []).append(r)
 
     def dominated(b: SingleDimRule, a: SingleDimRule) -> bool:
-        return a is not b and a.inputs == b.inputs and a.even_only <= b.even_only and all(
+        return a is not b and a.even_only <= b.even_only and all(
             x == y or (x == R and y in _WEAKER_THAN_R) for x, y in zip(a.outputs, b.outputs)
         )
 
-    return [b for b in rules if not any(dominated(b, a) for a in rules)]
+    return [b for b in rules if not any(dominated(b, a) for a in by_inputs[b.inputs])]
 
 
 def _rejections(graph: PrimGraph, prop: Propagation) -> list[RejectedCandidate]:
@@ -356,11 +362,8 @@ def _rejections(graph: PrimGraph, prop: Propagation) -> list[RejectedCandidate]:
             continue
         node = graph.nodes[rej.node]
         arriving = ", ".join("?" if p is None else format_placement(p) for p in rej.arriving)
-        out.append(
-            RejectedCandidate(
-                rej.inputs, f"no rule of node {rej.node} ({node.op}) accepts ({arriving})", rej.node
-            )
-        )
+        reason = rej.reason or f"no rule of node {rej.node} ({node.op}) accepts ({arriving})"
+        out.append(RejectedCandidate(rej.inputs, reason, rej.node))
     return out
 
 

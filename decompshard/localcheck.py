@@ -21,13 +21,18 @@ decompositions legitimately take short-cuts on empty tensors.
 
 from __future__ import annotations
 
+import faulthandler
 import math
+import os
+import pickle
+import signal
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
-from .dispatch_modes.graph import PrimGraph, leaves, map_leaves
+from . import caches
+from .dispatch_modes.graph import PrimGraph, freeze, leaves, map_leaves
 from .errors import UnsupportedOp
 from .placements import P, Partial, is_shard, local_shape
 from .propagate import Survivor
@@ -56,12 +61,23 @@ class LocalVerdict:
 
 
 def local_args(args: tuple, kwargs: dict, shapes: Sequence[tuple[int, ...]]) -> tuple[tuple, dict]:
-    """The op's arguments with tensor i replaced by a meta tensor of `shapes[i]`."""
+    """The op's arguments with tensor i replaced by a meta tensor of `shapes[i]`, laid out
+    in memory in the same dim order as the global tensor: a rank's shard of
+    `x.view(B, S, H, hd).transpose(1, 2)` is itself a transposed view, and decompositions
+    branch on contiguity (matmul copies a non-contiguous operand before its view)."""
     it = iter(shapes)
     return map_leaves(
-        lambda x: torch.empty(next(it), dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x,
+        lambda x: _like_layout(x, next(it)) if isinstance(x, torch.Tensor) else x,
         (args, kwargs),
     )
+
+
+def _like_layout(x: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    if x.is_contiguous() or x.dim() < 2:
+        return torch.empty(tuple(shape), dtype=x.dtype, device="meta")
+    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))  # outermost in memory first
+    dense = torch.empty([shape[d] for d in order], dtype=x.dtype, device="meta")
+    return dense.permute([order.index(d) for d in range(x.dim())])
 
 
 def check_local(
@@ -74,7 +90,7 @@ def check_local(
 ) -> LocalVerdict:
     """Accept, accept as [even] (fails only where some sharded dim splits unevenly, and
     holds at an even world size), or refuse with the first disagreement."""
-    if not any(is_shard(p) for p in cand.env.values()):
+    if not (cand.sharded and any(is_shard(p) for p in cand.env.values())):
         # nothing sharded anywhere: every rank's shapes are the global ones. (A shard
         # made from nothing, e.g. expand R -> S(d), still has to meet the check.)
         return LocalVerdict(True, cand.outputs, cand.even_only)
@@ -150,12 +166,18 @@ def _fail(cand: Survivor, reason: str) -> LocalVerdict:
 
 
 def _compare(g: PrimGraph, l: PrimGraph, cand: Survivor, W: int, r: int, shapes) -> tuple[str, bool]:
-    """('' or the first disagreement, whether a mean-scaling node was found)."""
-    if [n.op for n in g.nodes] != [n.op for n in l.nodes]:
+    """('' or the first disagreement, whether a mean-scaling node was found).
+
+    Copies that only change memory layout are left out of the comparison, and the view
+    ops count as one: matmul reshapes a non-contiguous operand with clone +
+    _unsafe_view and a contiguous one with view, and a shard can be contiguous where the
+    global tensor is not (a transposed [B, H, S, hd] with one head per rank)."""
+    g_nodes, l_nodes = _compared_nodes(g), _compared_nodes(l)
+    if [_op_class(n.op) for n in g_nodes] != [_op_class(n.op) for n in l_nodes]:
         return "the decomposition takes a different path on local shapes", False
     fraction = _shard_fraction(g, cand, shapes)
     scaled = False
-    for gn, ln in zip(g.nodes, l.nodes):
+    for gn, ln in zip(g_nodes, l_nodes):
         for gv, lv in zip(gn.outputs, ln.outputs):
             if gv is None or lv is None:
                 continue
@@ -185,6 +207,22 @@ def _compare(g: PrimGraph, l: PrimGraph, cand: Survivor, W: int, r: int, shapes)
     return "", scaled
 
 
+_LAYOUT_COPIES = {aten.clone.default, aten.contiguous.default}
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+
+
+def _compared_nodes(graph: PrimGraph) -> list:
+    return [
+        n for n in graph.nodes
+        if not (n.op in _LAYOUT_COPIES and len(n.inputs) == 1 and n.out_metas
+                and n.out_metas[0] is not None and n.out_metas[0].shape == graph.meta(n.inputs[0]).shape)
+    ]
+
+
+def _op_class(op):
+    return aten.view.default if op in _VIEWS else op
+
+
 def _compare_outputs_only(g: PrimGraph, l: PrimGraph, cand: Survivor, W: int, r: int) -> str:
     """A rank with an empty shard: decompositions often short-cut on empty tensors, so only
     the op's outputs are compared. A non-empty P(max)/P(min) output computed from nothing
@@ -204,12 +242,17 @@ def _compare_outputs_only(g: PrimGraph, l: PrimGraph, cand: Survivor, W: int, r:
 
 
 EMPTY_SHARD_REAL_RUN_LIMIT = 1 << 22  # elements: beyond, refuse rather than allocate
+# (op, zero-filled input shapes and dtypes, other args) -> the isolated run's verdict:
+# candidates of one op often hand the kernel the same empty shard.
+_EMPTY_RUNS = caches.BoundedCache("empty-shard kernel runs", 512)
 
 
 def _real_kernel_on_empty_shard(g: PrimGraph, cand: Survivor, args, kwargs, shapes, W: int, r: int) -> str:
     """Kernels special-case empty inputs, and not always like their decomposition or
     meta kernel (pixel_unshuffle of a [0, 1, 6, 6] tensor returns [0, 1, 6, 6] on CPU).
-    DTensor runs the real kernel, so the real kernel decides, on zero-filled inputs."""
+    DTensor runs the real kernel, so the real kernel decides, on zero-filled inputs.
+    Some kernels do not raise but crash: CPU flash attention divides by the head count
+    (SIGFPE with 0 heads), so the run happens in a forked child where fork exists."""
     if sum(math.prod(s) for s in shapes) > EMPTY_SHARD_REAL_RUN_LIMIT:
         return "an empty shard would need a real kernel run on large inputs; refused"
     meta_args, meta_kwargs = local_args(args, kwargs, shapes)
@@ -221,17 +264,73 @@ def _real_kernel_on_empty_shard(g: PrimGraph, cand: Survivor, args, kwargs, shap
         lambda x: torch.zeros(x.shape, dtype=x.dtype) if isinstance(x, torch.Tensor) else x,
         (meta_args, meta_kwargs),
     )
+    key = (g.op, freeze(map_leaves(lambda x: (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x, (a, k))))
     try:
-        out = g.op(*a, **k)
-    except Exception as e:
-        return f"the op fails on an empty shard: {(str(e).splitlines() or [''])[0][:120]}"
-    for leaf, gv, p in zip(leaves(out), g.outputs, cand.outputs):
-        if gv is None or not isinstance(leaf, torch.Tensor):
+        hit = _EMPTY_RUNS.get(key)
+    except TypeError:  # an unhashable argument: no caching
+        key, hit = None, None
+    if hit is None:
+        hit = isolated(lambda: [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in leaves(g.op(*a, **k))])
+        if key is not None:
+            _EMPTY_RUNS.put(key, hit)
+    status, got = hit
+    if status == "crash":
+        return f"the op's kernel crashes on an empty shard ({got})"
+    if status == "error":
+        return f"the op fails on an empty shard: {got}"
+    for shape, gv, p in zip(got, g.outputs, cand.outputs):
+        if gv is None or shape is None:
             continue
         want = local_shape(g.meta(gv).shape, p, W, r)
-        if tuple(leaf.shape) != want:
-            return f"on an empty shard the op returns shape {list(leaf.shape)}, {p} needs {list(want)}"
+        if shape != want:
+            return f"on an empty shard the op returns shape {list(shape)}, {p} needs {list(want)}"
     return ""
+
+
+def clear_empty_shard_runs() -> None:
+    _EMPTY_RUNS.clear()
+
+
+def isolated(fn: Callable[[], Any]) -> tuple[str, Any]:
+    """Run `fn` where a crash cannot take this process down: ('ok', its picklable
+    result), ('error', the exception's first line) or ('crash', the signal's name).
+    In a forked child with one intra-op thread (an OpenMP pool does not survive a fork);
+    in-process where the platform has no fork."""
+    if not hasattr(os, "fork"):
+        try:
+            return "ok", fn()
+        except Exception as e:
+            return "error", _first_line(e)
+    rd, wr = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into the caller's code
+        try:
+            os.close(rd)
+            faulthandler.disable()  # a crash here is the expected answer, not news
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 2)
+            torch.set_num_threads(1)
+            try:
+                msg = ("ok", fn())
+            except Exception as e:
+                msg = ("error", _first_line(e))
+            with os.fdopen(wr, "wb") as f:
+                pickle.dump(msg, f)
+        finally:
+            os._exit(0)
+    os.close(wr)
+    with os.fdopen(rd, "rb") as f:
+        data = f.read()
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        return "crash", signal.Signals(os.WTERMSIG(status)).name
+    if not data:
+        return "crash", f"exit status {os.WEXITSTATUS(status)}"
+    return pickle.loads(data)
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0][:120]
 
 
 def _shard_fraction(g: PrimGraph, cand: Survivor, shapes) -> float | None:

@@ -62,7 +62,40 @@ class Partial:
     __repr__ = __str__
 
 
-Placement = Union[Replicate, ShardPlaceholder, Partial]
+@dataclass(frozen=True, slots=True, order=True)
+class StridedShard:
+    """Sharded on a factor of dim `dim`, the way a view that flattens a sharded dim with
+    its neighbours leaves it (DTensor's `_StridedShard(dim, sf)` when `inner` is 1).
+
+    The dim's N elements are `sf` blocks of `a * inner` (N = sf * a * inner); in every
+    block the `a` units of `inner` contiguous elements are chunked over the ranks
+    torch.chunk-style, and a rank holds its chunk of every block, blocks in order. So a
+    rank's local size on the dim is sf * chunk(a) * inner, for uneven a too. Example:
+    [B, H, L, E] sharded on H (S(1)) viewed as [B*H, L, E] is StridedShard(0, sf=B);
+    sharded on B (S(0)) it is StridedShard(0, sf=1, inner=H). Only values inside a traced
+    decomposition take these: a view back (or the op's own rule) turns them into S(d).
+    """
+
+    dim: int
+    sf: int
+    inner: int = 1
+
+    def __str__(self) -> str:
+        return f"_S({self.dim}, {self.sf})" if self.inner == 1 else f"_S({self.dim}, {self.sf}, {self.inner})"
+
+    __repr__ = __str__
+
+    def units(self, size: int) -> int:
+        """`a`: how many chunkable units the dim of `size` elements has per block."""
+        return size // (self.sf * self.inner)
+
+
+def sharded_on(dim: int, sf: int = 1, inner: int = 1) -> "ShardPlaceholder | StridedShard":
+    """S(dim) for the plain layout (sf = inner = 1), else the strided one."""
+    return ShardPlaceholder(dim) if sf == 1 and inner == 1 else StridedShard(dim, sf, inner)
+
+
+Placement = Union[Replicate, ShardPlaceholder, StridedShard, Partial]
 # `None` stands for "not a tensor" (non-tensor outputs, masked-off outputs).
 MaybePlacement = Union[Placement, None]
 
@@ -79,7 +112,12 @@ def alphabet(ndim: int, *, partials: bool = True) -> tuple[Placement, ...]:
 
 
 def is_shard(p: MaybePlacement) -> bool:
-    return isinstance(p, ShardPlaceholder)
+    """Any sharding kind: S(d), or a strided shard inside a traced graph."""
+    return isinstance(p, (ShardPlaceholder, StridedShard))
+
+
+def is_strided(p: MaybePlacement) -> bool:
+    return isinstance(p, StridedShard)
 
 
 def is_partial(p: MaybePlacement) -> bool:
@@ -94,7 +132,7 @@ def placement_class(p: MaybePlacement) -> str:
     """Coarse class used in recall reports: 'R', 'S', 'P(sum)', 'P(avg)', ..."""
     if isinstance(p, Partial):
         return str(p)
-    if isinstance(p, ShardPlaceholder):
+    if isinstance(p, (ShardPlaceholder, StridedShard)):
         return "S"
     if isinstance(p, Replicate):
         return "R"
@@ -144,11 +182,25 @@ def format_rule(rule: SingleDimRule) -> str:
 
 
 _PLACEMENT_RE = re.compile(r"^(?:(R)|S\((-?\d+)\)|P\((\w+)\)|(None))$")
+_STRIDED_RE = re.compile(r"^_S\(\s*(\d+)\s*,\s*(\d+)\s*(?:,\s*(\d+)\s*)?\)$")
 
 
-def parse_placement(text: str) -> MaybePlacement:
-    """Parse `R`, `S(d)`, `P(sum|avg|max|min)` or `None`; raise ValueError otherwise."""
+def parse_placement(text: str, *, strided: bool = False) -> MaybePlacement:
+    """Parse `R`, `S(d)`, `P(sum|avg|max|min)` or `None`, and with `strided` a
+    graph-internal strided shard `_S(d, sf)` / `_S(d, sf, inner)`; raise ValueError
+    otherwise (an op's own inputs and outputs are never strided shards)."""
     s = text.strip()
+    m_strided = _STRIDED_RE.match(s)
+    if m_strided and not strided:
+        raise ValueError(
+            f"placement {text!r} is a strided shard, which exists only inside a traced "
+            "decomposition: an op's inputs and outputs are R, S(<dim>) or P(sum|avg|max|min)"
+        )
+    if m_strided:
+        dim, sf, inner = (int(g or 1) for g in m_strided.groups())
+        if sf < 1 or inner < 1:
+            raise ValueError(f"malformed placement {text!r}: split factors must be >= 1")
+        return StridedShard(dim, sf, inner)
     m = _PLACEMENT_RE.match(s)
     if not m:
         raise ValueError(
@@ -166,15 +218,16 @@ def parse_placement(text: str) -> MaybePlacement:
     return None
 
 
-def parse_placements(text: str, sep: str = ",") -> tuple[MaybePlacement, ...]:
+def parse_placements(text: str, sep: str = ",", *, strided: bool = False) -> tuple[MaybePlacement, ...]:
     """Parse a separated list of placements, e.g. "R, S(1), S(0)"."""
     if not text.strip():
         return ()
-    return tuple(parse_placement(part) for part in _split_top_level(text, sep))
+    return tuple(parse_placement(part, strided=strided) for part in _split_top_level(text, sep))
 
 
-def parse_rule(text: str) -> SingleDimRule:
-    """Inverse of `format_rule`: "S(1), S(0) -> P(sum) [even]"."""
+def parse_rule(text: str, *, strided: bool = False) -> SingleDimRule:
+    """Inverse of `format_rule`: "S(1), S(0) -> P(sum) [even]" (with `strided`, also a
+    primitive's rule inside a graph: "_S(0, 4), R -> _S(0, 4)")."""
     s = text.strip()
     even = False
     if s.endswith("[even]"):
@@ -182,7 +235,7 @@ def parse_rule(text: str) -> SingleDimRule:
     if s.count("->") != 1:
         raise ValueError(f"malformed rule {text!r}: expected exactly one '->'")
     lhs, rhs = s.split("->")
-    return SingleDimRule(parse_placements(lhs), parse_placements(rhs), even_only=even)
+    return SingleDimRule(parse_placements(lhs, strided=strided), parse_placements(rhs, strided=strided), even_only=even)
 
 
 def _split_top_level(text: str, sep: str) -> list[str]:
@@ -230,6 +283,9 @@ def local_shape(
     out = list(shape)
     if isinstance(placement, ShardPlaceholder):
         out[placement.dim] = shard_size(shape[placement.dim], world_size, rank)
+    elif isinstance(placement, StridedShard):
+        p = placement
+        out[p.dim] = p.sf * shard_size(p.units(shape[p.dim]), world_size, rank) * p.inner
     return tuple(out)
 
 

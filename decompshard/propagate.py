@@ -1,11 +1,18 @@
 """The solver: which input placements flow through a recorded graph with no redistribution.
 
-A state is a partial assignment: placements of the op's inputs seen so far plus the
-placements of values still live. Nodes are visited in recorded (topological) order; at
-each node every rule whose inputs match the state exactly extends it (assigning graph
-inputs the node reads for the first time), and a state no rule matches dies there — the
-death is recorded as a Rejection, which `explain` turns into a readable reason. States
-equal on everything still needed are merged, which keeps ops with 4-6 inputs fast.
+Nodes are visited in recorded (topological) order. Values that some node has read
+together form a factor; a factor holds every way its values can be placed so far (the
+placements of its graph inputs, of its values still live, and how it got there). At each
+node, every rule filters each factor the node reads on its own, and only the matching
+combinations are joined into one new factor (assigning graph inputs and constants the
+node reads for the first time). Inputs that run through independent chains (block_diag,
+cartesian_prod, stack) stay in separate factors until the node that reads them together,
+so the work follows the number of rules, not the product of every input's placements.
+A combination no rule takes dies there — counted, and recorded as a Rejection (the first
+MAX_REJECTIONS of them) that `explain` turns into a readable reason. Entries equal on
+everything still needed are merged, and an entry that only holds P(avg|max|min) where
+another holds R is dropped (`_undominated`). At the end, the product of the remaining
+factors, with every input no node read taking each placement it may, gives the survivors.
 
 The solver never asks where a rule came from and never re-runs the decomposition.
 """
@@ -13,11 +20,12 @@ The solver never asks where a rule came from and never re-runs the decomposition
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from .dispatch_modes.graph import PrimGraph, PrimNode
-from .placements import MaybePlacement, P, Placement, R, SingleDimRule, alphabet, is_partial
+from .placements import MaybePlacement, P, Placement, R, SingleDimRule, alphabet, is_partial, is_shard, is_strided
 
 UNSET = object()  # graph input not read yet
 MAX_REJECTIONS = 2000
@@ -30,6 +38,7 @@ class Rejection:
     inputs: tuple[MaybePlacement, ...]
     node: int
     arriving: tuple[MaybePlacement, ...]  # placements of the node's inputs (None: undecided)
+    reason: str = ""  # set when the death is not "no rule accepts the arriving placements"
 
 
 @dataclass
@@ -41,6 +50,7 @@ class Survivor:
     even_only: bool
     env: dict[int, MaybePlacement]  # placement of every value it touched
     path: tuple[int, ...]  # index of the matched rule in each node's table
+    sharded: bool = True  # some value in env is sharded (False: every local shape is global)
 
 
 @dataclass
@@ -48,13 +58,6 @@ class Propagation:
     survivors: list[Survivor] = field(default_factory=list)
     rejections: list[Rejection] = field(default_factory=list)
     n_rejections: int = 0
-
-
-@dataclass
-class _State:
-    env: dict[int, MaybePlacement]
-    even: bool
-    path: tuple[int, ...]
 
 
 def input_alphabet(graph: PrimGraph, vid: int) -> tuple[Placement, ...]:
@@ -88,64 +91,207 @@ def propagate(
     result = Propagation()
     allowed = {v: set(input_alphabet(graph, v)) for v in graph.inputs}
     allowed.update({v.id: constant_alphabet(v) for v in graph.values if v.kind == "const"})
-    env0: dict[int, MaybePlacement] = {}
-    floating = {v.id for v in graph.values if v.meta.dtype.is_floating_point}
+    floating = frozenset(v.id for v in graph.values if v.meta.dtype.is_floating_point)
     if fixed_inputs is not None:
         for v, p in zip(graph.inputs, fixed_inputs):
             if p not in allowed[v] and p is not None:
                 result.rejections.append(Rejection(tuple(fixed_inputs), -1, (p,)))
                 result.n_rejections += 1
                 return result
-            env0[v] = p
+            allowed[v] = {p}  # a fixed input is read as this placement and nothing else
     live_after = _live_after(graph)
-    input_ids = set(graph.inputs)
-    states = [_State(env0, False, ())]
+    input_ids = frozenset(graph.inputs)
+    owner: dict[int, _Factor] = {}  # value id -> the factor that placed it
 
     for node in graph.nodes:
         if node.constant:  # made locally, identical on every rank: see constant_alphabet
-            for st in states:
-                st.path += (0,)
             continue
-        table = rules_for(node)
-        nxt: dict[tuple, _State] = {}
-        for st in states:
-            matched = False
-            for ri, rule in enumerate(table):
-                for env in _matches(rule, node, st.env, allowed, floating):
-                    matched = True
-                    new = _State(env, st.even or rule.even_only, st.path + (ri,))
-                    live = tuple(env.get(v) for v in live_after[node.index])
-                    nxt.setdefault((live, new.even), new)
-            if not matched:
-                result.n_rejections += 1
-                if len(result.rejections) < MAX_REJECTIONS:
-                    result.rejections.append(
-                        Rejection(
-                            tuple(st.env.get(v) for v in graph.inputs),
-                            node.index,
-                            tuple(st.env.get(v) for v in node.inputs),
-                        )
-                    )
-        states = _undominated(nxt, live_after[node.index], input_ids, floating)
-        if not states:
+        touched = list({id(f): f for v in node.inputs if (f := owner.get(v)) is not None}.values())
+        joined = _join(node, rules_for(node), touched, owner, allowed, floating)
+        _record_deaths(result, graph, node, touched, joined.matched)
+        factor = _Factor(
+            set().union(*(f.values for f in touched), node.inputs, (v for v in node.outputs if v is not None)),
+            [],
+        )
+        live = tuple(v for v in live_after[node.index] if v in factor.values)
+        merged: dict[tuple, _Entry] = {}
+        for entry in joined.entries:
+            merged.setdefault((tuple(entry.env.get(v) for v in live), entry.even), entry)
+        factor.entries = _undominated(merged, live, input_ids, floating)
+        if not factor.entries:
             return result
+        for v in factor.values:
+            owner[v] = factor
 
+    _collect_survivors(result, graph, owner, allowed)
+    return result
+
+
+@dataclass
+class _Entry:
+    """One way a factor's values can be placed: every placement it made, whether some
+    rule on the way holds for even shards only, and the rule matched at each node."""
+
+    env: dict[int, MaybePlacement]
+    even: bool
+    path: dict[int, int]
+    sharded: bool = False  # some value it placed is sharded (else no local shape differs)
+
+
+@dataclass
+class _Factor:
+    """Values whose placements depend on each other (some node read them together),
+    and the ways they can be placed. Values in different factors are independent until
+    a node reads both; then the two factors are joined at that node."""
+
+    values: set[int]
+    entries: list[_Entry]
+
+
+@dataclass
+class _Joined:
+    entries: list[_Entry]
+    matched: set[tuple[int, ...]]  # combinations of the touched factors' entries some rule took
+
+
+def _join(node: PrimNode, table, touched: list[_Factor], owner: dict, allowed: dict, floating) -> _Joined:
+    """Every (entry of each touched factor, rule, placement of values read for the first
+    time) that fits the node. Each rule filters each factor on its own, so only the
+    combinations that match are ever built: independent inputs cost the rule set's size,
+    not the product of every factor's entries."""
+    found: list[tuple[tuple, int, int, dict]] = []
+    matched: set[tuple[int, ...]] = set()
+    for ri, rule in enumerate(table):
+        per_factor = []
+        for f in touched:
+            wants = [(v, w) for v, w in zip(node.inputs, rule.inputs) if owner.get(v) is f]
+            fits = [i for i, e in enumerate(f.entries) if all(_reads(e.env[v], w, v in floating) for v, w in wants)]
+            if not fits:
+                break
+            per_factor.append(fits)
+        else:
+            fresh = _fresh_assignments(rule, node, owner, allowed, floating)
+            if not fresh:
+                continue
+            for combo in itertools.product(*per_factor):
+                matched.add(combo)
+                for k, assigned in enumerate(fresh):
+                    found.append((combo, ri, k, assigned))
+    found.sort(key=lambda t: t[:3])  # entry-major, then rule order: as a per-state scan visits them
+    entries = []
+    for combo, ri, _, assigned in found:
+        parts = [f.entries[i] for f, i in zip(touched, combo)]
+        env: dict[int, MaybePlacement] = {}
+        path: dict[int, int] = {node.index: ri}
+        for e in parts:
+            env.update(e.env)
+            path.update(e.path)
+        env.update(assigned)
+        rule = table[ri]
+        for v, p in zip(node.outputs, rule.outputs):
+            if v is not None:
+                env[v] = p
+        sharded = any(e.sharded for e in parts) or any(is_shard(p) for p in (*assigned.values(), *rule.outputs))
+        entries.append(_Entry(env, rule.even_only or any(e.even for e in parts), path, sharded))
+    return _Joined(entries, matched)
+
+
+def _reads(have: MaybePlacement, want: MaybePlacement, is_float: bool) -> bool:
+    """A value placed `have` fits a rule that wants `want` (R reads as P(avg|max|min))."""
+    return have == want or (have == R and want in _R_SATISFIES and is_float)
+
+
+def _fresh_assignments(rule: SingleDimRule, node: PrimNode, owner: dict, allowed: dict, floating) -> list[dict]:
+    """Placements for the graph inputs and constants this node reads for the first time
+    that fit `rule` (a wanted P(avg|max|min) may also be met by R)."""
+    envs: list[dict] = [{}]
+    for v, want in zip(node.inputs, rule.inputs):
+        if v in owner:
+            continue
+        nxt = []
+        for e in envs:
+            if v in e:
+                if _reads(e[v], want, v in floating):
+                    nxt.append(e)
+                continue
+            if v in allowed and want in allowed[v]:
+                nxt.append({**e, v: want})
+            if want in _R_SATISFIES and v in floating and R in allowed.get(v, ()):
+                nxt.append({**e, v: R})
+        envs = nxt
+        if not envs:
+            return []
+    return envs
+
+
+def _record_deaths(result: Propagation, graph: PrimGraph, node: PrimNode, touched: list[_Factor], matched: set) -> None:
+    """Count the combinations of the touched factors' entries no rule took, and record
+    the first ones (up to MAX_REJECTIONS) for explain. Inputs of other factors are
+    undecided (None) in a record: the death does not depend on them."""
+    sizes = [len(f.entries) for f in touched]
+    dead = math.prod(sizes) - len(matched)
+    if dead <= 0:
+        return
+    result.n_rejections += dead
+    if len(result.rejections) >= MAX_REJECTIONS:
+        return
+    wanted = tuple(dict.fromkeys((*graph.inputs, *node.inputs)))  # only these are recorded
+    seen = [[{v: e.env[v] for v in wanted if v in e.env} for e in f.entries] for f in touched]
+    for combo in itertools.product(*(range(n) for n in sizes)):
+        if combo in matched:
+            continue
+        env: dict[int, MaybePlacement] = {}
+        for part, i in zip(seen, combo):
+            env.update(part[i])
+        result.rejections.append(
+            Rejection(tuple(env.get(v) for v in graph.inputs), node.index, tuple(env.get(v) for v in node.inputs))
+        )
+        if len(result.rejections) >= MAX_REJECTIONS:
+            return
+
+
+def _collect_survivors(result: Propagation, graph: PrimGraph, owner: dict, allowed: dict) -> None:
+    """The product of the independent factors left at the end, with every input no node
+    read taking each placement it may."""
+    factors = list({id(f): f for f in owner.values()}.values())
+    unread = [v for v in dict.fromkeys(graph.inputs) if v not in owner]
     seen: set[tuple] = set()
-    for st in states:
-        choices = [
-            (st.env[v],) if v in st.env else tuple(sorted(allowed[v], key=_order))
-            for v in graph.inputs
-        ]
-        for combo in itertools.product(*choices):
-            env = dict(st.env)
-            env.update(zip(graph.inputs, combo))
+    n = len(graph.nodes)
+    producer = graph.producer()
+    for parts in itertools.product(*(f.entries for f in factors)):
+        base: dict[int, MaybePlacement] = {}
+        steps: dict[int, int] = {}
+        for e in parts:
+            base.update(e.env)
+            steps.update(e.path)
+        even = any(e.even for e in parts)
+        sharded = any(e.sharded for e in parts)
+        path = tuple(steps.get(i, 0) for i in range(n))
+        for combo in itertools.product(*(sorted(allowed[v], key=_order) for v in unread)):
+            env = {**base, **dict(zip(unread, combo))}
+            ins = tuple(env[v] for v in graph.inputs)
             outs = tuple(None if v is None else env.get(v, R) for v in graph.outputs)
-            key = (combo, outs, st.even)
+            key = (ins, outs, even)
             if key in seen:
                 continue
             seen.add(key)
-            result.survivors.append(Survivor(combo, outs, st.even, env, st.path))
-    return result
+            strided = [(v, p) for v, p in zip(graph.outputs, outs) if is_strided(p)]
+            if strided:  # a layout inside the graph only: an op's rule says S(d), R or P
+                _record_strided_output(result, graph, producer, env, ins, strided[0])
+                continue
+            result.survivors.append(Survivor(ins, outs, even, env, path, sharded or any(map(is_shard, combo))))
+
+
+def _record_strided_output(result: Propagation, graph: PrimGraph, producer: dict, env: dict, ins: tuple, out) -> None:
+    v, p = out
+    result.n_rejections += 1
+    if len(result.rejections) >= MAX_REJECTIONS or v not in producer:
+        return
+    node = graph.nodes[producer[v]]
+    result.rejections.append(Rejection(
+        ins, node.index, tuple(env.get(u) for u in node.inputs),
+        f"node {node.index} ({node.op}) leaves an output as the strided shard {p}: "
+        "a layout inside a decomposition, not a placement of an op's rule"))
 
 
 # A replicated value is also a valid P(avg), P(max) and P(min) (every rank holds the true
@@ -154,7 +300,7 @@ def propagate(
 _R_SATISFIES = {P("avg"), P("max"), P("min")}
 
 
-def _undominated(states: dict[tuple, _State], live: tuple[int, ...], inputs: set, floating: set) -> list[_State]:
+def _undominated(states: dict[tuple, "_Entry"], live: tuple[int, ...], inputs: frozenset, floating: frozenset) -> list["_Entry"]:
     """Drop a state that differs from another only by holding P(avg|max|min) where the
     other holds R on some intermediate or output value (a rule that wants P(avg) on a
     Replicate value makes such copies: unbind_copy's five clones made 4^5 of them).
@@ -186,7 +332,9 @@ def _live_after(graph: PrimGraph) -> list[tuple[int, ...]]:
 
 
 def _matches(rule: SingleDimRule, node: PrimNode, env: dict, allowed: dict, floating: set) -> list[dict]:
-    """Every way `rule` extends the state at `node` (none if it does not fit)."""
+    """Every way `rule` extends one full state at `node` (none if it does not fit): the
+    plain one-state semantics that `_join` computes factor by factor (the brute-force
+    test in tests/test_propagate.py follows every candidate with it)."""
     envs = [env]
     for v, want in zip(node.inputs, rule.inputs):
         nxt = []
@@ -197,7 +345,7 @@ def _matches(rule: SingleDimRule, node: PrimNode, env: dict, allowed: dict, floa
                     nxt.append({**e, v: want})
                 if want in _R_SATISFIES and v in floating and R in allowed.get(v, ()):
                     nxt.append({**e, v: R})
-            elif have == want or (have == R and want in _R_SATISFIES and v in floating):
+            elif _reads(have, want, v in floating):
                 nxt.append(e)
         envs = nxt
         if not envs:

@@ -80,3 +80,94 @@ def test_unbind_copy_states_stay_few():
     survivors = propagate(graph, rules_for).survivors
     assert len(survivors) < 40
     assert len({(s.inputs, s.outputs) for s in survivors}) == len(survivors)
+
+
+# Independent inputs: each input runs through its own chain and the chains meet (or not)
+# later. The solver keeps them in separate factors and joins them rule by rule at the
+# node that reads them together; brute force enumerates every full assignment.
+JOIN = [
+    lambda xs: aten.cat.default(list(xs), 0),
+    lambda xs: aten.cat.default(list(xs), 1),
+    lambda xs: aten.stack.default(list(xs), 1),
+    lambda xs: aten.add.Tensor(aten.add.Tensor(xs[0], xs[1]), xs[2]),
+    lambda xs: aten.where.self(aten.gt.Scalar(xs[0], 0), xs[1], xs[2]),
+    lambda xs: (xs[0], aten.mul.Tensor(xs[1], xs[2])),  # outputs stay partly independent
+    lambda xs: (xs[0], xs[1]),  # the third input is never read
+]
+
+SHAPE_KEEPING = [0, 1, 2, 3, 6, 7]  # indices into UNARY: the joins need equal shapes
+chains = st.tuples(
+    st.lists(st.lists(st.sampled_from(SHAPE_KEEPING), max_size=2), min_size=3, max_size=3),
+    st.integers(0, len(JOIN) - 1),
+    st.lists(st.integers(0, 7), max_size=1),
+)
+
+
+def _run_chains(spec, inputs):
+    per_input, join, tail = spec
+    xs = []
+    for x, steps in zip(inputs, per_input):
+        for k in steps:
+            x = UNARY[k](x)
+        xs.append(x)
+    out = JOIN[join](xs)
+    if isinstance(out, tuple):
+        return out
+    for k in tail:
+        out = UNARY[k](out)
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(chains)
+def test_independent_chains_match_brute_force(spec):
+    inputs = (torch.randn(4, 6), torch.randn(4, 6), torch.randn(4, 6))
+    graph = trace(aten.add.Tensor, inputs, {}, has_rule, decomp=lambda x, y, z: _run_chains(spec, (x, y, z)))
+    solved = {SingleDimRule(s.inputs, s.outputs, s.even_only) for s in propagate(graph, rules_for).survivors}
+    assert set(_drop_implied(solved)) == set(_drop_implied(_brute_force(graph)))
+
+
+def test_survivors_carry_every_node_and_value():
+    """A survivor joined from independent factors still names the rule it matched at every
+    node and the placement of every value (explain and the local-shape check read them)."""
+    xs = [torch.randn(3, 4) for _ in range(3)]
+    graph = trace(aten.block_diag.default, (xs,), {}, has_rule)
+    prop = propagate(graph, rules_for)
+    assert prop.survivors
+    for s in prop.survivors:
+        assert len(s.path) == len(graph.nodes)
+        for node, ri in zip(graph.nodes, s.path):
+            if node.constant:
+                continue
+            rule = rules_for(node)[ri]
+            assert tuple(s.env[v] for v in node.outputs if v is not None) == tuple(
+                p for v, p in zip(node.outputs, rule.outputs) if v is not None)
+
+
+def test_block_diag_rules_are_every_subset_not_every_product():
+    """block_diag of n inputs: P(avg|max|min) on any non-empty subset of inputs (R on the
+    rest; identical copies are valid parts) and all-P(sum), nothing else: 3 * (2^n - 1) + 1
+    rules. Dead combinations (P(sum) next to P(max)) die at the last cat, where the
+    independent inputs meet, and are counted without being built one by one."""
+    from decompshard import derive_rules
+    from decompshard.placements import P, R
+
+    n = 6
+    derived = derive_rules(aten.block_diag.default, [torch.randn(3, 4) for _ in range(n)])
+    want = {(tuple([P("sum")] * n), (P("sum"),))}
+    for op in ("avg", "max", "min"):
+        for mask in itertools.product((False, True), repeat=n):
+            if any(mask):
+                want.add((tuple(P(op) if m else R for m in mask), (P(op),)))
+    assert {(r.inputs, r.outputs) for r in derived.rules} == want
+    last_cat = len(derived.graph.nodes) - 1
+    assert any(r.node == last_cat for r in derived.rejected)
+
+
+def test_a_fixed_candidate_dies_where_independent_inputs_meet():
+    graph = trace(aten.block_diag.default, ([torch.randn(3, 4) for _ in range(3)],), {}, has_rule)
+    from decompshard.placements import P, R
+
+    prop = propagate(graph, rules_for, fixed_inputs=(P("sum"), R, P("max")))
+    assert not prop.survivors
+    assert max(r.node for r in prop.rejections) == len(graph.nodes) - 1

@@ -102,6 +102,8 @@ class PrimNode:
     constant: bool  # every tensor input is a constant: the outputs are constants too
     out_metas: tuple[TensorMeta | None, ...] = ()  # one per output leaf
     in_signs: tuple[int, ...] = ()  # signs.py bits of each tensor input, as `inputs`
+    # (sf, inner) kinds of strided shard that may reach the inputs (rules/strided.py)
+    strided_in: frozenset = frozenset()
 
     @functools.cached_property
     def _leaves(self) -> tuple[Any, ...]:

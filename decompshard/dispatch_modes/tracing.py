@@ -228,4 +228,6 @@ def trace(
     rec.graph.outputs = tuple(
         rec.value_of(t) if isinstance(t, torch.Tensor) else None for t in flat_out
     )
-    return rec.graph
+    from ..rules.strided import annotate  # rules import the graph types: import here
+
+    return annotate(rec.graph)

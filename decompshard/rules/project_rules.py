@@ -27,9 +27,39 @@ def _same_placement_passthrough(node: PrimNode) -> list[SingleDimRule]:
     return out
 
 
+def _copy_rules(node: PrimNode) -> list[SingleDimRule]:
+    """copy(self, src): src broadcast to self's shape and cast to self's dtype; self's
+    values are never read. So the output takes src's placement whatever self holds (R
+    or any Partial), a Partial src passes through when both are floating (a cast between
+    float types is monotone and additive up to rounding; to an integer it is neither),
+    and a self sharded on d gives S(d) when src is split the same way on the aligned dim
+    or broadcast along it (size 1 or absent: every rank's slice is the same)."""
+    if len(node.inputs) != 2 or len(node.args) < 2:
+        return []
+    dst, src = node.args[0], node.args[1]
+    if not (hasattr(dst, "shape") and hasattr(src, "shape")):
+        return []
+    not_read = [R] + (list(PARTIALS) if dst.dtype.is_floating_point or dst.dtype.is_complex else [])
+    out = [SingleDimRule((q, R), (R,), source=SOURCE) for q in not_read if q != R]
+    same_kind = (dst.dtype.is_floating_point and src.dtype.is_floating_point) or (
+        dst.dtype.is_complex and src.dtype.is_complex)
+    if same_kind:
+        partials = [p for p in PARTIALS if not (dst.dtype.is_complex and p.reduce_op in ("max", "min"))]
+        out += [SingleDimRule((q, p), (p,), source=SOURCE) for p in partials for q in not_read]
+    lead = len(dst.shape) - len(src.shape)
+    for d in range(len(dst.shape)):
+        s = d - lead
+        if s < 0 or src.shape[s] == 1:
+            out.append(SingleDimRule((ShardPlaceholder(d), R), (ShardPlaceholder(d),), source=SOURCE))
+        elif src.shape[s] == dst.shape[d]:
+            out.append(SingleDimRule((ShardPlaceholder(d), ShardPlaceholder(s)), (ShardPlaceholder(d),), source=SOURCE))
+    return out
+
+
 _RULES: dict[torch._ops.OpOverload, Callable[[PrimNode], list[SingleDimRule]]] = {
     aten.lift_fresh.default: _same_placement_passthrough,
     aten.alias.default: _same_placement_passthrough,
+    aten.copy.default: _copy_rules,
 }
 
 
@@ -77,6 +107,8 @@ def extra_rules(node: PrimNode) -> list[SingleDimRule]:
         return _index_put_rules(node)
     if node.op is aten.expand.default and len(node.inputs) == 1 and len(node.args) > 1:
         return _expand_rules(node) + _passthrough_rules(node)
+    if node.op in _ZERO_FILL_ARG:
+        return _zero_fill_rules(node)
     return _passthrough_rules(node)
 
 
@@ -223,6 +255,33 @@ def _expand_rules(node: PrimNode) -> list[SingleDimRule]:
         if size != 1 and (src < 0 or meta.shape[src] == 1):
             out.append(SingleDimRule((R,), (ShardPlaceholder(d),), source=SOURCE))
     return out
+
+
+# Factories that read only their input's metadata: whatever the input holds on each rank
+# (R or any Partial part), every rank makes the same constant. Torch's rules give R out
+# (and R already reads as P(avg|max|min)); a constant of zeros is also a valid P(sum),
+# which lets a zero-initialised accumulator take Partial sums. The new_* factories take
+# their size as an argument, so a sharded input gives a full-size output too.
+_ZERO_FILL_ARG = {  # op -> position of the fill value (None: always zeros)
+    aten.full_like.default: 1, aten.zeros_like.default: None, aten.new_zeros.default: None,
+    aten.new_full.default: 2, aten.fill.Scalar: 1, aten.zero.default: None,
+}
+_NEW_FACTORIES = {aten.new_zeros.default, aten.new_full.default}
+
+
+def _zero_fill_rules(node: PrimNode) -> list[SingleDimRule]:
+    pos = _ZERO_FILL_ARG[node.op]
+    if len(node.inputs) != 1 or len(node.outputs) != 1:
+        return []
+    if pos is not None:
+        value = node.args[pos] if len(node.args) > pos else node.kwargs.get("fill_value", node.kwargs.get("value"))
+        if not _is_real_number(value) or value != 0:
+            return []
+    meta = node.args[0]
+    ins = [R] + (list(PARTIALS) if meta.dtype.is_floating_point or meta.dtype.is_complex else [])
+    if node.op in _NEW_FACTORIES:
+        ins += [ShardPlaceholder(d) for d in range(len(meta.shape))]
+    return [SingleDimRule((p,), (P("sum"),), source=SOURCE) for p in ins]
 
 
 # Kernels that check input *values* (binary_cross_entropy: all elements in [0, 1]): a

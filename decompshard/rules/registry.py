@@ -3,8 +3,10 @@
 Lookup order: torch's single-dim strategies, then torch's op strategies on a fake 1-rank
 mesh, then decompshard's own rules. The first source that knows the op wins; the
 all-Replicate rule is always added (every op can run fully replicated), and so are
-decompshard's extra rules for ops torch under-serves (Partial through pure data movement). Results are
-cached per (op, input metadata, non-tensor args, input signs): a training loop pays once.
+decompshard's extra rules for ops torch under-serves (Partial through pure data movement), and
+last the rules for strided shards that may reach the node (rules/strided.py). Results are
+cached per (op, input metadata, non-tensor args, input signs, strided kinds): a training
+loop pays once.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ import torch
 
 from .. import caches
 from ..dispatch_modes.graph import PrimNode, freeze
-from ..placements import P, R, SingleDimRule, is_partial, is_shard
-from . import project_rules, torch_op_strategy, torch_single_dim
+from ..placements import P, R, SingleDimRule, is_partial, is_shard, is_strided
+from . import project_rules, strided, torch_op_strategy, torch_single_dim
 
 SOURCES = (torch_single_dim, torch_op_strategy, project_rules)
 
@@ -37,7 +39,8 @@ _CACHE = caches.RULE_TABLES  # a bounded LRU (decompshard/caches.py)
 def rules_for(node: PrimNode) -> tuple[SingleDimRule, ...]:
     """The node's rule table, all-Replicate first, duplicates removed."""
     try:
-        key = (node.op, freeze((node.args, node.kwargs)), len(node.inputs), len(node.outputs), node.in_signs)
+        key = (node.op, freeze((node.args, node.kwargs)), len(node.inputs), len(node.outputs), node.in_signs,
+               node.strided_in)
         hash(key)
     except TypeError:  # an unhashable non-tensor arg: compute without caching
         return _compute_rules(node)
@@ -60,12 +63,21 @@ def _compute_rules(node: PrimNode) -> tuple[SingleDimRule, ...]:
     found = [_even_if_averaging_shards(r) for r in found]
     found += [a for r in found if (a := _avg_twin(r, in_metas)) is not None]
     found += project_rules.extra_rules(node)
+    # A view's exact rules (rules/strided.py) go before torch's where they differ: torch's
+    # view strategy keeps a flattened shard plain S(d), which is right for even shards
+    # only, and the solver keeps the first of two paths that meet again.
+    exact = strided.view_rules(node)
+    found = [r for r in exact if any(is_strided(p) for p in r.outputs)] + found + exact
     seen = {trivial.key()}
     table = [trivial]
     for rule in found:
         if not _partials_fit_dtypes(rule, node) or not _shards_fit_ranks(rule, in_metas, node):
             continue
         if len(rule.inputs) == n_in and len(rule.outputs) == n_out and rule.key() not in seen:
+            seen.add(rule.key())
+            table.append(rule)
+    for rule in strided.kind_rules(node, table):  # last: the plain rules keep their indices
+        if rule.key() not in seen:
             seen.add(rule.key())
             table.append(rule)
     return tuple(table)
