@@ -125,6 +125,11 @@ def run_model_check(module: torch.nn.Module, inputs: Sequence[torch.Tensor], mes
             with drec:
                 torch.autograd.backward(douts, dcots)
         except Exception as e:
+            # a wrong value often surfaces as an error a few ops later: name the first
+            # divergence among the calls that did run, if there is one
+            earlier = _first_divergence(reference, drec.calls, mesh, rank_locals, prefix=True)
+            if earlier.divergence is not None:
+                return earlier
             where = drec.calls[-1][0] if drec.calls else "the first op"
             line = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             return ModelCheck(len(drec.calls), Divergence(len(drec.calls), where, drec.phase,
@@ -154,7 +159,9 @@ LAYOUT_OPS = frozenset(f"aten.{n}" for n in (
     "_reshape_alias.default", "contiguous.default", "_to_copy.default"))
 
 
-def _first_divergence(reference, calls, mesh, rank_locals) -> ModelCheck:
+def _first_divergence(reference, calls, mesh, rank_locals, prefix: bool = False) -> ModelCheck:
+    """The first call whose op or outputs differ; `prefix`: `calls` stopped early (an
+    exception), so a shorter sequence is not itself a divergence."""
     from torch.distributed.tensor import DTensor
 
     reference = [c for c in reference if c[0] not in LAYOUT_OPS]
@@ -172,7 +179,7 @@ def _first_divergence(reference, calls, mesh, rank_locals) -> ModelCheck:
                     err = float((full - r).abs().max()) if full.shape == r.shape else math.inf
                     return ModelCheck(len(calls), Divergence(
                         i, dop, dphase, f"output {j} ({placements}) differs on rank {rank} (max error {err:.3g})"), worst)
-    if len(reference) != len(calls):
+    if len(reference) != len(calls) and not prefix:
         return ModelCheck(len(calls), Divergence(min(len(reference), len(calls)), "-", "-",
                                                  f"{len(calls)} calls, one device made {len(reference)}"), worst)
     return ModelCheck(len(calls), None, worst)
