@@ -12,7 +12,7 @@ import sys
 
 COMMANDS = {
     "coverage": ("decompshard.coverage.command", "op coverage tables: native, derived, unsupported and why"),
-    "explain": ("decompshard.explain_command", "why an op gets (or refuses) a sharding: a readable trace"),
+    "explain": ("decompshard.explain.command", "why an op gets (or refuses) a sharding: a readable trace"),
 }
 
 

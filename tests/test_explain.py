@@ -11,7 +11,8 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from decompshard import derive_rules
 from decompshard.cli import main
-from decompshard.explain import explain, redistribution
+from decompshard.explain import explain
+from decompshard.explain.analysis import redistribution
 from decompshard.placements import P, R, S, format_rule
 from decompshard.rules import rules_for
 

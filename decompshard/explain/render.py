@@ -1,10 +1,16 @@
-"""Rendering of an `Explanation` (explain.py) as text: the inputs table, the numbered
-decomposition with the rule each primitive matched, the blocking node, suggestions,
-`--all` and the mesh ranking. Kept apart from explain.py, which decides nothing visual.
+"""explain, drawn: the printable `Explanation` and the public `explain()` that makes one.
+
+    >>> e = explain(aten.addmv.default, bias, mat, vec, placements="R; S(1); S(0)")
+    >>> print(e)          # the trace; e.verdict, e.blocked, e.suggestions for code
+
+Text: the inputs table, the numbered decomposition with the rule each primitive matched,
+the blocking node, suggestions, `--all` and the mesh ranking. What is drawn is decided in
+analysis.py (which imports nothing from here).
 """
 
 from __future__ import annotations
 
+import html
 import math
 import textwrap
 from typing import Any, Sequence
@@ -12,12 +18,14 @@ from typing import Any, Sequence
 import torch
 from torch.utils._pytree import tree_map
 
-from ._compat import TensorMeta, from_torch_placement
-from .dispatch_modes.graph import PrimGraph, PrimNode
-from .explain import Explanation
-from .placements import MaybePlacement, Placement, R, format_placement, format_rule
-from .propagate import input_alphabet
-from .rules import rules_for
+from .._compat import TensorMeta, from_torch_placement
+from ..dispatch_modes.graph import PrimGraph, PrimNode
+from ..placements import MaybePlacement, Placement, R, format_placement, format_rule
+from ..propagate import input_alphabet
+from ..rules import rules_for
+from .analysis import Analysis
+
+__all__ = ["Explanation", "decomposition_lines", "explain", "render_lines"]
 
 WIDTH = 110  # long prose lines wrap here
 CALL_WIDTH = 58  # the primitive-call column is cut here so a trace fits in ~110 columns
@@ -25,7 +33,53 @@ TABLE_WIDTH = 116  # the decomposition table is fitted to this
 MAX_MESH_SHOWN = 5
 
 
-def render_lines(ex: Explanation) -> list[str]:
+class Explanation(Analysis):
+    """What `explain` found; str() / repr() / _repr_html_() render it."""
+
+    def render(self) -> str:
+        return "\n".join(render_lines(self)).rstrip() + "\n"
+
+    def __str__(self) -> str:
+        return self.render()
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        return (
+            '<pre style="font-family: monospace; white-space: pre; line-height: 1.3">'
+            + html.escape(self.render())
+            + "</pre>"
+        )
+
+
+def explain(
+    op: torch._ops.OpOverload | str,
+    *args: Any,
+    placements: str | Sequence[Any] | None = None,
+    mesh: Sequence[int] | str | None = None,
+    mesh_placements: str | Sequence[Sequence[Any]] | None = None,
+    show_all: bool = False,
+    **kwargs: Any,
+) -> Explanation:
+    """Explain how `op(*args, **kwargs)` shards for the given input placements.
+
+    `placements`: one single-dim placement per tensor input (schema order, lists
+    flattened), as a string ("R; S(1); S(0)" or "R, S(1), S(0)") or a sequence of
+    decompshard placements, their strings, or torch placements. Without it the result
+    shows the derived rule table (as with `show_all`).
+
+    `mesh` (e.g. (2, 4) or "2x4") with `mesh_placements` (per tensor input, one torch
+    placement per mesh dim, or the string form "R,S(0); S(1),S(0); S(0),R") adds the
+    N-D strategies ranked by the cost model.
+
+    Raises ValueError for an unknown op, a malformed placement, or the wrong number of
+    placements.
+    """
+    return Explanation.of(op, *args, placements=placements, mesh=mesh, mesh_placements=mesh_placements,
+                          show_all=show_all, **kwargs)
+
+
+def render_lines(ex: Analysis) -> list[str]:
     from tabulate import tabulate
 
     out: list[str] = []
@@ -67,7 +121,7 @@ def decomposition_lines(graph: PrimGraph) -> list[str]:
     rules (no placements)."""
     from tabulate import tabulate
 
-    from .rules.registry import source_of
+    from ..rules.registry import source_of
 
     rows = []
     for n in graph.nodes:
@@ -77,7 +131,7 @@ def decomposition_lines(graph: PrimGraph) -> list[str]:
     return [f"decomposition: {len(graph.nodes)} primitive calls"] + _indent(table)
 
 
-def _native_line(ex: Explanation) -> str:
+def _native_line(ex: Analysis) -> str:
     head = (f"DTensor has its own strategy for this op ({ex.native}) and uses it; decompshard.enable() "
             f"never replaces it.")
     tail = " Below, for comparison only: what decompshard derives from the op's decomposition."
@@ -92,7 +146,7 @@ def _native_line(ex: Explanation) -> str:
     return head + f" None of its rules takes ({cand}) as it is: DTensor redistributes first." + tail
 
 
-def _verdict_line(ex: Explanation) -> str:
+def _verdict_line(ex: Analysis) -> str:
     v = ex.verdict
     if v == "accepted":
         rules = "; ".join(format_rule(r) for r in ex.rules)
@@ -106,7 +160,7 @@ def _verdict_line(ex: Explanation) -> str:
     return f"REJECTED at node {b.node.index} ({b.node.op}): no rule accepts ({arriving})"
 
 
-def _display_env(ex: Explanation) -> dict[int, MaybePlacement]:
+def _display_env(ex: Analysis) -> dict[int, MaybePlacement]:
     if ex.survivors:
         first = next((s for s in ex.survivors if s.ok), ex.survivors[0])
         return first.survivor.env
@@ -115,7 +169,7 @@ def _display_env(ex: Explanation) -> dict[int, MaybePlacement]:
     return dict(zip(ex.graph.inputs, ex.placements))
 
 
-def _inputs_table(ex: Explanation, env, tabulate) -> list[str]:
+def _inputs_table(ex: Analysis, env, tabulate) -> list[str]:
     g = ex.graph
     rows = []
     for i, (v, name) in enumerate(zip(g.inputs, ex.input_names)):
@@ -125,7 +179,7 @@ def _inputs_table(ex: Explanation, env, tabulate) -> list[str]:
     return ["op inputs"] + _indent(table)
 
 
-def _node_table(ex: Explanation, env, tabulate) -> list[str]:
+def _node_table(ex: Analysis, env, tabulate) -> list[str]:
     g = ex.graph
     blocked = ex.blocked.node.index if ex.blocked and ex.blocked.node else None
     if ex.blocked is not None and ex.blocked.node is None:
@@ -175,7 +229,7 @@ def _node_table(ex: Explanation, env, tabulate) -> list[str]:
     return [head] + _indent(table) + _indent([w for note in notes for w in _wrap(note, 4)])
 
 
-def _display_path(ex: Explanation) -> tuple[int, ...] | None:
+def _display_path(ex: Analysis) -> tuple[int, ...] | None:
     if ex.survivors:
         first = next((s for s in ex.survivors if s.ok), ex.survivors[0])
         return first.survivor.path
@@ -184,7 +238,7 @@ def _display_path(ex: Explanation) -> tuple[int, ...] | None:
     return None
 
 
-def _outcome(ex: Explanation, tabulate) -> list[str]:
+def _outcome(ex: Analysis, tabulate) -> list[str]:
     g = ex.graph
     out: list[str] = []
     if ex.survivors:
@@ -235,7 +289,7 @@ def _outcome(ex: Explanation, tabulate) -> list[str]:
     return out
 
 
-def _blocked_section(ex: Explanation, tabulate) -> list[str]:
+def _blocked_section(ex: Analysis, tabulate) -> list[str]:
     b = ex.blocked
     g = ex.graph
     if b.node is None:
@@ -260,7 +314,7 @@ def _blocked_section(ex: Explanation, tabulate) -> list[str]:
     return out
 
 
-def _origin(ex: Explanation, v: int, prod: dict, path: tuple) -> str:
+def _origin(ex: Analysis, v: int, prod: dict, path: tuple) -> str:
     g = ex.graph
     if v in g.inputs:
         i = g.inputs.index(v)
@@ -276,7 +330,7 @@ def _origin(ex: Explanation, v: int, prod: dict, path: tuple) -> str:
     return "constant made outside the trace"
 
 
-def _all_section(ex: Explanation) -> list[str]:
+def _all_section(ex: Analysis) -> list[str]:
     d = ex.derived
     out = ["every derived rule (all-Replicate implied):"]
     out += _indent(str(d))
@@ -294,7 +348,7 @@ def _all_section(ex: Explanation) -> list[str]:
     return out
 
 
-def pruned_placements(ex: Explanation) -> list[tuple[int, Placement, str]]:
+def pruned_placements(ex: Analysis) -> list[tuple[int, Placement, str]]:
     """(input, placement, why) for every placement of an input's alphabet that appears in
     no derived rule. The solver never lists these as rejected candidates when the first
     node reading the input has no rule taking them: they are pruned before they exist."""
@@ -321,7 +375,7 @@ def pruned_placements(ex: Explanation) -> list[tuple[int, Placement, str]]:
     return out
 
 
-def _mesh_section(ex: Explanation, tabulate) -> list[str]:
+def _mesh_section(ex: Analysis, tabulate) -> list[str]:
     m = ex.mesh
     size = "x".join(map(str, m.mesh_shape))
     cur = "; ".join(
@@ -370,7 +424,7 @@ def _mesh_section(ex: Explanation, tabulate) -> list[str]:
     return out
 
 
-def _cost_lines(ex: Explanation, s) -> list[str]:
+def _cost_lines(ex: Analysis, s) -> list[str]:
     """The strategy's cost, per input redistribution (collectives and local work), when
     the per-input prices add up to the strategy's total; else the total's own lines."""
     total = s.cost.total_seconds
@@ -380,7 +434,7 @@ def _cost_lines(ex: Explanation, s) -> list[str]:
     out = [head]
     per_input = []
     try:
-        from .cost import MeshShape, redistribute_cost
+        from ..cost import MeshShape, redistribute_cost
 
         mesh = MeshShape(ex.mesh.mesh_shape)
         for name, meta, src, dst in zip(ex.input_names, ex.input_metas, ex.mesh.current, s.input_placements):

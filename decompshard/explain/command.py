@@ -29,10 +29,9 @@ from typing import Any, TextIO
 
 import torch
 
-from .cli import UsageError
-from .derive import derive_rules, resolve_op
-from .explain import explain
-from .explain_render import _DTYPES, decomposition_lines
+from ..cli import UsageError
+from ..derive import derive_rules, resolve_op
+from .render import _DTYPES, decomposition_lines, explain
 
 __all__ = ["Call", "ExplainShell", "add_arguments", "build_call", "run"]
 
