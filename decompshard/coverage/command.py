@@ -133,6 +133,8 @@ def _emit(text: str, output: str | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     statuses = _check_args(args)
+    if not (args.diff or args.from_json):  # before anything here imports torch (see sweep)
+        _start_worker_server(args.jobs)
     from . import report as rep
 
     width = _width(args.output, sys.stdout)
@@ -146,7 +148,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     verbosity = getattr(args, "verbosity", 0)
     if args.model:
-        _start_worker_server(args.jobs)
         from .model_audit import audit_model
 
         doc = audit_model(args.model, args.input_shapes, jobs=args.jobs, timeout=args.timeout,
@@ -292,9 +293,9 @@ def sweep(patterns: str | None = None, *, jobs: int = 1, timeout: float = 60.0, 
     from . import report as rep
     from .opinfo_samples import capture_aten_samples, capture_is_cached, default_cache_dir
     from .progress import Progress
-    from .sweep import pick_samples, records_for
+    from .sweep import needs_worker, pick_samples, records_for
 
-    _start_worker_server(jobs)  # before anything imports torch here
+    _start_worker_server(jobs)  # (a no-op when `run` started it already)
     if patterns is not None:
         validate_patterns(patterns)
     show = verbosity >= 0
@@ -324,7 +325,8 @@ def sweep(patterns: str | None = None, *, jobs: int = 1, timeout: float = 60.0, 
                 "capture_seconds": round(t_capture, 1), "capture_cached": cached}
     if show:
         _say(f"sweeping {len(ops)} ops")
-    bar = Progress(len(ops), enabled=show, verbose=verbosity > 0)
+    lookups = sum(1 for op, best in per_op if not needs_worker(op, best))  # instant, done first
+    bar = Progress(len(ops), enabled=show, verbose=verbosity > 0, warmup=lookups + 1)
     records: list[dict[str, Any]] = []
     try:
         records_for(per_op, jobs=jobs, timeout=timeout, verify=verify, bar=bar, records=records)

@@ -20,14 +20,15 @@ class Progress:
     caller counts (the OpInfo capture); `close()` clears the terminal line."""
 
     def __init__(self, total: int, stream: TextIO | None = None, *, label: str = "ops",
-                 enabled: bool = True, verbose: bool = False, interval: float = 5.0,
+                 enabled: bool = True, verbose: bool = False, interval: float = 5.0, warmup: int = 1,
                  clock: Callable[[], float] = time.monotonic):
-        self.total, self.done, self.label = total, 0, label
+        self.total, self.done, self.label, self.warmup = total, 0, label, max(1, warmup)
         self.enabled, self.verbose, self.interval, self.clock = enabled, verbose, interval, clock
         self.stream = stream or sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.t0 = self.last = clock()
-        self.t1: float | None = None  # when the first item finished: the ETA's origin
+        self.t1: float | None = None  # when the `warmup`-th item finished: the ETA's origin
+        self.done1 = 0
         self.shown = False  # a terminal line is on screen
 
     def step(self, name: str, record: dict[str, Any] | None = None) -> None:
@@ -35,7 +36,7 @@ class Progress:
 
     def update(self, done: int, total: int, name: str, record: dict[str, Any] | None = None) -> None:
         now = self.clock()
-        if self.t1 is None or done <= 1:
+        if self.t1 is None or done <= self.warmup:
             self.t1, self.done1 = now, done
         self.done, self.total = done, total
         if not self.enabled:
@@ -54,8 +55,9 @@ class Progress:
             self.last = now
 
     def _times(self, now: float) -> str:
-        """Elapsed time, and an ETA from the items after the first (the first one also
-        pays for warming up: imports, worker start), once there are some."""
+        """Elapsed time, and an ETA from the items after the first `warmup` ones (the
+        first pays for imports or a worker's start; a sweep's registry lookups are
+        instant next to the ops it derives), once there are some."""
         elapsed = now - self.t0
         rate_items = self.done - self.done1
         if rate_items < 1 or self.done >= self.total:

@@ -258,7 +258,10 @@ def _worker_main(conn: Any) -> None:
     warnings.filterwarnings("ignore")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops us quietly
     torch.set_num_threads(1)
-    conn.send_bytes(b"ready")
+    try:
+        conn.send_bytes(b"ready")
+    except OSError:  # the parent closed our pipe while we started (a timeout, Ctrl-C): leave quietly
+        return
     while True:
         try:
             data = conn.recv_bytes()
@@ -271,7 +274,10 @@ def _worker_main(conn: Any) -> None:
             rec = analyse_op(name, samples, verify)
         except Exception as e:
             rec = failed_record(name, f"error: {_one_line(e)}", time.perf_counter() - t0)
-        conn.send_bytes(pickle.dumps(rec))
+        try:
+            conn.send_bytes(pickle.dumps(rec))
+        except OSError:  # the parent is gone or stopped waiting for us
+            return
 
 
 def _context() -> Any:
