@@ -4,20 +4,70 @@ This file is the whole public surface; everything else is private. Follow one op
 `enable()` (enable.py) through `lift.choose` (lift.py) to `derive_rules` (derive.py),
 which traces (dispatch_modes/), looks up primitive rules (rules/), propagates
 (propagate.py) and checks local shapes (localcheck.py).
+
+Names are imported on first use (PEP 562), so `import decompshard` (and the
+`decompshard` command's `--help`) does not pay for importing torch.
 """
 
-import os as _os
+from __future__ import annotations
 
-from .caches import cache_info
-from .derive import DerivedRules, clear_caches, derive_rules, resolve_op
-from .enable import disable, enable, enabled, is_enabled
-from .explain import explain
-from .placements import P, R, S, SingleDimRule, parse_rule
+import importlib as _importlib
+import os as _os
+import sys as _sys
+import types as _types
+from typing import TYPE_CHECKING, Any
+
+# public name -> the private module that defines it
+_HOME = {
+    "cache_info": "caches",
+    "DerivedRules": "derive", "clear_caches": "derive", "derive_rules": "derive", "resolve_op": "derive",
+    "disable": "enable", "enable": "enable", "enabled": "enable", "is_enabled": "enable",
+    "explain": "explain",
+    "P": "placements", "R": "placements", "S": "placements", "SingleDimRule": "placements",
+    "parse_rule": "placements",
+}
 
 __all__ = [
     "DerivedRules", "P", "R", "S", "SingleDimRule", "cache_info", "clear_caches", "derive_rules",
     "disable", "enable", "enabled", "explain", "is_enabled", "parse_rule", "resolve_op",
 ]
 
+if TYPE_CHECKING:
+    from .caches import cache_info
+    from .derive import DerivedRules, clear_caches, derive_rules, resolve_op
+    from .enable import disable, enable, enabled, is_enabled
+    from .explain import explain
+    from .placements import P, R, S, SingleDimRule, parse_rule
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'decompshard' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(f".{home}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(_types.ModuleType):
+    """`enable` and `explain` are both a public function and the private module that
+    defines it. Importing such a module (`import decompshard.explain.command`) binds the
+    module to this package's attribute of the same name; that binding is skipped, so
+    `decompshard.explain` stays the function (imported by `__getattr__` when first used)
+    whatever was imported first. Submodules are reached with `from decompshard.explain
+    import render`, which goes through sys.modules, not this attribute."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, _types.ModuleType) and _HOME.get(name) == name:
+            return
+        super().__setattr__(name, value)
+
+
+_sys.modules[__name__].__class__ = _Package
+
 if _os.environ.get("DECOMPSHARD_ENABLE", "") not in ("", "0"):
-    enable()
+    __getattr__("enable")()

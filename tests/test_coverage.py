@@ -7,6 +7,7 @@ capture is cached in-process, so the whole module pays it once (~7 s).
 
 from __future__ import annotations
 
+import csv
 import io
 import json
 import os
@@ -157,11 +158,60 @@ def test_text_table_fits_width_and_stdout_json_is_clean(capsys):
     out, err = capsys.readouterr()
     assert json.loads(out)["ops"][0]["op"] == "aten.addmv.default" and "coverage:" in err
 
-    long = new_record("aten." + "x" * 70 + ".default")
-    long["reason"] = "because " * 40
-    text = rep.render(rep.build_report([long, new_record("aten.y.default")]), "text", width=100)
-    assert max(len(line) for line in text.splitlines()) <= 100
-    assert "..." in text
+
+LONGEST = "aten._scaled_dot_product_flash_attention_for_cpu.default"  # the longest name OpInfo reaches
+
+
+def _long_doc() -> dict:
+    long = new_record(LONGEST)
+    long.update(status="replicate-only", reason="no non-trivial rule survives; blocked at " + "aten.bmm.default, " * 12,
+                samples=[{"shapes": "[4]"}], verified=True, n_truth=4, n_missed=4)
+    long["torch_fallback"].update(status="supported", n_rules=10, n_confirmed=10, n_missed=12)
+    derived = new_record("aten.addmv.default")
+    derived.update(status="derived", derived_rules=["S(0), S(0), R -> S(0)", "P(sum), S(1), S(0) -> P(sum)"],
+                   n_derived=2, n_confirmed=2, n_truth=2, verified=True, samples=[{"shapes": "[4]"}])
+    return rep.build_report([long, derived, new_record("aten.y.default")])
+
+
+@pytest.mark.parametrize("width", [None, 160, 100, 80, 64])
+def test_text_report_fits_the_width_and_never_cuts_a_name(width):
+    """At any width every line fits (the reason wraps, or moves under its row, or the op
+    gets a line of its own) and every op name and reason word is there whole; without a
+    width (a pipe, a file) each op is one line."""
+    doc = _long_doc()
+    text = rep.render(doc, "text", width=width, show_rules=True)
+    lines = text.splitlines()
+    if width is not None:
+        assert max(len(line) for line in lines) <= width
+    else:
+        assert any(line.startswith(LONGEST) and line.endswith("aten.bmm.default,") for line in lines)
+    words = " ".join(text.split())
+    assert any(line.startswith(LONGEST) for line in lines)
+    assert "..." not in text
+    assert words.count("aten.bmm.default,") == 12
+    assert "  P(sum), S(1), S(0) -> P(sum)" in lines  # --show-rules: one rule a line
+
+
+def test_one_cell_format_per_table_and_legends_where_they_apply():
+    doc = _long_doc()
+    random_op = new_record("aten.normal.Tensor_Tensor")  # has samples, never checked (random)
+    random_op.update(status="unsupported", samples=[{"shapes": "[4]"}], n_derived=0, reason="random: ...")
+    table = rep.render_table([*doc["ops"], random_op], "text")
+    cells = {line.split()[0]: line.split()[2:4] for line in table.splitlines()[2:] if line.startswith("aten.")}
+    assert cells["aten.addmv.default"] == ["2/2/0/0", "-"]
+    assert cells[LONGEST] == ["0/0/0/4", "10/10/0/12"]
+    assert cells["aten.normal.Tensor_Tensor"] == ["0/-/-/-", "-"]  # same four parts, '-' where unchecked
+    assert cells["aten.y.default"] == ["-", "-"]
+    assert rep.LEGEND_CHECKED.split(":")[0] in table
+    # nothing checked anywhere (--no-verify, --model): bare counts, and a legend that says so
+    unchecked = [dict(r, verified=False) for r in doc["ops"]]
+    table = rep.render_table(unchecked, "text")
+    assert "rules claimed (no numerical check ran)" in table and "confirmed" not in table
+    assert [line.split()[2] for line in table.splitlines()[2:5]] == ["0", "2", "-"]
+    # only native ops: no counts, no legend
+    native = new_record("aten.mul.Tensor")
+    native.update(status="native", reason="registered single-dim strategy")
+    assert "decompshard, torch (" not in rep.render_table([native], "text")
 
 
 def test_markdown_and_csv(small):
@@ -170,25 +220,39 @@ def test_markdown_and_csv(small):
     csv_text = rep.render(small, "csv")
     assert csv_text.splitlines()[0].startswith("op,status,registry,n_derived")
     assert len(csv_text.splitlines()) == len(small["ops"]) + 1
+    rows = list(csv.DictReader(io.StringIO(rep.render(small, "csv", show_rules=True))))
+    addmv = next(r for r in rows if r["op"] == "aten.addmv.default")
+    assert addmv["derived_rules"].split("; ") == _op(small, "aten.addmv.default")["derived_rules"]
 
 
-def test_progress_tty_and_plain():
+def test_progress_eta_tty_and_plain():
+    now = [0.0]
     plain = io.StringIO()
-    p = Progress(5, stream=plain, every=2)
-    for i in range(5):
+    p = Progress(10, stream=plain, interval=5.0, clock=lambda: now[0])
+    for i in range(10):
+        now[0] += 3.0 if i else 10.0  # the first item pays for warming up
         p.step(f"op{i}")
-    assert plain.getvalue().count("\n") == 3  # at 2, 4 and the last
+    lines = plain.getvalue().splitlines()
+    # a line every 5 s, and the last; the ETA comes from the items after the first
+    assert lines[0] == "coverage: ops 1/10 (10 s)"
+    assert lines[1] == "coverage: ops 3/10 (16 s, ETA 21 s)"
+    assert lines[-1] == "coverage: ops 10/10 (37 s)"
 
     class Tty(io.StringIO):
         def isatty(self) -> bool:
             return True
 
     tty = Tty()
-    p = Progress(3, stream=tty)
+    p = Progress(3, stream=tty, label="OpInfos")
     for i in range(3):
-        p.step(f"op{i}")
+        p.update(i + 1, 3, f"opinfo{i}")
     p.close()
-    assert tty.getvalue().count("\r") >= 3 and "\n" not in tty.getvalue()
+    assert tty.getvalue().count("\r") >= 3 and "\n" not in tty.getvalue() and "OpInfos 2/3" in tty.getvalue()
+
+    verbose = io.StringIO()
+    p = Progress(2, stream=verbose, verbose=True)
+    p.step("aten.addmv.default", {"status": "derived", "seconds": 1.25})
+    assert verbose.getvalue() == "coverage: [1/2] aten.addmv.default: derived (1.2 s)\n"
 
 
 # ------------------------------------------------------------------ diff
@@ -222,6 +286,27 @@ def test_diff_two_reports(tmp_path, capsys):
     assert d["summary"]["unsupported"] == {"old": 0, "new": 2, "delta": 2}
     assert main(["coverage", "--diff", str(old), str(old)]) == 0
     assert "no per-op changes" in capsys.readouterr().out
+
+
+def test_diff_counts_the_rules_of_ops_that_appear_or_disappear():
+    a = new_record("aten.a.default")
+    a.update(status="derived", derived_rules=["S(0) -> S(0)", "S(1) -> S(1)"], n_derived=2)
+    a["torch_fallback"]["n_rules"] = 4
+    old, new = _doc([a]), _doc([new_record("aten.b.default")])
+    d = rep.diff_reports(old, new)
+    gone = next(c for c in d["changes"] if c["op"] == "aten.a.default")
+    assert gone["lost"] == ["S(0) -> S(0)", "S(1) -> S(1)"] and gone["torch_rules"] == [4, None]
+    text = rep.render_diff(d, "text")
+    row = next(line for line in text.splitlines() if line.startswith("aten.a.default"))
+    assert "+0/-2" in row and "4 -> -" in row and "None" not in text
+    back = rep.render_diff(rep.diff_reports(new, old), "text")
+    assert "+2/-0" in next(line for line in back.splitlines() if line.startswith("aten.a.default"))
+
+
+def test_the_cli_knows_the_statuses_without_importing_the_sweep():
+    from decompshard.coverage import command
+
+    assert command.STATUSES == STATUSES
 
 
 # ------------------------------------------------------------------ bad arguments
@@ -269,12 +354,15 @@ class _Die:
         return (os._exit, (7,))
 
 
-def test_workers_survive_hangs_and_crashes():
+def test_workers_survive_hangs_and_crashes(capfd):
     """A job that hangs is killed at its deadline, one that kills its process is reported
-    as crashed; a fresh worker then runs the next op normally."""
-    v, m = torch.randn(5), torch.randn(5, 4)
-    jobs = [("aten.hang.default", pickle.dumps(_Hang())), ("aten.die.default", pickle.dumps(_Die())),
-            make_job("aten.addmv.default", [((v, m, torch.randn(4)), {}, "test")], True)]
+    as crashed; a fresh worker then runs the next job normally, and the workers replaced
+    or stopped along the way leave quietly (no traceback on stderr)."""
+    jobs = [("aten.die.default", pickle.dumps(_Die())),
+            # a registry lookup: instant in any worker, so the 3 s deadline holds on a busy machine
+            make_job("aten.mul.Tensor", [((torch.randn(3), torch.randn(3)), {}, "test")], False),
+            # last: the worker started in its place is stopped while it starts
+            ("aten.hang.default", pickle.dumps(_Hang()))]
     got: dict[str, dict] = {}
     t0 = time.monotonic()
     run_jobs(jobs, 1, 3.0, lambda name, rec: got.__setitem__(name, rec))
@@ -282,8 +370,10 @@ def test_workers_survive_hangs_and_crashes():
     assert got["aten.hang.default"]["status"] == "unsupported"
     assert got["aten.hang.default"]["reason"] == "timed out after 3 s"
     assert got["aten.die.default"]["reason"] == "crashed: worker exited with code 7"
-    ok = got["aten.addmv.default"]
-    assert ok["status"] == "derived" and ok["n_incorrect"] == 0 and ok["n_confirmed"] > 0
+    ok = got["aten.mul.Tensor"]
+    assert ok["status"] == "native" and ok["registry"] == "single-dim", ok["reason"]
+    time.sleep(0.5)  # a stopped worker would print as it exits
+    assert "Traceback" not in capfd.readouterr().err
 
 
 # ------------------------------------------------------------------ model audit
@@ -308,3 +398,20 @@ def test_model_audit(tmp_path, capsys):
     assert main(["coverage", "--model", "_tiny_model:build_with_inputs", "-q", "-j", "0"]) == 0
     text = capsys.readouterr().out
     assert "calls" in text.splitlines()[0] and "aten.pixel_shuffle.default" in text
+
+
+def test_progress_eta_leaves_out_the_instant_lookups():
+    """A sweep does its registry lookups (instant) before the ops it derives: the ETA
+    comes from the derived ones, not from a rate the lookups made look fast."""
+    now = [0.0]
+    out = io.StringIO()
+    p = Progress(12, stream=out, interval=0.0, warmup=8, clock=lambda: now[0])
+    for i in range(7):
+        now[0] += 0.01
+        p.step(f"native{i}")
+    for i in range(5):
+        now[0] += 4.0
+        p.step(f"derived{i}")
+    lines = out.getvalue().splitlines()
+    assert lines[7].endswith("(4 s)")  # the first derived op: no rate yet
+    assert lines[8] == "coverage: ops 9/12 (8 s, ETA 12 s)"  # 3 left at 4 s each

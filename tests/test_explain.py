@@ -11,7 +11,8 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from decompshard import derive_rules
 from decompshard.cli import main
-from decompshard.explain import explain, redistribution
+from decompshard.explain import explain
+from decompshard.explain.analysis import redistribution
 from decompshard.placements import P, R, S, format_rule
 from decompshard.rules import rules_for
 
@@ -218,11 +219,57 @@ def test_op_without_a_native_strategy_has_no_native_note():
     assert "own strategy" not in str(ex.derived)
 
 
-def test_repr_and_html_show_the_trace():
+def test_repr_is_the_text_trace():
     ex = explain(*ADDMV, placements="R;S(1);S(0)")
-    assert repr(ex) == str(ex)
-    page = ex._repr_html_()
-    assert page.startswith("<pre") and "-&gt;" in page and "aten.add.Tensor" in page
+    assert repr(ex) == str(ex) == ex.render(120)
+
+
+def _html(ex):
+    import xml.etree.ElementTree as ET
+
+    return ET.fromstring(ex._repr_html_())  # well-formed: every tag closed, every text escaped
+
+
+def test_notebook_view_is_a_table_with_the_verdict_and_the_blocking_node():
+    root = _html(explain(*ADDMV, placements="R;S(1);S(0)"))
+    verdict = next(e for e in root.iter("div") if "verdict" in (e.get("class") or ""))
+    assert verdict.get("class") == "verdict verdict-rejected"
+    assert verdict.text == "REJECTED at node 7 (aten.add.Tensor): no rule accepts (P(sum), R)"
+    assert "background" in verdict.get("style")
+    tables = {t.get("class"): t for t in root.iter("table")}
+    assert {"inputs", "decomposition", "arriving", "nearest"} <= set(tables)
+    rows = tables["decomposition"].find("tbody").findall("tr")
+    assert len(rows) == 8  # one per primitive call
+    blocked = [r for r in rows if r.get("class") == "blocked"]
+    assert len(blocked) == 1 and blocked[0].find("td").text == "7"
+    assert "background" in blocked[0].get("style")
+    assert blocked[0].findall("td")[2].text == "** NO RULE for (P(sum), R)"
+    assert all(r.get("class") == "matched" for r in rows[:7])
+    # placements are coloured by kind, as torch's visualize_sharding does
+    cells = [r.findall("td")[5] for r in tables["inputs"].find("tbody").findall("tr")]
+    assert [c.text for c in cells] == ["R", "S(1)", "S(0)"]
+    assert cells[0].get("style") != cells[1].get("style") == cells[2].get("style")  # R, then two S
+    # the text trace is there too, folded
+    assert "blocked at node 7" in root.find("details").find("pre").text
+
+
+def test_notebook_view_of_an_accepted_and_of_an_unsupported_call():
+    root = _html(explain(*ADDMV, placements="S(0);S(0);R"))
+    verdict = next(e for e in root.iter("div") if "verdict" in (e.get("class") or ""))
+    assert verdict.get("class") == "verdict verdict-accepted" and verdict.text.startswith("ACCEPTED")
+    assert not [r for r in root.iter("tr") if r.get("class") == "blocked"]
+    assert [li.text for li in root.iter("li")] == ["S(0), S(0), R -> S(0)"]
+    x = torch.randn(4)
+    root = _html(explain(aten.bernoulli.default, x, placements="R"))
+    verdict = next(e for e in root.iter("div") if "verdict" in (e.get("class") or ""))
+    assert verdict.get("class") == "verdict verdict-unsupported" and "random" in verdict.text
+
+
+@pytest.mark.parametrize("width", [100, 80])
+def test_traces_fit_the_width_they_are_given(width):
+    for pl in ("R;S(1);S(0)", "S(0);S(0);R", "P(sum);S(1);S(0)"):
+        text = explain(*ADDMV, placements=pl, show_all=True).render(width)
+        assert max(len(line) for line in text.splitlines()) <= width, pl
 
 
 def test_traces_fit_in_120_columns():
@@ -238,11 +285,26 @@ def test_traces_fit_in_120_columns():
 # ------------------------------------------------------------------------- CLI
 
 
-def test_cli_trace(capsys):
+def test_cli_trace_and_its_exit_code(capsys):
     rc, out, err = cli(capsys, *ADDMV_CLI, "--placements", "R;S(1);S(0)")
-    assert rc == 0 and not err
+    assert rc == 3 and not err  # rejected: needs redistribution
     assert "REJECTED at node" in out and "aten.add.Tensor" in out
     assert "from R to P(sum)" in out
+    rc, out, err = cli(capsys, *ADDMV_CLI, "--placements", "S(0);S(0);R")
+    assert rc == 0 and "ACCEPTED" in out
+    args = ("aten.native_group_norm.default", "--shapes", "2,8,4;8;8", "--args", "2,8,4,2,1e-5")
+    rc, out, _ = cli(capsys, "explain", *args, "--placements", "S(0);R;R")
+    assert rc == 3 and "REFUSED by the local-shape check" in out
+
+
+def test_cli_quiet_prints_the_verdict_only(capsys):
+    rc, out, err = cli(capsys, *ADDMV_CLI, "--placements", "R;S(1);S(0)", "-q")
+    assert rc == 3 and not err
+    assert out.splitlines() == [
+        "explain aten.addmv.default(self: f32[4], mat: f32[4,12], vec: f32[12])",
+        "candidate: R, S(1), S(0)",
+        "verdict:   REJECTED at node 7 (aten.add.Tensor): no rule accepts (P(sum), R)",
+    ]
 
 
 def test_cli_all_lists_every_derived_rule_and_rejection(capsys):
@@ -319,6 +381,21 @@ def test_interactive_session_from_piped_stdin(capsys, monkeypatch):
     assert out.count("candidate: S(0), S(0), R") == 1  # nothing after quit runs
 
 
+def test_interactive_bad_changes_keep_the_working_call(capsys, monkeypatch):
+    script = ("shapes 4;4,13;12\nS(0);S(0);R\nargs 3\ncall\n"  # bad shapes, bad args: addmv stays
+              "op aten.mv.default\nS(0);R\ncall\nshapes 4,12;12\nS(0);R\nquit\n")  # mv waits for its shapes
+    monkeypatch.setattr(sys, "stdin", io.StringIO(script))
+    rc, out, _ = cli(capsys, *ADDMV_CLI, "-i")
+    assert rc == 0
+    assert "error: aten.addmv.default rejects these arguments" in out
+    assert out.count("still: aten.addmv.default(self=f32[4], mat=f32[4,12], vec=f32[12])") == 3
+    assert "candidate: S(0), S(0), R" in out and "ACCEPTED" in out  # on the kept call
+    assert "pending: op aten.mv.default" in out
+    assert "error: expected 3 placements" in out  # S(0);R went to addmv, still the call
+    assert "call: aten.mv.default(self=f32[4,12], vec=f32[12])" in out
+    assert "explain aten.mv.default(self: f32[4,12], vec: f32[12])" in out
+
+
 def test_interactive_eof_exits_cleanly_and_op_can_be_set_inside(capsys, monkeypatch):
     script = "S(1)\nop aten.channel_shuffle.default\nshapes 2,8,3,3\nargs 2\nS(1)\ngraph"
     monkeypatch.setattr(sys, "stdin", io.StringIO(script))
@@ -363,7 +440,7 @@ def test_mesh_ranking_follows_the_cost_model():
 def test_cli_mesh(capsys):
     rc, out, err = cli(capsys, *ADDMV_CLI, "--placements", "R;S(1);S(0)", "--mesh", "2x4",
                        "--mesh-placements", MESH_CURRENT)
-    assert rc == 0 and not err
+    assert rc == 3 and not err  # the single-dim candidate is rejected
     assert "REJECTED at node" in out  # the single-dim trace is still there
     assert "N-D strategies on mesh 2x4" in out and "CHOSEN" in out
     assert max(len(line) for line in out.splitlines()) <= 120
@@ -375,3 +452,32 @@ def test_cli_version_names_decompshard_and_torch(capsys):
     out = capsys.readouterr().out
     assert done.value.code == 0
     assert out.startswith("decompshard ") and f"torch {torch.__version__}" in out
+
+
+# ------------------------------------------------------------------------- structure
+
+
+def _imports(path) -> set[str]:
+    """The decompshard.explain modules a file imports (relative imports resolved)."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            names |= {node.module} if node.module else {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("decompshard.explain."):
+            names.add(node.module.split(".")[2])
+    return names
+
+
+def test_explain_modules_import_one_way():
+    """command -> api -> notebook -> render -> analysis: each module imports only modules
+    below it (no cycle, no import from above hidden in a function)."""
+    from pathlib import Path
+
+    from decompshard.explain import analysis as analysis_module
+
+    folder = Path(analysis_module.__file__).parent
+    order = ["analysis", "render", "notebook", "api", "command"]
+    for k, name in enumerate(order):
+        assert _imports(folder / f"{name}.py") <= set(order[:k]), name

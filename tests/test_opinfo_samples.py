@@ -167,3 +167,60 @@ def test_capture_leaves_rng_alone(samples):
     torch.manual_seed(123)
     capture_aten_samples("nn.functional.dropout", max_samples_per_opinfo=2)  # random op
     assert torch.equal(torch.rand(3), expected)
+
+
+# ------------------------------------------------------------------ the capture kept on disk
+
+
+def _same(a, b) -> bool:
+    from torch.utils._pytree import tree_flatten
+
+    fa, sa = tree_flatten((a.args, a.kwargs))
+    fb, sb = tree_flatten((b.args, b.kwargs))
+    if sa != sb or a.opinfo_name != b.opinfo_name or a.op is not b.op:
+        return False
+    for x, y in zip(fa, fb):
+        if isinstance(x, torch.Tensor):
+            if (x.dtype, x.shape, x.stride(), x.storage_offset()) != (y.dtype, y.shape, y.stride(), y.storage_offset()):
+                return False
+            if x.is_conj() != y.is_conj() or x.is_neg() != y.is_neg():
+                return False
+            xs = torch.tensor([], dtype=x.dtype).set_(x.untyped_storage())
+            ys = torch.tensor([], dtype=y.dtype).set_(y.untyped_storage())
+            if not torch.equal(xs, ys) and not (xs.is_floating_point() and torch.allclose(xs, ys, equal_nan=True, rtol=0, atol=0)):
+                return False
+        elif not (x == y or (x != x and y != y)):
+            return False
+    return True
+
+
+def test_a_capture_kept_on_disk_reads_back_as_captured(opinfo_cache):
+    """`decompshard coverage` keeps the capture on disk; read back in a process that never
+    captured, it is the same samples, in the same order, storage and strides included."""
+    from decompshard.coverage import opinfo_samples as o
+
+    captured = capture_aten_samples(max_samples_per_opinfo=1)  # this process's own capture
+    kept = dict(o._CAPTURE_CACHE)
+    o.clear_capture_cache()
+    try:
+        assert o.capture_is_cached(1, cache_dir=str(opinfo_cache))
+        back = capture_aten_samples(max_samples_per_opinfo=1, cache_dir=str(opinfo_cache))
+    finally:
+        o._CAPTURE_CACHE.clear()
+        o._CAPTURE_CACHE.update(kept)
+    assert list(back) == list(captured)
+    for op in captured:
+        assert len(back[op]) == len(captured[op])
+        assert all(_same(a, b) for a, b in zip(captured[op], back[op])), op
+
+
+def test_the_cache_file_is_keyed_by_torch_and_the_capture_code(tmp_path):
+    from decompshard.coverage import opinfo_samples as o
+
+    name = o._cache_file_name(1, 4)
+    assert torch.__version__ in name and name.endswith("-1-4.pkl")
+    assert name != o._cache_file_name(None, 4)
+    # an unreadable file is a miss (captured again), never an error
+    (tmp_path / name).write_bytes(b"not a pickle")
+    assert o._load(str(tmp_path / name)) is None
+    assert o._load(str(tmp_path / "missing.pkl")) is None

@@ -55,7 +55,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", "-j", type=int, default=min(os.cpu_count() or 1, 8),
                         help="worker processes (default: CPU count, at most 8; 0: in this process)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per op (default 600)")
-    parser.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
 
 
 def _meshes(text: str) -> list[tuple[int, ...]]:
@@ -101,12 +100,12 @@ def _sweep(args: argparse.Namespace, meshes: list) -> dict[str, Any]:
     from .sweep import check_ops, summarize
 
     t0 = time.perf_counter()
-    per_op = _samples_for(args.ops, args.samples, not args.quiet)
+    per_op = _samples_for(args.ops, args.samples, getattr(args, 'verbosity', 0) >= 0)
     done = [0]
 
     def step(name: str) -> None:
         done[0] += 1
-        if not args.quiet:
+        if getattr(args, 'verbosity', 0) >= 0:
             print(f"check: [{done[0]}/{len(per_op)}] {name}", file=sys.stderr, flush=True)
 
     records = check_ops(per_op, meshes=meshes, combos=args.combos, seed=args.seed, backward=not args.no_backward,
@@ -124,7 +123,7 @@ def _one_case(args: argparse.Namespace, meshes: list) -> int:
 
     if len(meshes) != 1 or args.sample is None or not args.ops or any(c in args.ops for c in ",*?["):
         raise UsageError("--placements runs one case: give one exact op in --ops, --sample and one --mesh")
-    per_op = _samples_for(args.ops, args.sample + 1, not args.quiet)
+    per_op = _samples_for(args.ops, args.sample + 1, getattr(args, 'verbosity', 0) >= 0)
     if not per_op or len(per_op[0][1]) <= args.sample:
         raise UsageError(f"{args.ops}: no OpInfo sample number {args.sample}")
     op, samples = per_op[0]

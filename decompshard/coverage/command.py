@@ -7,7 +7,11 @@
     decompshard coverage --diff old.json new.json
     decompshard coverage --verify-native --format json -o native.json   # audit DTensor's own strategies
 
-Exit codes: 0 a completed sweep (whatever it found), 2 bad arguments (one line on stderr).
+The OpInfo samples are captured once and kept on disk (see --no-cache), so `--ops`
+after the first run costs only the ops it names.
+
+Exit codes: 0 a completed sweep (whatever it found), 2 bad arguments (one line on stderr),
+130 interrupted (Ctrl-C; with --output, the ops finished so far are written there).
 """
 
 from __future__ import annotations
@@ -18,18 +22,18 @@ import os
 import shutil
 import sys
 import time
-from typing import Any, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ..cli import UsageError
-from ..derive import resolve_op
-from . import report as rep
-from .report import Progress
-from .sweep import STATUSES, needs_worker, pick_samples, records_for
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["add_arguments", "run", "select_ops", "sweep"]
 
+# torch is imported when the command runs, not when the CLI builds its parser
+STATUSES = ("native", "derived", "torch-fallback", "replicate-only", "unsupported")  # = sweep.STATUSES
+FORMATS = ("text", "markdown", "csv", "json")
 _GLOB = set("*?[")
 
 
@@ -37,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = "Op coverage tables: how DTensor shards each aten op (native, derived, " \
                          "torch-fallback, replicate-only, unsupported) and why not."
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = "examples:\n" + __doc__.split("\n\n")[1]
+    parser.epilog = "examples:\n" + __doc__.split("\n\n")[1] + "\n\n" + __doc__.split("\n\n")[3]
     parser.add_argument("--ops", metavar="PATTERNS",
                         help="comma-separated fnmatch globs over 'aten.<name>.<overload>' of the ops OpInfo "
                         "reaches, or exact overload names (any aten op); default: every op OpInfo reaches")
@@ -45,8 +49,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="audit a model instead: the callable returns an nn.Module or (module, example_inputs)")
     parser.add_argument("--input-shapes", metavar="SHAPES",
                         help="with --model: ';'-separated input shapes (float32), e.g. '8,128' or '2,3;2'")
-    parser.add_argument("--format", choices=("text", "markdown", "csv", "json"), default="text")
+    parser.add_argument("--format", choices=FORMATS, default="text",
+                        help="text (default: a table sized to the terminal, full lines when piped), "
+                        "markdown (GitHub tables), csv (one row per op) or json (the full record, for "
+                        "--diff/--from)")
     parser.add_argument("--output", "-o", metavar="FILE", help="write the report here instead of stdout")
+    parser.add_argument("--show-rules", action="store_true",
+                        help="also list each op's derived rules (text, markdown; a derived_rules column in csv)")
     parser.add_argument("--diff", nargs=2, metavar=("OLD", "NEW"), help="compare two --format json reports")
     parser.add_argument("--from", dest="from_json", metavar="REPORT",
                         help="re-render a saved --format json report (e.g. as markdown) instead of sweeping")
@@ -59,10 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--opinfo-samples", type=int, default=None, metavar="N",
                         help="run only the first N sample inputs of each OpInfo (faster, reaches fewer ops; "
                         "default: all)")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="capture the OpInfo samples afresh and keep nothing on disk (default: reuse the "
+                        "capture kept in $DECOMPSHARD_CACHE_DIR, else ~/.cache/decompshard, made by the "
+                        "same torch and decompshard)")
     parser.add_argument("--no-verify", action="store_true", help="skip the numerical check (no precision/recall)")
     parser.add_argument("--status", metavar="LIST",
                         help=f"table rows to show, comma-separated among {', '.join(STATUSES)} (summary unchanged)")
-    parser.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
     parser.add_argument("--verify-native", action="store_true",
                         help="audit DTensor's own strategies instead: check each native op's rules numerically and "
                         "run it through DTensor on 4 simulated ranks; report the wrong ones with reproducers "
@@ -70,6 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check_args(args: argparse.Namespace) -> list[str] | None:
+    """Every argument check that needs neither torch nor an OpInfo capture."""
     if args.jobs < 0:
         raise UsageError("--jobs must be >= 0")
     if args.timeout <= 0:
@@ -80,7 +93,7 @@ def _check_args(args: argparse.Namespace) -> list[str] | None:
         raise UsageError("--opinfo-samples must be >= 1")
     if args.input_shapes and not args.model:
         raise UsageError("--input-shapes needs --model")
-    picked = [f for f, v in (("--ops", args.ops), ("--model", args.model), ("--diff", args.diff),
+    picked = [f for f, v in (("--ops", args.ops is not None), ("--model", args.model), ("--diff", args.diff),
                              ("--from", args.from_json)) if v]
     if len(picked) > 1:
         raise UsageError(f"{picked[0]} and {picked[1]} cannot be combined")
@@ -88,17 +101,28 @@ def _check_args(args: argparse.Namespace) -> list[str] | None:
         folder = os.path.dirname(os.path.abspath(args.output))
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or os.path.isdir(args.output):
             raise UsageError(f"cannot write --output {args.output!r}")
+    if args.ops is not None:
+        _parts(args.ops)  # empty: at once; the names need torch (`sweep` checks them first)
     if not args.status:
         return None
     statuses = [s.strip() for s in args.status.split(",") if s.strip()]
     bad = [s for s in statuses if s not in STATUSES]
-    if bad:
-        raise UsageError(f"unknown --status {bad[0]!r}; expected some of {', '.join(STATUSES)}")
+    if bad or not statuses:
+        raise UsageError(f"unknown --status {(bad or [args.status])[0]!r}; expected some of {', '.join(STATUSES)}")
     return statuses
 
 
-def _width(to_terminal: bool) -> int:
-    return max(80, min(160, shutil.get_terminal_size((120, 24)).columns)) if to_terminal else 120
+def _width(output: str | None, stream: Any) -> int | None:
+    """Columns for text tables: none for a file; $COLUMNS when set; the terminal's width
+    on a terminal; none for a pipe (full lines, for grep)."""
+    if output:
+        return None
+    cols = os.environ.get("COLUMNS", "")
+    if cols.strip().isdigit() and int(cols) > 0:
+        return int(cols)
+    if getattr(stream, "isatty", lambda: False)():
+        return shutil.get_terminal_size((120, 24)).columns
+    return None
 
 
 def _emit(text: str, output: str | None) -> None:
@@ -114,7 +138,11 @@ def _emit(text: str, output: str | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     statuses = _check_args(args)
-    width = _width(not args.output and sys.stdout.isatty())
+    if not (args.diff or args.from_json):  # before anything here imports torch (see sweep)
+        _start_worker_server(args.jobs)
+    from . import report as rep
+
+    width = _width(args.output, sys.stdout)
     if args.verify_native or args.from_json:
         from .native_audit import load_native, native_sweep, render_native
 
@@ -123,26 +151,38 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("--verify-native works on --ops (or every op), not --model/--diff")
         if args.verify_native and doc is None and not args.from_json:
             doc = native_sweep(args.ops, jobs=args.jobs, timeout=args.timeout, samples_per_op=args.samples,
-                               opinfo_samples=args.opinfo_samples, progress=not args.quiet)
+                               opinfo_samples=args.opinfo_samples, progress=getattr(args, "verbosity", 0) >= 0)
         if doc is not None:
-            _emit(render_native(doc, args.format, width), args.output)
+            _emit(render_native(doc, args.format, width or 120), args.output)
             return 0
     if args.diff:
         old, new = (rep.load_report(p) for p in args.diff)
         _emit(rep.render_diff(rep.diff_reports(old, new), args.format, width), args.output)
         return 0
     if args.from_json:
-        _emit(rep.render(rep.load_report(args.from_json), args.format, width, statuses), args.output)
+        _emit(rep.render(rep.load_report(args.from_json), args.format, width, statuses, args.show_rules),
+              args.output)
         return 0
+    verbosity = getattr(args, "verbosity", 0)
     if args.model:
         from .model_audit import audit_model
 
         doc = audit_model(args.model, args.input_shapes, jobs=args.jobs, timeout=args.timeout,
-                          samples_per_op=args.samples, progress=not args.quiet)
+                          samples_per_op=args.samples, progress=verbosity >= 0)
     else:
-        doc = sweep(args.ops, jobs=args.jobs, timeout=args.timeout, samples_per_op=args.samples,
-                    opinfo_samples=args.opinfo_samples, verify=not args.no_verify, progress=not args.quiet)
-    _emit(rep.render(doc, args.format, width, statuses), args.output)
+        partial: dict[str, Any] = {}
+        try:
+            doc = sweep(args.ops, jobs=args.jobs, timeout=args.timeout, samples_per_op=args.samples,
+                        opinfo_samples=args.opinfo_samples, verify=not args.no_verify, verbosity=verbosity,
+                        cache=not args.no_cache, partial=partial)
+        except KeyboardInterrupt:
+            if not args.output or "doc" not in partial:
+                raise
+            doc = partial["doc"]
+            _emit(rep.render(doc, args.format, width, statuses, args.show_rules), args.output)
+            raise KeyboardInterrupt(f"{len(doc['ops'])} of {doc['run']['ops_selected']} ops written to "
+                                    f"{args.output}") from None
+    _emit(rep.render(doc, args.format, width, statuses, args.show_rules), args.output)
     return 0
 
 
@@ -156,23 +196,64 @@ def _normalize(pattern: str) -> str:
     return p if p.startswith("aten.") or p.startswith("aten*") else f"aten.{p}"
 
 
-def select_ops(patterns: str | None, reached: Sequence[torch._ops.OpOverload]) -> list[torch._ops.OpOverload]:
+def _parts(patterns: str) -> list[str]:
+    parts = [p.strip() for p in patterns.split(",") if p.strip()]
+    if not parts:
+        raise UsageError(f"--ops {patterns!r} names no op: expected comma-separated names or globs, "
+                         "e.g. 'aten.addmv.default,aten.pixel_*'")
+    return parts
+
+
+def all_aten_overloads() -> list[str]:
+    """Every aten overload registered with the dispatcher, as 'aten.<name>.<overload>'
+    (milliseconds, no OpInfo): what a glob can possibly match."""
+    import torch
+
+    out = []
+    for name in torch._C._dispatch_get_all_op_names():
+        if name.startswith("aten::"):
+            base, _, overload = name[len("aten::"):].partition(".")
+            out.append(f"aten.{base}.{overload or 'default'}")
+    return out
+
+
+def validate_patterns(patterns: str) -> None:
+    """Fail fast, before the (slow) OpInfo capture: an empty --ops, an unknown exact name,
+    a glob that matches no aten op at all. (A glob that matches aten ops none of which
+    OpInfo reaches is found out by `select_ops`.)"""
+    parts = _parts(patterns)
+    from ..derive import resolve_op
+
+    names: list[str] | None = None
+    for raw in parts:
+        pat = _normalize(raw)
+        if _GLOB & set(pat):
+            names = all_aten_overloads() if names is None else names
+            if not any(fnmatch.fnmatchcase(n, pat) for n in names):
+                raise UsageError(f"--ops pattern {raw!r} matches no aten op")
+            continue
+        try:
+            resolve_op(pat)
+        except ValueError as e:
+            raise UsageError(f"--ops: {e}") from None
+
+
+def select_ops(patterns: str | None, reached: Sequence["torch._ops.OpOverload"]) -> list["torch._ops.OpOverload"]:
     """Ops to sweep: every reached op (no patterns), or those matching the comma-separated
     globs, plus exact overload names OpInfo does not reach. A pattern that selects nothing
     is a usage error: a typo should not produce an empty, successful report."""
+    from ..derive import resolve_op
+
     if patterns is None:
         return sorted(reached, key=str)
     names = {str(op): op for op in reached}
-    chosen: dict[str, torch._ops.OpOverload] = {}
-    parts = [p for p in patterns.split(",") if p.strip()]
-    if not parts:
-        raise UsageError("--ops is empty")
-    for raw in parts:
+    chosen: dict[str, Any] = {}
+    for raw in _parts(patterns):
         pat = _normalize(raw)
         if _GLOB & set(pat):
             hits = [n for n in names if fnmatch.fnmatchcase(n, pat)]
             if not hits:
-                raise UsageError(f"--ops pattern {raw.strip()!r} matches no aten op reached by OpInfo")
+                raise UsageError(f"--ops pattern {raw!r} matches no aten op reached by OpInfo")
             chosen.update((n, names[n]) for n in hits)
         elif pat in names:
             chosen[pat] = names[pat]
@@ -185,45 +266,97 @@ def select_ops(patterns: str | None, reached: Sequence[torch._ops.OpOverload]) -
     return [chosen[n] for n in sorted(chosen)]
 
 
-def _validate_exact(patterns: str | None) -> None:
-    """Fail fast on a bad exact name, before the (slow) OpInfo capture."""
-    for raw in (patterns or "").split(","):
-        pat = _normalize(raw) if raw.strip() else ""
-        if pat and not (_GLOB & set(pat)):
-            try:
-                resolve_op(pat)
-            except ValueError as e:
-                raise UsageError(f"--ops: {e}") from None
-
-
 # ------------------------------------------------------------------ sweep
 
 
-def sweep(patterns: str | None = None, *, jobs: int = 1, timeout: float = 60.0, samples_per_op: int = 2,
-          opinfo_samples: int | None = None, verify: bool = True, progress: bool = True) -> dict[str, Any]:
-    """Capture OpInfo samples, select ops, analyse each (workers for the non-native ones),
-    and return the JSON report document."""
-    from .opinfo_samples import capture_aten_samples
+def _start_worker_server(jobs: int) -> None:
+    """The sweep's workers fork from a server process that imports torch and decompshard
+    once (sweep._context: forkserver, sweep preloaded). Starting that server first lets
+    its imports (3 s) run while this process imports torch and reads the capture, instead
+    of after.
 
-    _validate_exact(patterns)
+    It starts with SIGINT ignored, which it and every worker it forks inherit (Python
+    installs no KeyboardInterrupt handler when it starts with SIGINT ignored): a Ctrl-C
+    at the terminal reaches the whole process group, and only this process must answer
+    it (it stops the workers and says "interrupted" once)."""
+    import multiprocessing as mp
+    import signal
+
+    if jobs <= 0 or "forkserver" not in mp.get_all_start_methods():
+        return
+    from multiprocessing import forkserver
+
+    mp.get_context("forkserver").set_forkserver_preload(["decompshard.coverage.sweep"])
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _say(text: str) -> None:
+    print(f"coverage: {text}", file=sys.stderr, flush=True)
+
+
+def sweep(patterns: str | None = None, *, jobs: int = 1, timeout: float = 60.0, samples_per_op: int = 2,
+          opinfo_samples: int | None = None, verify: bool = True, verbosity: int = 0, cache: bool = True,
+          partial: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Capture OpInfo samples (or read the capture kept on disk), select ops, analyse each
+    (workers for the non-native ones), and return the JSON report document.
+
+    `verbosity`: -1 silent, 0 progress on stderr, 1 a line per op. On Ctrl-C the
+    KeyboardInterrupt propagates after `partial["doc"]` is set to the report of the ops
+    finished so far (`run.interrupted` true), when the sweep had started."""
+    from . import report as rep
+    from .opinfo_samples import capture_aten_samples, capture_is_cached, default_cache_dir
+    from .progress import Progress
+    from .sweep import needs_worker, pick_samples, records_for
+
+    _start_worker_server(jobs)  # (a no-op when `run` started it already)
+    if patterns is not None:
+        validate_patterns(patterns)
+    show = verbosity >= 0
     t0 = time.perf_counter()
-    if progress:
-        print("coverage: capturing aten calls from torch's OpInfo samples...", file=sys.stderr, flush=True)
-    captured = capture_aten_samples(max_samples_per_opinfo=opinfo_samples)
+    cache_dir = default_cache_dir() if cache else None
+    cached = capture_is_cached(opinfo_samples, cache_dir=cache_dir)
+    if show and not cached:
+        _say("capturing aten calls from torch's OpInfo samples (once"
+             + (f"; kept in {cache_dir})" if cache_dir else ")"))
+    bar = Progress(0, label="OpInfos", enabled=show and not cached)
+    try:
+        captured = capture_aten_samples(max_samples_per_opinfo=opinfo_samples, cache_dir=cache_dir,
+                                        on_opinfo=bar.update)
+    finally:
+        bar.close()
     t_capture = time.perf_counter() - t0
+    if verbosity > 0:
+        _say(f"{len(captured)} aten ops with samples, {'read from the cache' if cached else 'captured'} "
+             f"in {t_capture:.1f} s")
     ops = select_ops(patterns, [op for op in captured if op.namespace == "aten"])
-    bar = Progress(len(ops), enabled=progress)
     per_op = []
     for op in ops:
         best = pick_samples(captured.get(op, []), samples_per_op)
         per_op.append((op, [(s.args, s.kwargs, s.opinfo_name) for s in best]))
-    records = records_for(per_op, jobs=jobs, timeout=timeout, verify=verify, bar=bar)
-    n_derived = sum(1 for op, best in per_op if needs_worker(op, best))
-    if progress:
-        print(f"coverage: {len(ops)} ops in {time.perf_counter() - t0:.0f} s "
-              f"(OpInfo capture {t_capture:.0f} s, {n_derived} ops derived{' and verified' if verify else ''})",
-              file=sys.stderr, flush=True)
     run_info = {"jobs": jobs, "timeout": timeout, "samples_per_op": samples_per_op,
                 "opinfo_samples": opinfo_samples, "verify": verify, "selection": patterns or "default",
-                "capture_seconds": round(t_capture, 1), "seconds": round(time.perf_counter() - t0, 1)}
-    return rep.build_report(records, run=run_info)
+                "capture_seconds": round(t_capture, 1), "capture_cached": cached}
+    if show:
+        _say(f"sweeping {len(ops)} ops")
+    lookups = sum(1 for op, best in per_op if not needs_worker(op, best))  # instant, done first
+    bar = Progress(len(ops), enabled=show, verbose=verbosity > 0, warmup=lookups + 1)
+    records: list[dict[str, Any]] = []
+    try:
+        records_for(per_op, jobs=jobs, timeout=timeout, verify=verify, bar=bar, records=records)
+    except KeyboardInterrupt:
+        if partial is not None:
+            partial["doc"] = rep.build_report(records, run={
+                **run_info, "seconds": round(time.perf_counter() - t0, 1), "interrupted": True,
+                "ops_selected": len(ops)})
+        raise
+    doc = rep.build_report(records, run={**run_info, "seconds": round(time.perf_counter() - t0, 1)})
+    if show:
+        st = doc["summary"]["status"]
+        counts = ", ".join(f"{st[s]} {s}" for s in STATUSES if st.get(s))
+        _say(f"{len(ops)} ops in {time.perf_counter() - t0:.0f} s (OpInfo samples "
+             f"{'from the cache' if cached else 'captured'} in {t_capture:.0f} s): {counts}")
+    return doc

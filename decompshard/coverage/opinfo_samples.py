@@ -9,19 +9,29 @@ ones a DTensor would be asked to shard.
 
 Public API::
 
-    capture_aten_samples(opinfo_filter=None, max_samples_per_opinfo=4)
-        -> dict[OpOverload, list[AtenSample]]
+    capture_aten_samples(opinfo_filter=None, max_samples_per_opinfo=4, cache_dir=None,
+                         on_opinfo=None) -> dict[OpOverload, list[AtenSample]]
+    default_cache_dir() -> str    # where `decompshard coverage` keeps the full capture
     decomp_only_ops(samples) -> list[OpOverload]   # the "decomp-only OpInfo set"
     status_of(op) -> 'native' | 'decomp' | 'none'
 
-Importing `op_db` takes a few seconds; it happens lazily, on the first capture. The
-OpInfo module sizes its samples through the globals `S`, `M`, `L`, `XS`; we leave them
-as they are.
+Importing `op_db` takes a few seconds and a full capture runs every OpInfo's samples
+(10 s on a quiet 2-core machine, minutes on a loaded one; three max_pool OpInfos are half
+of it); both happen lazily, on the first capture. A full capture can be kept on disk
+(`cache_dir`): the file's name holds what makes it valid (torch version and commit,
+Python version, the capture's settings and this file's own source), so a new torch or a
+changed capture never reads an old file. The OpInfo module sizes its samples through the
+globals `S`, `M`, `L`, `XS`; we leave them as they are.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import os
+import pickle
+import sys
+import tempfile
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Union
@@ -31,17 +41,22 @@ from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .._paths import cache_dir
+
 __all__ = [
     "AtenSample",
     "capture_aten_samples",
+    "capture_is_cached",
     "clear_capture_cache",
     "decomp_only_ops",
+    "default_cache_dir",
     "has_decomposition",
     "has_dtensor_strategy",
     "status_of",
 ]
 
 OpInfoFilter = Union[None, str, Iterable[str], Callable[[Any], bool]]
+OnOpInfo = Callable[[int, int, str], None]  # (OpInfos done, OpInfos in all, the last one's name)
 
 
 # ----------------------------------------------------------------------------- sample
@@ -202,6 +217,8 @@ def capture_aten_samples(
     max_samples_per_opinfo: int | None = 4,
     *,
     max_samples_per_op: int | None = 4,
+    cache_dir: str | None = None,
+    on_opinfo: OnOpInfo | None = None,
 ) -> dict[OpOverload, list[AtenSample]]:
     """Aten overloads reached by OpInfo samples, with a few distinct samples each.
 
@@ -210,6 +227,10 @@ def capture_aten_samples(
     max_samples_per_opinfo: how many of each OpInfo's CPU float32 sample inputs to run
         (the first ones; None runs them all: ~2x slower, a few more overloads).
     max_samples_per_op: distinct samples kept per aten overload (None keeps all).
+    cache_dir: keep a full capture (no filter) on disk there, and read it back when it
+        is valid for this torch and this code (`default_cache_dir()` is the usual
+        place); None: in-process only.
+    on_opinfo: called after each OpInfo of a capture that really runs (progress).
 
     Samples are deduplicated by (op, tensor shapes/dtypes, non-tensor args); samples
     with a zero-size tensor dim (or a sparse tensor) are dropped; exceptions raised by
@@ -218,56 +239,149 @@ def capture_aten_samples(
     """
     key = (_filter_key(opinfo_filter), max_samples_per_opinfo, max_samples_per_op)
     cached = _CAPTURE_CACHE.get(key)
+    path = None
+    if cache_dir is not None and opinfo_filter is None:
+        path = os.path.join(cache_dir, _cache_file_name(max_samples_per_opinfo, max_samples_per_op))
+        if cached is None:
+            cached = _load(path)
+        elif not os.path.exists(path):  # captured in this process before: keep it for the next one
+            _save(path, cached)
     if cached is None:
-        cached = _capture(opinfo_filter, max_samples_per_opinfo, max_samples_per_op)
-        _CAPTURE_CACHE[key] = cached
+        cached = _capture(opinfo_filter, max_samples_per_opinfo, max_samples_per_op, on_opinfo)
+        if path is not None:
+            _save(path, cached)
+    _CAPTURE_CACHE[key] = cached
     return {op: list(samples) for op, samples in cached.items()}
+
+
+def capture_is_cached(max_samples_per_opinfo: int | None = 4, *, max_samples_per_op: int | None = 4,
+                      cache_dir: str | None = None) -> bool:
+    """Whether a full capture with these settings is already here (in-process or on disk):
+    a caller can say "capturing..." only when it will."""
+    if (None, max_samples_per_opinfo, max_samples_per_op) in _CAPTURE_CACHE:
+        return True
+    return cache_dir is not None and os.path.isfile(
+        os.path.join(cache_dir, _cache_file_name(max_samples_per_opinfo, max_samples_per_op)))
 
 
 def _capture(
     opinfo_filter: OpInfoFilter,
     max_samples_per_opinfo: int | None,
     max_samples_per_op: int | None,
+    on_opinfo: OnOpInfo | None = None,
 ) -> dict[OpOverload, list[AtenSample]]:
     from torch.testing._internal.common_methods_invocations import op_db  # slow import
 
     result: dict[OpOverload, list[AtenSample]] = {}
     seen: set[tuple] = set()
-    with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
-        warnings.simplefilter("ignore")
-        for opinfo in op_db:
-            if not _opinfo_matches(opinfo, opinfo_filter):
-                continue
-            # Seed per OpInfo: sample values do not depend on the filter. The global
-            # RNG state is restored by fork_rng when the capture ends.
-            torch.manual_seed(0)
-            try:
-                if not opinfo.supports_dtype(torch.float32, "cpu"):
-                    continue
-                gen = _sample_inputs(opinfo)
-                sample_inputs = list(itertools.islice(gen, max_samples_per_opinfo))
-            except Exception:
-                continue
-            for sample in sample_inputs:
-                recorder = _RecordOutermostAtenCalls()
-                try:
-                    with recorder:
-                        # The OpInfo calling convention (OpInfo.__call__ / test_ops).
-                        opinfo.op(sample.input, *sample.args, **sample.kwargs)
-                except Exception:
-                    pass
-                for op, args, kwargs in recorder.calls:
-                    if not _keep(args, kwargs):
-                        continue
-                    dkey = _dedupe_key(op, args, kwargs)
-                    if dkey in seen:
-                        continue
-                    bucket = result.setdefault(op, [])
-                    if max_samples_per_op is not None and len(bucket) >= max_samples_per_op:
-                        continue
-                    seen.add(dkey)
-                    bucket.append(AtenSample(op, args, kwargs, opinfo.full_name))
+    chosen = [o for o in op_db if _opinfo_matches(o, opinfo_filter)]
+    threads = torch.get_num_threads()
+    # One intra-op thread: the samples are tiny, and extra threads only add overhead (the
+    # max_pool OpInfos, half of a capture, run 7x faster with one thread on a busy 2-core
+    # machine). Which aten calls are made, and their inputs, do not depend on it.
+    torch.set_num_threads(1)
+    try:
+        with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
+            warnings.simplefilter("ignore")
+            for done, opinfo in enumerate(chosen, 1):
+                _capture_one(opinfo, max_samples_per_opinfo, max_samples_per_op, result, seen)
+                if on_opinfo is not None:
+                    on_opinfo(done, len(chosen), opinfo.full_name)
+    finally:
+        torch.set_num_threads(threads)
     return result
+
+
+def _capture_one(opinfo: Any, max_samples_per_opinfo: int | None, max_samples_per_op: int | None,
+                 result: dict[OpOverload, list[AtenSample]], seen: set[tuple]) -> None:
+    # Seed per OpInfo: sample values do not depend on the filter. The global RNG state
+    # is restored by fork_rng when the capture ends.
+    torch.manual_seed(0)
+    try:
+        if not opinfo.supports_dtype(torch.float32, "cpu"):
+            return
+        gen = _sample_inputs(opinfo)
+        sample_inputs = list(itertools.islice(gen, max_samples_per_opinfo))
+    except Exception:
+        return
+    for sample in sample_inputs:
+        recorder = _RecordOutermostAtenCalls()
+        try:
+            with recorder:
+                # The OpInfo calling convention (OpInfo.__call__ / test_ops).
+                opinfo.op(sample.input, *sample.args, **sample.kwargs)
+        except Exception:
+            pass
+        for op, args, kwargs in recorder.calls:
+            if not _keep(args, kwargs):
+                continue
+            dkey = _dedupe_key(op, args, kwargs)
+            if dkey in seen:
+                continue
+            bucket = result.setdefault(op, [])
+            if max_samples_per_op is not None and len(bucket) >= max_samples_per_op:
+                continue
+            seen.add(dkey)
+            bucket.append(AtenSample(op, args, kwargs, opinfo.full_name))
+
+
+# ----------------------------------------------------------------------------- disk cache
+
+
+def default_cache_dir() -> str:
+    """$DECOMPSHARD_CACHE_DIR, else $XDG_CACHE_HOME/decompshard, else ~/.cache/decompshard."""
+    return cache_dir()
+
+
+def _cache_file_name(max_samples_per_opinfo: int | None, max_samples_per_op: int | None) -> str:
+    """Everything that decides a capture's content is in the name: a file is either valid
+    or never looked at (no stale reads, no version field to forget)."""
+    with open(__file__, "rb") as f:
+        code = hashlib.sha256(f.read()).hexdigest()[:12]
+    commit = (getattr(torch.version, "git_version", None) or "unknown")[:12]
+    per_opinfo = "all" if max_samples_per_opinfo is None else max_samples_per_opinfo
+    per_op = "all" if max_samples_per_op is None else max_samples_per_op
+    return (f"opinfo-samples-torch{torch.__version__}-{commit}-py{sys.version_info[0]}{sys.version_info[1]}"
+            f"-{code}-{per_opinfo}-{per_op}.pkl")
+
+
+def _load(path: str) -> dict[OpOverload, list[AtenSample]] | None:
+    """The capture kept at `path`; None when there is none or it cannot be read (a
+    truncated or foreign file is not an error: the caller captures afresh)."""
+    try:
+        with open(path, "rb") as f:
+            rows = pickle.load(f)
+        out: dict[OpOverload, list[AtenSample]] = {}
+        for name, args, kwargs, opinfo_name in rows:
+            op = _overload(name)
+            out.setdefault(op, []).append(AtenSample(op, args, kwargs, opinfo_name))
+        return out
+    except Exception:  # noqa: BLE001 - any unreadable cache is a cache miss
+        return None
+
+
+def _save(path: str, captured: dict[OpOverload, list[AtenSample]]) -> None:
+    """Write atomically (a temporary file renamed into place), so an interrupted write or
+    two concurrent runs never leave a half file; an unwritable folder only costs speed."""
+    rows = [(str(op), s.args, s.kwargs, s.opinfo_name) for op, samples in captured.items() for s in samples]
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                pickle.dump(rows, f, protocol=pickle.HIGHEST_PROTOCOL)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except Exception:  # noqa: BLE001 - a read-only home, a full disk, an unpicklable arg
+        return
+
+
+def _overload(name: str) -> OpOverload:
+    """'aten.addmv.default' -> torch.ops.aten.addmv.default."""
+    namespace, packet, overload = name.split(".")
+    return getattr(getattr(getattr(torch.ops, namespace), packet), overload)
 
 
 def _sample_inputs(opinfo: Any) -> Iterable[Any]:

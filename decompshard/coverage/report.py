@@ -23,6 +23,14 @@ numerical checker found valid (the same truth for both sides), so recall is
 (n_truth - n_missed) / n_truth and precision n_confirmed / (n_confirmed + n_incorrect).
 `status` is one of `sweep.STATUSES`; `torch_fallback.status` is supported |
 replicate-only | unsupported | n/a (not run: native op, or nothing to run it on).
+A run stopped by Ctrl-C has `"run": {"interrupted": true, "ops_selected": N, ...}` and
+the records of the ops that finished.
+
+Tables: an op name is never cut (it must stay copyable and greppable); at a given width
+only the reason column wraps. Plain text has one cell format per table for the rule
+counts, and its legend appears only when the table has counts to explain. Markdown is
+GitHub's: headings, blank lines around every table. CSV is one table that Python's `csv`
+reads back.
 """
 
 from __future__ import annotations
@@ -30,14 +38,14 @@ from __future__ import annotations
 import csv
 import io
 import json
-import sys
-import time
+import textwrap
 from importlib import metadata
-from typing import Any, Iterable, Sequence, TextIO
+from typing import Any, Iterable, Sequence
 
 import torch
 from tabulate import tabulate
 
+from .progress import Progress  # noqa: F401 - re-exported: model_audit imports it from here
 from .sweep import STATUSES
 
 SCHEMA_VERSION = 1
@@ -120,91 +128,144 @@ def load_report(path: str) -> dict[str, Any]:
 # ------------------------------------------------------------------ tables
 
 
-def _cut(text: str, width: int) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= width else text[: max(1, width - 3)] + "..."
+SIDE_HEADS = ("decompshard", "torch")
+LEGEND_CHECKED = ("decompshard, torch (torch's own decomposition fallback): rules claimed / confirmed "
+                  "valid / incorrect / valid but missed, summed over the op's samples; -: not run "
+                  "(native op, no sample, or the numerical check did not run)")
+LEGEND_CLAIMED = ("decompshard, torch (torch's own decomposition fallback): rules claimed (no numerical "
+                  "check ran)")
 
 
-def _counts(rec: dict[str, Any], side: str) -> str:
-    """'rules/ok/bad/missed', or a word when the side did not run."""
+def _checked(records: Sequence[dict[str, Any]]) -> bool:
+    """Did the numerical check run anywhere in this table? Decides the cell format."""
+    return any(r.get("verified") for r in records)
+
+
+def _counts(rec: dict[str, Any], side: str, checked: bool) -> str:
+    """One cell: 'claimed/confirmed/incorrect/missed' in a checked table ('-' for the parts
+    not checked on this op), the bare claimed count otherwise; '-' when the side did not run."""
     if side == "torch_fallback":
-        st = (rec.get("torch_fallback") or {}).get("status", "n/a")
-        if st in ("n/a", "unsupported"):
-            return "-" if st == "n/a" else "unsup."
+        if (rec.get("torch_fallback") or {}).get("status", "n/a") == "n/a":
+            return "-"
     elif rec["status"] == "native" or not rec.get("samples"):
         return "-"
     c = _side(rec, side)
-    if not rec.get("verified", True):
+    if not checked:
         return str(c["n_rules"])
+    if not rec.get("verified"):
+        return f"{c['n_rules']}/-/-/-"
     return f"{c['n_rules']}/{c['n_confirmed']}/{c['n_incorrect']}/{c['n_missed']}"
 
 
-LEGEND = "derived, torch: rules / confirmed / incorrect / valid-but-missed, summed over the op's samples"
+def _legend(rows: Sequence[Sequence[str]], checked: bool, at: int) -> str | None:
+    if all(row[at] == "-" and row[at + 1] == "-" for row in rows):
+        return None  # nothing but native ops (or no samples): no counts to explain
+    return LEGEND_CHECKED if checked else LEGEND_CLAIMED
 
 
-def _squeeze(name: str, width: int) -> str:
-    """Cut the middle of an over-long op name, keeping its start and overload visible."""
-    if len(name) <= width:
-        return name
-    tail = min(len(name.rsplit(".", 1)[-1]) + 6, width // 2)
-    return name[: width - tail - 3] + "..." + name[-tail:]
+def _wrap(text: str, width: int | None) -> list[str]:
+    if width is None:
+        return [text]
+    return textwrap.wrap(text, max(8, width), break_on_hyphens=False) or [""]
 
 
-def render_table(records: Sequence[dict[str, Any]], fmt: str = "text", width: int = 120) -> str:
-    """One row per op. text: fits `width` columns by cutting long reasons (and, if the
-    reason would get under 40 columns, the middle of very long op names); JSON and
-    markdown/csv keep the full text."""
+def _one_line(text: Any) -> str:
+    return " ".join(str(text).split())
+
+
+def _text_table(rows: list[list[str]], head: list[str], width: int | None, wrap_col: int) -> str:
+    """tabulate's plain table, fitted to `width` without cutting any cell: the `wrap_col`
+    column (the last, free text) wraps inside its cell; when less than 24 columns are left
+    for it, it goes on indented lines under its row; when even the other columns do not
+    fit, each row's first cell (the op) gets a line of its own above the rest."""
+    def table(rs: list[list[str]], hd: list[str]) -> list[str]:
+        return tabulate(rs, hd, tablefmt="simple", disable_numparse=True).splitlines()
+
+    if width is None:
+        return "\n".join(table(rows, head))
+    fixed = table([r[:wrap_col] for r in rows], head[:wrap_col])
+    room = width - max(len(line) for line in fixed) - 2
+    if room >= 24:
+        return "\n".join(table([[*r[:wrap_col], "\n".join(_wrap(r[wrap_col], room))] for r in rows], head))
+
+    def under(row: list[str], indent: int) -> list[str]:
+        return [" " * indent + w for w in _wrap(row[wrap_col], width - indent)] if row[wrap_col] else []
+
+    if max(len(line) for line in fixed) <= width:
+        out = fixed[:2]
+        for line, row in zip(fixed[2:], rows):
+            out += [line, *under(row, 4)]
+        return "\n".join(out)
+    rest = table([r[1:wrap_col] for r in rows], head[1:wrap_col])
+    out = [head[0]] + ["  " + line for line in rest[:2]]
+    for line, row in zip(rest[2:], rows):
+        out += [row[0], "  " + line, *under(row, 4)]
+    return "\n".join(out)
+
+
+def render_table(records: Sequence[dict[str, Any]], fmt: str = "text", width: int | None = None,
+                 show_rules: bool = False) -> str:
+    """One row per op (text, markdown or csv; see `render` for the whole report). text:
+    full op names; at `width` the reason wraps (None: one line per row)."""
     calls = any("calls" in r for r in records)
-    head = ["op", *(["calls"] if calls else []), "status", "derived", "torch", "reason"]
-    rows = [[r["op"], *([str(r.get("calls", ""))] if calls else []), r["status"],
-             _counts(r, "decompshard"), _counts(r, "torch_fallback"), r.get("reason") or ""]
-            for r in records]
     if fmt == "csv":
-        return _csv(records, calls)
+        return _csv(records, calls, show_rules)
+    checked = _checked(records)
+    head = ["op", *(["calls"] if calls else []), "status", *SIDE_HEADS, "reason"]
+    at = 3 if calls else 2  # the first count column
+    rows = [[r["op"], *([str(r.get("calls", ""))] if calls else []), r["status"],
+             _counts(r, "decompshard", checked), _counts(r, "torch_fallback", checked), _one_line(r.get("reason") or "")]
+            for r in records]
+    legend = _legend(rows, checked, at) if rows else None
     if fmt == "markdown":
-        rows = [[*row[:-1], str(row[-1]).replace("|", "\\|")] for row in rows]
-        return tabulate(rows, head, tablefmt="github", disable_numparse=True)
-    def base_width(rs: list[list[str]]) -> int:  # the table's width minus its reason column
-        blank = tabulate([[*r[:-1], ""] for r in rs], head, tablefmt="simple", disable_numparse=True)
-        return max(len(line) for line in blank.splitlines()) - len(head[-1]) - 2
-
-    fixed = base_width(rows)
-    if width - fixed < 40:  # very long op names: cut their middle rather than every reason
-        op_w = max(len(str(r[0])) for r in rows)
-        cap = max(32, op_w - (40 - (width - fixed)))
-        rows = [[_squeeze(row[0], cap), *row[1:]] for row in rows]
-        fixed = base_width(rows)
-    room = width - fixed - 2
-    if room < 24:  # a narrow terminal: each reason on its own indented line under its row
-        lines = tabulate([r[:-1] for r in rows], head[:-1], tablefmt="simple", disable_numparse=True).splitlines()
-        out = lines[:2]
-        for line, row in zip(lines[2:], rows):
-            out += [line, "    " + _cut(row[-1], width - 4)] if row[-1] else [line]
-        return "\n".join(out) + "\n" + _cut(LEGEND, width)
-    rows = [[*row[:-1], _cut(row[-1], room)] for row in rows]
-    return tabulate(rows, head, tablefmt="simple", disable_numparse=True) + "\n" + _cut(LEGEND, width)
+        md_rows = [[*row[:-1], row[-1].replace("|", "\\|")] for row in rows]
+        out = [tabulate(md_rows, head, tablefmt="github", disable_numparse=True)]
+        out += ["", legend] if legend else []
+        return "\n".join(out)
+    out = [_text_table(rows, head, width, len(head) - 1)]
+    out += _wrap(legend, width) if legend else []
+    return "\n".join(out)
 
 
-def _csv(records: Sequence[dict[str, Any]], calls: bool) -> str:
+def _csv(records: Sequence[dict[str, Any]], calls: bool, show_rules: bool = False) -> str:
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(["op", *(["calls"] if calls else []), "status", "registry", "n_derived", "n_confirmed",
-                "n_incorrect", "n_missed", "n_truth", "torch_status", "torch_n_rules", "torch_n_confirmed",
-                "torch_n_incorrect", "torch_n_missed", "seconds", "reason"])
+                "n_incorrect", "n_missed", "n_truth", "verified", "torch_status", "torch_n_rules",
+                "torch_n_confirmed", "torch_n_incorrect", "torch_n_missed", "seconds", "reason",
+                *(["derived_rules"] if show_rules else [])])
     for r in records:
         tf = r.get("torch_fallback") or {}
         w.writerow([r["op"], *([r.get("calls", "")] if calls else []), r["status"], r.get("registry") or "",
                     r.get("n_derived", 0), r.get("n_confirmed", 0), r.get("n_incorrect", 0), r.get("n_missed", 0),
-                    r.get("n_truth", 0), tf.get("status", ""), tf.get("n_rules", 0), tf.get("n_confirmed", 0),
-                    tf.get("n_incorrect", 0), tf.get("n_missed", 0), r.get("seconds", 0), r.get("reason") or ""])
+                    r.get("n_truth", 0), int(bool(r.get("verified"))), tf.get("status", ""), tf.get("n_rules", 0),
+                    tf.get("n_confirmed", 0), tf.get("n_incorrect", 0), tf.get("n_missed", 0), r.get("seconds", 0),
+                    r.get("reason") or "", *(["; ".join(r.get("derived_rules", []))] if show_rules else [])])
     return buf.getvalue().rstrip("\n")
+
+
+def render_rules(records: Sequence[dict[str, Any]], fmt: str = "text", width: int | None = None) -> str:
+    """Each op's derived rules (--show-rules), one per line, without going to JSON."""
+    with_rules = [r for r in records if r.get("derived_rules")]
+    if fmt == "markdown":
+        out = ["## Derived rules", "", "All-Replicate is implied; `[even]`: only when every sharded dim "
+               "splits evenly."]
+        for r in with_rules:
+            out += ["", f"### {r['op']} ({len(r['derived_rules'])})", ""]
+            out += [f"- `{rule}`" for rule in r["derived_rules"]]
+        return "\n".join(out if with_rules else out[:1] + ["", "(no op has a derived rule)"])
+    out = _wrap("Derived rules (all-Replicate implied; [even]: only when every sharded dim splits evenly)",
+                width)
+    for r in with_rules:
+        out += ["", f"{r['op']} ({len(r['derived_rules'])})"] + [f"  {rule}" for rule in r["derived_rules"]]
+    return "\n".join(out if with_rules else out + ["", "(no op has a derived rule)"])
 
 
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
-def render_summary(summary: dict[str, Any], fmt: str = "text") -> str:
+def render_summary(summary: dict[str, Any], fmt: str = "text", width: int | None = None) -> str:
     """The totals block: status counts, then both sides' precision and recall."""
     tf = "github" if fmt == "markdown" else "simple"
     st = summary["status"]
@@ -224,26 +285,32 @@ def render_summary(summary: dict[str, Any], fmt: str = "text") -> str:
         note = (f"precision/recall over the {summary['verified_ops']} non-native ops the numerical "
                 f"checker could judge ({summary['decompshard']['truth']} valid rules in all)")
     side_rows = [[label, f(a[key]), f(b[key])] for label, key, f in lines]
-    return "\n".join([
-        "Summary",
-        tabulate(status_rows, ["status", "ops"], tablefmt=tf, disable_numparse=True),
-        "",
-        tabulate(side_rows, ["", "decompshard", "torch fallback"], tablefmt=tf,
-                 colalign=("left", "right", "right"), disable_numparse=True),
-        note,
-    ])
+    status_table = tabulate(status_rows, ["status", "ops"], tablefmt=tf, disable_numparse=True)
+    side_table = tabulate(side_rows, ["", "decompshard", "torch fallback"], tablefmt=tf,
+                          colalign=("left", "right", "right"), disable_numparse=True)
+    title = ["## Summary", ""] if fmt == "markdown" else ["Summary", "======="]
+    return "\n".join([*title, status_table, "", side_table, "", *_wrap(note, width)])
 
 
-def render(doc: dict[str, Any], fmt: str = "text", width: int = 120,
-           statuses: Sequence[str] | None = None) -> str:
-    """The whole report in one format; `statuses` filters table rows (never the summary)."""
+def render(doc: dict[str, Any], fmt: str = "text", width: int | None = None,
+           statuses: Sequence[str] | None = None, show_rules: bool = False) -> str:
+    """The whole report in one format; `statuses` filters table rows (never the summary).
+    text/markdown: the table, its legend, the derived rules (`show_rules`), the summary;
+    csv: the table alone (one header, one row per op); json: the document."""
     if fmt == "json":
         return json.dumps(doc, indent=1)
     ops = [r for r in doc["ops"] if not statuses or r["status"] in statuses]
-    table = render_table(ops, fmt, width)
+    table = render_table(ops, fmt, width, show_rules)
     if fmt == "csv":
         return table
-    return f"{table}\n\n{render_summary(doc['summary'], fmt)}"
+    run = doc.get("run") or {}
+    partial = (_wrap(f"partial report: interrupted after {len(doc['ops'])} of {run.get('ops_selected', '?')} "
+                     "ops", width) + [""] if run.get("interrupted") else [])
+    out = partial + (["## Ops", "", table] if fmt == "markdown" else [table])
+    if show_rules:
+        out += ["", render_rules(ops, fmt, width)]
+    out += ["", render_summary(doc["summary"], fmt, width)]
+    return "\n".join(out)
 
 
 # ------------------------------------------------------------------ diff
@@ -251,25 +318,22 @@ def render(doc: dict[str, Any], fmt: str = "text", width: int = 120,
 
 def diff_reports(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """What changed between two JSON reports: ops added/removed, status changes, derived
-    rules gained/lost, torch-fallback rule count changes, summary deltas."""
+    rules gained/lost (an op that appears gains all its rules, one that disappears loses
+    them), torch-fallback rule counts (null where the op is absent), summary deltas."""
     a = {r["op"]: r for r in old["ops"]}
     b = {r["op"]: r for r in new["ops"]}
     changes = []
     for op in sorted(a.keys() | b.keys()):
         ra, rb = a.get(op), b.get(op)
-        if ra is None or rb is None:
-            changes.append({"op": op, "old": ra["status"] if ra else "(absent)",
-                            "new": rb["status"] if rb else "(absent)", "gained": [], "lost": [],
-                            "torch_rules": [ra and ra.get("torch_fallback", {}).get("n_rules", 0),
-                                            rb and rb.get("torch_fallback", {}).get("n_rules", 0)]})
-            continue
-        ga, gb = ra.get("derived_rules", []), rb.get("derived_rules", [])
+        ga = ra.get("derived_rules", []) if ra else []
+        gb = rb.get("derived_rules", []) if rb else []
         gained, lost = [x for x in gb if x not in ga], [x for x in ga if x not in gb]
-        ta = ra.get("torch_fallback", {}).get("n_rules", 0)
-        tb = rb.get("torch_fallback", {}).get("n_rules", 0)
-        if ra["status"] != rb["status"] or gained or lost or ta != tb:
-            changes.append({"op": op, "old": ra["status"], "new": rb["status"], "gained": gained,
-                            "lost": lost, "torch_rules": [ta, tb]})
+        ta = (ra.get("torch_fallback") or {}).get("n_rules", 0) if ra else None
+        tb = (rb.get("torch_fallback") or {}).get("n_rules", 0) if rb else None
+        sa, sb = (ra["status"] if ra else "(absent)"), (rb["status"] if rb else "(absent)")
+        if sa != sb or gained or lost or ta != tb:
+            changes.append({"op": op, "old": sa, "new": sb, "gained": gained, "lost": lost,
+                            "torch_rules": [ta, tb]})
     sa = old.get("summary") or summarize(old["ops"])
     sb = new.get("summary") or summarize(new["ops"])
     summary = {}
@@ -290,26 +354,47 @@ def _delta(x: Any, y: Any) -> dict[str, Any]:
     return {"old": x, "new": y, "delta": d}
 
 
-def render_diff(diff: dict[str, Any], fmt: str = "text", width: int = 120) -> str:
+def render_diff(diff: dict[str, Any], fmt: str = "text", width: int | None = None) -> str:
+    """text/markdown: the per-op changes and the summary changes; csv: the per-op changes
+    alone, one row per op (the summary deltas are in --format json)."""
     if fmt == "json":
         return json.dumps(diff, indent=1)
-    tf = {"markdown": "github", "csv": "tsv"}.get(fmt, "simple")
+    if fmt == "csv":
+        return _diff_csv(diff)
     rows = []
     for c in diff["changes"]:
-        rules = " ".join([f"+{x}" for x in c["gained"]] + [f"-{x}" for x in c["lost"]])
+        rules = "; ".join([f"+{x}" for x in c["gained"]] + [f"-{x}" for x in c["lost"]])
         ta, tb = c["torch_rules"]
         rows.append([c["op"], c["old"] if c["old"] == c["new"] else f"{c['old']} -> {c['new']}",
-                     f"+{len(c['gained'])}/-{len(c['lost'])}", "" if ta == tb else f"{ta} -> {tb}", rules])
+                     f"+{len(c['gained'])}/-{len(c['lost'])}", "" if ta == tb else f"{_fmt(ta)} -> {_fmt(tb)}",
+                     rules])
     head = ["op", "status", "derived rules", "torch rules", "changed rules"]
-    if fmt == "text":
-        fixed = sum(max([len(str(r[i])) for r in rows] + [len(head[i])]) + 2 for i in range(4))
-        rows = [[*r[:4], _cut(r[4], max(20, width - fixed))] for r in rows]
-    out = [tabulate(rows, head, tablefmt=tf, disable_numparse=True) if rows else "no per-op changes"]
     srows = [[k, _fmt(v["old"]), _fmt(v["new"]), _fmt(v["delta"], signed=True)]
              for k, v in diff["summary"].items() if v["old"] != v["new"]]
-    out += ["", "Summary changes", tabulate(srows, ["", "old", "new", "delta"], tablefmt=tf,
-                                            disable_numparse=True) if srows else "none"]
+    shead = ["", "old", "new", "delta"]
+    if fmt == "markdown":
+        md = [[*r[:-1], r[-1].replace("|", "\\|")] for r in rows]
+        out = ["## Changes per op", "",
+               tabulate(md, head, tablefmt="github", disable_numparse=True) if rows else "No per-op changes."]
+        out += ["", "## Summary changes", "",
+                tabulate(srows, shead, tablefmt="github", disable_numparse=True) if srows else "None."]
+        return "\n".join(out)
+    out = [_text_table(rows, head, width, 4) if rows else "no per-op changes"]
+    out += ["", "Summary changes", "===============",
+            tabulate(srows, shead, tablefmt="simple", disable_numparse=True) if srows else "none"]
     return "\n".join(out)
+
+
+def _diff_csv(diff: dict[str, Any]) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["op", "old_status", "new_status", "rules_gained", "rules_lost", "old_torch_rules",
+                "new_torch_rules", "gained", "lost"])
+    for c in diff["changes"]:
+        ta, tb = c["torch_rules"]
+        w.writerow([c["op"], c["old"], c["new"], len(c["gained"]), len(c["lost"]), "" if ta is None else ta,
+                    "" if tb is None else tb, "; ".join(c["gained"]), "; ".join(c["lost"])])
+    return buf.getvalue().rstrip("\n")
 
 
 def _fmt(x: Any, signed: bool = False) -> str:
@@ -318,35 +403,3 @@ def _fmt(x: Any, signed: bool = False) -> str:
     if isinstance(x, float):
         return f"{x:+.3f}" if signed else f"{x:.3f}"
     return f"{x:+d}" if signed and isinstance(x, int) else str(x)
-
-
-# ------------------------------------------------------------------ progress
-
-
-class Progress:
-    """A one-line `\\r` counter on a TTY, a plain line every `every` ops otherwise; always
-    on stderr, so stdout (JSON) stays clean."""
-
-    def __init__(self, total: int, stream: TextIO | None = None, every: int = 50, enabled: bool = True):
-        self.total, self.done, self.every, self.enabled = total, 0, every, enabled
-        self.stream = stream or sys.stderr
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.t0 = time.monotonic()
-
-    def step(self, name: str) -> None:
-        self.done += 1
-        if not self.enabled:
-            return
-        elapsed = time.monotonic() - self.t0
-        if self.tty:
-            line = f"[{self.done:>{len(str(self.total))}}/{self.total}] {elapsed:5.0f}s {name}"
-            self.stream.write("\r" + line[:79].ljust(79))
-            self.stream.flush()
-        elif self.done % self.every == 0 or self.done == self.total:
-            self.stream.write(f"coverage: {self.done}/{self.total} ops ({elapsed:.0f} s)\n")
-            self.stream.flush()
-
-    def close(self) -> None:
-        if self.enabled and self.tty and self.done:
-            self.stream.write("\r" + " " * 79 + "\r")
-            self.stream.flush()

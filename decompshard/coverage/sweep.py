@@ -28,6 +28,7 @@ import collections
 import multiprocessing as mp
 import pickle
 import re
+import signal
 import time
 import warnings
 from multiprocessing.connection import wait
@@ -255,8 +256,12 @@ def _classify(per: list[dict[str, Any]], tf_status: str) -> tuple[str, str]:
 def _worker_main(conn: Any) -> None:
     """Worker loop: receive pickled (name, samples, verify), send back the record."""
     warnings.filterwarnings("ignore")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops us quietly
     torch.set_num_threads(1)
-    conn.send_bytes(b"ready")
+    try:
+        conn.send_bytes(b"ready")
+    except OSError:  # the parent closed our pipe while we started (a timeout, Ctrl-C): leave quietly
+        return
     while True:
         try:
             data = conn.recv_bytes()
@@ -270,7 +275,10 @@ def _worker_main(conn: Any) -> None:
             rec = _run_job(job)
         except Exception as e:
             rec = failed_record(name, f"error: {_one_line(e)}", time.perf_counter() - t0)
-        conn.send_bytes(pickle.dumps(rec))
+        try:
+            conn.send_bytes(pickle.dumps(rec))
+        except OSError:  # the parent is gone or stopped waiting for us
+            return
 
 
 def _run_job(job: tuple) -> dict[str, Any]:
@@ -391,22 +399,24 @@ def make_job(name: str, samples: Sequence[Sample], verify: bool) -> tuple[str, b
 
 
 def records_for(samples_by_op: Sequence[tuple[torch._ops.OpOverload, Sequence[Sample]]], *, jobs: int,
-                timeout: float, verify: bool, bar: Any) -> list[dict[str, Any]]:
+                timeout: float, verify: bool, bar: Any,
+                records: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """One record per op: registry lookups here, derivations in the worker pool.
 
-    Shared by the OpInfo sweep and the --model audit, so both classify ops the same way."""
-    records: list[dict[str, Any]] = []
+    Shared by the OpInfo sweep and the --model audit, so both classify ops the same way.
+    Records are appended to `records` as they finish, so a caller keeps them on Ctrl-C."""
+    records = [] if records is None else records
     job_list = []
     for op, samples in samples_by_op:
         if needs_worker(op, samples):
             job_list.append(make_job(str(op), samples, verify))
         else:  # a registry lookup, no sample or no decomposition: nothing to run
             records.append(analyse_op(str(op), []))
-            bar.step(str(op))
+            bar.step(str(op), records[-1])
 
     def done(name: str, record: dict[str, Any]) -> None:
         records.append(record)
-        bar.step(name)
+        bar.step(name, record)
 
     try:
         run_jobs(job_list, jobs, timeout, done)

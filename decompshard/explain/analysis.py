@@ -1,7 +1,7 @@
-"""explain: why an op gets (or refuses) a sharding, as a readable propagation trace.
+"""explain's decisions: why an op gets (or refuses) a sharding for one candidate.
 
-    >>> e = explain(aten.addmv.default, bias, mat, vec, placements="R; S(1); S(0)")
-    >>> print(e)          # the trace; e.verdict, e.blocked, e.suggestions for code
+    >>> a = Analysis.of(aten.addmv.default, bias, mat, vec, placements="R; S(1); S(0)")
+    >>> a.verdict, a.blocked, a.suggestions   # render.py draws it (text, HTML)
 
 The trace follows one candidate (one placement per tensor input) through the recorded
 decomposition: every primitive call, the shape of every value it makes, the rule of that
@@ -20,18 +20,17 @@ rejected candidate up to where it died, for display.
 
 from __future__ import annotations
 
-import html
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 from torch.utils._pytree import tree_flatten_with_path, tree_map
 
-from ._compat import TensorMeta, from_torch_placement
-from .derive import DerivedRules, derive_rules, native_rules, resolve_op, traced, unsupported_inputs
-from .dispatch_modes.graph import PrimGraph, PrimNode
-from .localcheck import LocalVerdict, check_local
-from .placements import (
+from .._compat import TensorMeta, from_torch_placement
+from ..derive import DerivedRules, derive_rules, native_rules, resolve_op, traced, unsupported_inputs
+from ..dispatch_modes.graph import PrimGraph, PrimNode
+from ..localcheck import LocalVerdict, check_local
+from ..placements import (
     MaybePlacement,
     P,
     Partial,
@@ -44,10 +43,10 @@ from .placements import (
     parse_placement,
     parse_placements,
 )
-from .propagate import Propagation, Survivor, input_alphabet, propagate
-from .rules import rules_for
+from ..propagate import Propagation, Survivor, input_alphabet, propagate
+from ..rules import rules_for
 
-__all__ = ["Explanation", "MeshReport", "Suggestion", "explain", "parse_candidate"]
+__all__ = ["Analysis", "MeshReport", "Suggestion", "parse_candidate", "redistribution", "suggestions"]
 
 MAX_SUGGESTIONS = 3
 MAX_NEAREST = 3
@@ -136,8 +135,8 @@ class MeshReport:
 
 
 @dataclass
-class Explanation:
-    """What `explain` found; str() / repr() / _repr_html_() render it."""
+class Analysis:
+    """What `explain` found, as data; render.Explanation (a subclass) draws it."""
 
     op: torch._ops.OpOverload
     args: tuple
@@ -213,72 +212,45 @@ class Explanation:
             return None
         return next(s.local.reason for s in self.survivors if not s.ok)
 
-    # ---------------------------------------------------------------- rendering
+    # ---------------------------------------------------------------- building
 
-    def render(self) -> str:
-        from .explain_render import render_lines
+    @classmethod
+    def of(
+        cls,
+        op: torch._ops.OpOverload | str,
+        *args: Any,
+        placements: str | Sequence[Any] | None = None,
+        mesh: Sequence[int] | str | None = None,
+        mesh_placements: str | Sequence[Sequence[Any]] | None = None,
+        show_all: bool = False,
+        **kwargs: Any,
+    ) -> "Analysis":
+        """Follow `op(*args, **kwargs)` for one candidate; arguments as `explain()`
+        documents them (render.py). Builds an instance of `cls`, so the printable
+        subclass comes out of the same code. ValueError for bad input."""
+        op = resolve_op(op)
+        odd = unsupported_inputs(args, kwargs)
+        if odd is not None:
+            raise ValueError(f"unsupported: {odd}")
+        names, metas = _tensor_inputs(op, args, kwargs)
+        if not metas:
+            raise ValueError(f"{op} has no tensor inputs in this call: nothing to shard")
+        cand = None if placements is None else parse_candidate(placements, metas, names)
+        if (mesh is None) != (mesh_placements is None):
+            raise ValueError("mesh and mesh_placements go together: give both or neither")
 
-        return "\n".join(render_lines(self)).rstrip() + "\n"
-
-    def __str__(self) -> str:
-        return self.render()
-
-    __repr__ = __str__
-
-    def _repr_html_(self) -> str:
-        return (
-            '<pre style="font-family: monospace; white-space: pre; line-height: 1.3">'
-            + html.escape(self.render())
-            + "</pre>"
-        )
+        derived = derive_rules(op, *args, **kwargs)
+        ex = cls(op, args, kwargs, names, metas, cand, derived, show_all=show_all)
+        if derived.native:
+            ex.native_rules = native_rules(op, *args, **kwargs)
+        if derived.graph is not None and cand is not None:
+            _follow(ex)
+        if mesh is not None:
+            ex.mesh = mesh_report(op, args, kwargs, mesh, mesh_placements, metas, names)
+        return ex
 
 
-# --------------------------------------------------------------------- the API
-
-
-def explain(
-    op: torch._ops.OpOverload | str,
-    *args: Any,
-    placements: str | Sequence[Any] | None = None,
-    mesh: Sequence[int] | str | None = None,
-    mesh_placements: str | Sequence[Sequence[Any]] | None = None,
-    show_all: bool = False,
-    **kwargs: Any,
-) -> Explanation:
-    """Explain how `op(*args, **kwargs)` shards for the given input placements.
-
-    `placements`: one single-dim placement per tensor input (schema order, lists
-    flattened), as a string ("R; S(1); S(0)" or "R, S(1), S(0)") or a sequence of
-    decompshard placements, their strings, or torch placements. Without it the result
-    shows the derived rule table (as with `show_all`).
-
-    `mesh` (e.g. (2, 4) or "2x4") with `mesh_placements` (per tensor input, one torch
-    placement per mesh dim, or the string form "R,S(0); S(1),S(0); S(0),R") adds the
-    N-D strategies ranked by the cost model.
-
-    Raises ValueError for an unknown op, a malformed placement, or the wrong number of
-    placements.
-    """
-    op = resolve_op(op)
-    odd = unsupported_inputs(args, kwargs)
-    if odd is not None:
-        raise ValueError(f"unsupported: {odd}")
-    names, metas = _tensor_inputs(op, args, kwargs)
-    if not metas:
-        raise ValueError(f"{op} has no tensor inputs in this call: nothing to shard")
-    cand = None if placements is None else parse_candidate(placements, metas, names)
-    if (mesh is None) != (mesh_placements is None):
-        raise ValueError("mesh and mesh_placements go together: give both or neither")
-
-    derived = derive_rules(op, *args, **kwargs)
-    ex = Explanation(op, args, kwargs, names, metas, cand, derived, show_all=show_all)
-    if derived.native:
-        ex.native_rules = native_rules(op, *args, **kwargs)
-    if derived.graph is not None and cand is not None:
-        _follow(ex)
-    if mesh is not None:
-        ex.mesh = mesh_report(op, args, kwargs, mesh, mesh_placements, metas, names)
-    return ex
+# ------------------------------------------------------------------- candidates
 
 
 def parse_candidate(
@@ -345,7 +317,7 @@ def _trivial_rule(graph: PrimGraph) -> SingleDimRule:
 # ------------------------------------------------------------- following one candidate
 
 
-def _follow(ex: Explanation) -> None:
+def _follow(ex: Analysis) -> None:
     graph = ex.graph
     cand = ex.placements
     prop = propagate(graph, rules_for, fixed_inputs=cand)
@@ -532,7 +504,7 @@ def parse_mesh_placements(
     names: Sequence[str],
 ) -> tuple[tuple[Any, ...], ...]:
     """Per tensor input, one torch placement per mesh dim."""
-    from ._compat import to_torch_placement
+    from .._compat import to_torch_placement
 
     if isinstance(text, str):
         entries = [e for e in text.split(";")]
@@ -564,7 +536,7 @@ def mesh_report(op, args, kwargs, mesh, mesh_placements, metas, names) -> MeshRe
     shape = parse_mesh_shape(mesh)
     current = parse_mesh_placements(mesh_placements, len(shape), metas, names)
     try:
-        from .lift import rank_strategies
+        from ..lift import rank_strategies
     except ImportError as e:
         raise ValueError(f"unsupported: lift not available ({e})") from None
     strategies = list(rank_strategies(op, args, kwargs, shape, current))

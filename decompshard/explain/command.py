@@ -13,8 +13,15 @@ Tensor[] argument), or an empty entry for a non-tensor argument whose value come
 `--args`. `--args` are Python literals that fill the empty entries in order, then any
 further positional arguments. Tensors are meta tensors of `--dtype`.
 
-Exit codes: 0 explained (accepted or not), 1 the op cannot be derived (the reason is
-printed), 2 bad input (one line on stderr).
+Exit codes: 0 the placements are accepted as they are (or none were given), 3 they are
+rejected or refused (they need redistribution; the trace says where), 1 the op cannot be
+derived (the reason is printed), 2 bad input (one line on stderr), 130 interrupted.
+`-q` prints only the verdict; `-v` adds the derivation's size and time on stderr.
+
+The REPL (`-i`) edits lines and keeps a history (readline; the history file is
+`explain_history` in $DECOMPSHARD_CACHE_DIR, else ~/.cache/decompshard); Ctrl-C cancels
+the line or the command running, Ctrl-D or `quit` leaves. A change of the call that does
+not build (bad shapes, args, ...) leaves the working call in place.
 """
 
 from __future__ import annotations
@@ -22,19 +29,24 @@ from __future__ import annotations
 import argparse
 import ast
 import cmd
+import os
 import shlex
+import shutil
 import sys
+import time
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-import torch
+from .._paths import cache_dir
+from ..cli import UsageError
 
-from .cli import UsageError
-from .derive import derive_rules, resolve_op
-from .explain import explain
-from .explain_render import _DTYPES, decomposition_lines
+if TYPE_CHECKING:  # torch is imported when the command runs, not when the CLI builds its parser
+    import torch
 
-__all__ = ["Call", "ExplainShell", "add_arguments", "build_call", "run"]
+__all__ = ["Call", "EXIT_NEEDS_REDISTRIBUTION", "ExplainShell", "add_arguments", "build_call", "run"]
+
+EXIT_NEEDS_REDISTRIBUTION = 3  # rejected or refused: `decompshard explain ... || echo needs redistribution`
+EXIT_UNSUPPORTED = 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         '  decompshard explain aten.native_layer_norm.default --shapes "2,8,16;;16;16" '
         '--args "[16],1e-5" --all\n'
         '  decompshard explain aten.addmv.default --shapes "4;4,12;12" --mesh 2x4 '
-        '--mesh-placements "R,S(0);S(1),S(0);S(0),R"'
+        '--mesh-placements "R,S(0);S(1),S(0);S(0),R"\n\n'
+        + __doc__.split("\n\n")[-2] + "\n\n" + __doc__.split("\n\n")[-1].rstrip('"\n ')
     )
     parser.add_argument("op", nargs="?", help="the op, e.g. aten.addmv.default")
     parser.add_argument(
@@ -85,6 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    verbosity = getattr(args, "verbosity", 0)
     if args.interactive:
         call = None
         if args.op is not None:
@@ -92,23 +106,47 @@ def run(args: argparse.Namespace) -> int:
         shell = ExplainShell(call)
         if args.placements:
             shell.onecmd("placements " + args.placements)
-        try:
-            shell.cmdloop()
-        except KeyboardInterrupt:
-            sys.stdout.write("\n")
-            return 130
+        shell.cmdloop()
         return 0
     if args.op is None:
         raise UsageError("missing the op (e.g. aten.addmv.default); or use --interactive")
     if (args.mesh is None) != (args.mesh_placements is None):
         raise UsageError("--mesh and --mesh-placements go together: give both or neither")
+    from .api import explain
+
     call = build_call(args.op, args.shapes, args.op_args, args.dtype, args.op_kwargs)
+    t0 = time.perf_counter()
     ex = explain(
         call.op, *call.args, placements=args.placements, mesh=args.mesh,
         mesh_placements=args.mesh_placements, show_all=args.show_all, **call.kwargs,
     )
-    sys.stdout.write(ex.render())
-    return 1 if ex.verdict == "unsupported" else 0
+    if verbosity > 0:
+        d = ex.derived
+        nodes = len(d.graph.nodes) if d.graph is not None else 0
+        print(f"explain: {len(d.rules)} derived rules, {len(d.rejected)} rejected candidates, "
+              f"{nodes} primitive calls; {1e3 * (time.perf_counter() - t0):.0f} ms", file=sys.stderr)
+    text = ex.render(terminal_width(sys.stdout))
+    if verbosity < 0:  # the verdict block only: everything up to the first blank line
+        text = text.split("\n\n", 1)[0].rstrip("\n") + "\n"
+    sys.stdout.write(text)
+    return exit_code(ex.verdict)
+
+
+def exit_code(verdict: str) -> int:
+    """0 accepted (or nothing asked), 3 rejected/refused, 1 unsupported."""
+    if verdict == "unsupported":
+        return EXIT_UNSUPPORTED
+    return EXIT_NEEDS_REDISTRIBUTION if verdict in ("rejected", "refused") else 0
+
+
+def terminal_width(stream: Any) -> int:
+    """$COLUMNS when set, the terminal's width on a terminal, else the trace's usual 120."""
+    cols = os.environ.get("COLUMNS", "")
+    if cols.strip().isdigit() and int(cols) > 0:
+        return int(cols)
+    if getattr(stream, "isatty", lambda: False)():
+        return shutil.get_terminal_size((120, 24)).columns
+    return 120
 
 
 # ------------------------------------------------------------- building the call
@@ -135,6 +173,10 @@ class Call:
 
 
 def _describe(v: Any) -> str:
+    import torch
+
+    from .render import _DTYPES
+
     if isinstance(v, torch.Tensor):
         return f"{_DTYPES.get(v.dtype, str(v.dtype))}[{','.join(map(str, v.shape))}]"
     if isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v):
@@ -142,7 +184,11 @@ def _describe(v: Any) -> str:
     return repr(v)
 
 
-def parse_dtype(name: str) -> torch.dtype:
+def parse_dtype(name: str) -> "torch.dtype":
+    import torch
+
+    from .render import _DTYPES
+
     text = name.strip().removeprefix("torch.")
     short = {v: k for k, v in _DTYPES.items()}
     dt = short.get(text) or getattr(torch, text, None)
@@ -197,6 +243,8 @@ def _positional(op) -> list:
 
 def _tensor_kind(t) -> str | None:
     """'tensor', 'optional' (Tensor?), 'list' (Tensor[] / Tensor?[]) or None."""
+    import torch
+
     T = torch._C.TensorType.get()
     if t.isSubtypeOf(T):
         return "tensor"
@@ -219,6 +267,10 @@ def build_call(
     Raises UsageError / ValueError (exit 2) for an unknown op, a wrong number of shapes or
     args, a shape where the schema has no tensor (or the reverse), or arguments the op
     itself rejects."""
+    import torch
+
+    from ..derive import resolve_op
+
     op = resolve_op(op_name)
     pos = _positional(op)
     sig = ", ".join(f"{a.name}: {a.type}" for a in pos)
@@ -307,8 +359,18 @@ def _check_runs(op, args: tuple, kwargs: dict) -> None:
 # ------------------------------------------------------------------------- REPL
 
 
+HISTORY_FILE = "explain_history"
+_COMMAND_OF = {"op_name": "op", "shapes": "shapes", "op_args": "args", "op_kwargs": "kwargs", "dtype": "dtype"}
+HISTORY_LENGTH = 1000
+
+
 class ExplainShell(cmd.Cmd):
-    """Keeps an op call; each line is a candidate (e.g. `R;S(1);S(0)`) or a command."""
+    """Keeps an op call; each line is a candidate (e.g. `R;S(1);S(0)`) or a command.
+
+    On a terminal (stdin is the process's own terminal) lines are read with readline:
+    editing, Up/Down history kept across sessions, Tab completes command names; Ctrl-C
+    cancels the line being typed or the command running and returns to the prompt.
+    Elsewhere (a pipe, a test's StringIO) lines are read plainly and Ctrl-C stops it."""
 
     intro_text = (
         "Type placements (one per tensor input, ';'-separated, e.g. R;S(1);S(0)), or: all, "
@@ -318,10 +380,12 @@ class ExplainShell(cmd.Cmd):
     def __init__(self, call: Call | None = None, stdin: TextIO | None = None,
                  stdout: TextIO | None = None):
         super().__init__(stdin=stdin or sys.stdin, stdout=stdout or sys.stdout)
-        self.use_rawinput = False  # read self.stdin: works with pipes and in tests
         tty = hasattr(self.stdin, "isatty") and self.stdin.isatty()
+        # input() (readline) only for the real terminal; pipes and tests read self.stdin
+        self.use_rawinput = tty and self.stdin is sys.stdin and _readline() is not None
         self.prompt = "explain> " if tty else ""
         self.call = call
+        self.pending: dict[str, str | None] = {}  # an op switch waiting for shapes that fit it
         self.show_all = False
         self.fields: dict[str, str | None] = {  # the call's text, as the CLI options give it
             "op_name": str(call.op) if call else None, "shapes": call.shapes if call else None,
@@ -340,6 +404,39 @@ class ExplainShell(cmd.Cmd):
         if self.call is None:
             return head + "Set the call first: op NAME, then shapes ... (and args ...).\n" + self.intro_text
         return head + f"call: {self.call.describe()}\n" + self.intro_text
+
+    def cmdloop(self, intro: str | None = None) -> None:
+        """cmd's loop, with history loaded and saved around it; on a terminal Ctrl-C
+        cancels the current line (or command) and the loop goes on."""
+        self._history(load=True)
+        try:
+            while True:
+                try:
+                    super().cmdloop(intro)
+                    return
+                except KeyboardInterrupt:
+                    if not self.use_rawinput:
+                        raise
+                    self.stdout.write("\n")  # the terminal shows ^C; the next prompt starts clean
+                    intro = ""
+        finally:
+            self._history(load=False)
+
+    def _history(self, load: bool) -> None:
+        rl = _readline() if self.use_rawinput else None
+        if rl is None:
+            return
+        path = os.path.join(cache_dir(), HISTORY_FILE)
+        try:
+            if load:
+                if os.path.exists(path):
+                    rl.read_history_file(path)
+            else:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                rl.set_history_length(HISTORY_LENGTH)
+                rl.write_history_file(path)
+        except OSError:  # an unreadable or unwritable history only loses the history
+            pass
 
     def onecmd(self, line: str) -> bool:
         try:
@@ -366,21 +463,31 @@ class ExplainShell(cmd.Cmd):
         return self.call
 
     def _rebuild(self, **changes: str | None) -> None:
-        """Apply new call text; a call that does not build leaves no call set (the next
-        shapes/args/op fixes it) rather than a stale one."""
-        self.fields.update(changes)
-        f = self.fields
-        if f["op_name"] is None or f["shapes"] is None:
-            self.call = None
-            self._say("ok; now set " + ("op NAME" if f["op_name"] is None else "shapes ..."))
+        """Apply new call text, only if it builds a call: a bad `shapes` (args, kwargs,
+        dtype) leaves the working call as it was. A new op usually needs new shapes, so an
+        `op` that does not build with the current ones waits (pending) for the next change
+        of shapes/args/... that makes it build; the working call stays until then."""
+        fields = {**self.fields, **self.pending, **changes}
+        if fields["op_name"] is None or fields["shapes"] is None:  # no call yet: collect the parts
+            self.fields, self.pending, self.call = fields, {}, None
+            self._say("ok; now set " + ("op NAME" if fields["op_name"] is None else "shapes ..."))
             return
         try:
-            self.call = build_call(f["op_name"], f["shapes"], f["op_args"], f["dtype"], f["op_kwargs"])
+            call = build_call(fields["op_name"], fields["shapes"], fields["op_args"], fields["dtype"],
+                              fields["op_kwargs"])
         except (UsageError, ValueError) as e:
-            self.call = None
             self._say(f"error: {e}")
-            self._say("no call set: fix it with op / shapes / args / kwargs / dtype")
+            if self.call is None:  # nothing to protect: keep collecting the parts
+                self.fields, self.pending = fields, {}
+                self._say("no call set: fix it with op / shapes / args / kwargs / dtype")
+                return
+            if "op_name" in changes or "op_name" in self.pending:
+                self.pending = {k: v for k, v in {**self.pending, **changes}.items() if v != self.fields.get(k)}
+                what = ", ".join(f"{_COMMAND_OF[k]} {v}" for k, v in self.pending.items())
+                self._say(f"pending: {what} (set shapes/args/kwargs that fit it; `call` shows the working call)")
+            self._say(f"still: {self.call.describe()}")
             return
+        self.fields, self.pending, self.call = fields, {}, call
         self._say(f"call: {self.call.describe()}")
 
     # -- commands
@@ -390,8 +497,10 @@ class ExplainShell(cmd.Cmd):
         call = self._need_call()
         if not arg.strip():
             raise UsageError("placements: expected e.g. R;S(1);S(0)")
+        from .api import explain
+
         ex = explain(call.op, *call.args, placements=arg, show_all=self.show_all, **call.kwargs)
-        self._say(ex.render())
+        self._say(ex.render(terminal_width(self.stdout)))
         return False
 
     do_p = do_placements
@@ -399,8 +508,10 @@ class ExplainShell(cmd.Cmd):
     def do_all(self, arg: str) -> bool:
         """all   every derived rule, and a one-line reason per rejected candidate"""
         call = self._need_call()
+        from .api import explain
+
         ex = explain(call.op, *call.args, show_all=True, **call.kwargs)
-        self._say(ex.render())
+        self._say(ex.render(terminal_width(self.stdout)))
         return False
 
     do_rules = do_all
@@ -414,6 +525,9 @@ class ExplainShell(cmd.Cmd):
     def do_graph(self, arg: str) -> bool:
         """graph   the recorded decomposition (no placements)"""
         call = self._need_call()
+        from ..derive import derive_rules
+        from .render import decomposition_lines
+
         d = derive_rules(call.op, *call.args, **call.kwargs)
         if d.graph is None:
             self._say(f"unsupported: {d.unsupported_reason}")
@@ -428,15 +542,19 @@ class ExplainShell(cmd.Cmd):
         parts = arg.strip().split(None, 1)
         if len(parts) != 2:
             raise UsageError("mesh: expected `mesh 2x4 R,S(0);S(1),S(0);S(0),R`")
+        from .api import explain
+
         ex = explain(call.op, *call.args, mesh=parts[0], mesh_placements=parts[1],
                      show_all=self.show_all, **call.kwargs)
-        self._say(ex.render())
+        self._say(ex.render(terminal_width(self.stdout)))
         return False
 
     def do_op(self, arg: str) -> bool:
         """op aten.addmv.default   switch to another op (keeps shapes/args; change them next if needed)"""
         if not arg.strip():
             raise UsageError("op: expected an op name, e.g. aten.addmv.default")
+        from ..derive import resolve_op
+
         resolve_op(arg.strip())  # fail early on unknown ops
         self._rebuild(op_name=arg.strip())
         return False
@@ -489,6 +607,15 @@ class ExplainShell(cmd.Cmd):
         if self.prompt:
             self._say()
         return True
+
+
+def _readline() -> Any:
+    """The readline module (line editing, history), or None where Python has none."""
+    try:
+        import readline
+    except ImportError:  # pragma: no cover - e.g. some Windows builds
+        return None
+    return readline
 
 
 def _unquote(text: str) -> str:

@@ -1,10 +1,15 @@
-"""Rendering of an `Explanation` (explain.py) as text: the inputs table, the numbered
-decomposition with the rule each primitive matched, the blocking node, suggestions,
-`--all` and the mesh ranking. Kept apart from explain.py, which decides nothing visual.
+"""explain as text: the inputs table, the numbered decomposition with the rule each
+primitive matched, the blocking node, suggestions, `--all` and the mesh ranking.
+
+What is drawn is decided in analysis.py (which imports nothing from here); the row
+builders (`input_rows`, `node_rows`, ...) are shared with the HTML view (notebook.py).
+Everything fits a width (`render_lines(ex, width)`, 120 by default): prose wraps, and
+the primitive-call column of the decomposition gets what the other columns leave.
 """
 
 from __future__ import annotations
 
+import contextvars
 import math
 import textwrap
 from typing import Any, Sequence
@@ -12,20 +17,33 @@ from typing import Any, Sequence
 import torch
 from torch.utils._pytree import tree_map
 
-from ._compat import TensorMeta, from_torch_placement
-from .dispatch_modes.graph import PrimGraph, PrimNode
-from .explain import Explanation
-from .placements import MaybePlacement, Placement, R, format_placement, format_rule
-from .propagate import input_alphabet
-from .rules import rules_for
+from .._compat import TensorMeta, from_torch_placement
+from ..dispatch_modes.graph import PrimGraph, PrimNode
+from ..placements import MaybePlacement, Placement, R, format_placement, format_rule
+from ..propagate import input_alphabet
+from ..rules import rules_for
+from .analysis import Analysis
 
-WIDTH = 110  # long prose lines wrap here
-CALL_WIDTH = 58  # the primitive-call column is cut here so a trace fits in ~110 columns
-TABLE_WIDTH = 116  # the decomposition table is fitted to this
+__all__ = ["DEFAULT_WIDTH", "decomposition_lines", "display_env", "display_path", "input_rows",
+           "node_rows", "render_lines", "verdict_line"]
+
+DEFAULT_WIDTH = 120  # str(explanation); the CLI passes the terminal's width
+CALL_WIDTH = 58  # a primitive call in a one-line mention is cut here
 MAX_MESH_SHOWN = 5
+_WIDTH: contextvars.ContextVar[int] = contextvars.ContextVar("explain_width", default=DEFAULT_WIDTH)
 
 
-def render_lines(ex: Explanation) -> list[str]:
+def render_lines(ex: Analysis, width: int = DEFAULT_WIDTH) -> list[str]:
+    """The trace as lines of at most about `width` columns (tables shrink their widest
+    free-text column; a line can exceed it only where a single token is longer)."""
+    token = _WIDTH.set(max(60, width))
+    try:
+        return _render_lines(ex)
+    finally:
+        _WIDTH.reset(token)
+
+
+def _render_lines(ex: Analysis) -> list[str]:
     from tabulate import tabulate
 
     out: list[str] = []
@@ -45,7 +63,7 @@ def render_lines(ex: Explanation) -> list[str]:
     out.append("")
 
     if ex.placements is not None:
-        env = _display_env(ex)
+        env = display_env(ex)
         out += _inputs_table(ex, env, tabulate)
         out.append("")
         out += _node_table(ex, env, tabulate)
@@ -67,17 +85,17 @@ def decomposition_lines(graph: PrimGraph) -> list[str]:
     rules (no placements)."""
     from tabulate import tabulate
 
-    from .rules.registry import source_of
+    from ..rules.registry import source_of
 
     rows = []
     for n in graph.nodes:
         src = "constant" if n.constant else (source_of(n.op) or "?")
-        rows.append((n.index, _call(graph, n, width=80), src))
+        rows.append((n.index, _call(graph, n, width=_WIDTH.get() - 40), src))
     table = tabulate(rows, headers=["#", "primitive call (output shape)", "rules from"], tablefmt="simple")
     return [f"decomposition: {len(graph.nodes)} primitive calls"] + _indent(table)
 
 
-def _native_line(ex: Explanation) -> str:
+def _native_line(ex: Analysis) -> str:
     head = (f"DTensor has its own strategy for this op ({ex.native}) and uses it; decompshard.enable() "
             f"never replaces it.")
     tail = " Below, for comparison only: what decompshard derives from the op's decomposition."
@@ -92,7 +110,12 @@ def _native_line(ex: Explanation) -> str:
     return head + f" None of its rules takes ({cand}) as it is: DTensor redistributes first." + tail
 
 
-def _verdict_line(ex: Explanation) -> str:
+def verdict_line(ex: Analysis) -> str:
+    """The one-line verdict (also the HTML view's headline)."""
+    return _verdict_line(ex)
+
+
+def _verdict_line(ex: Analysis) -> str:
     v = ex.verdict
     if v == "accepted":
         rules = "; ".join(format_rule(r) for r in ex.rules)
@@ -106,7 +129,9 @@ def _verdict_line(ex: Explanation) -> str:
     return f"REJECTED at node {b.node.index} ({b.node.op}): no rule accepts ({arriving})"
 
 
-def _display_env(ex: Explanation) -> dict[int, MaybePlacement]:
+def display_env(ex: Analysis) -> dict[int, MaybePlacement]:
+    """The placement of every value the trace shows: the first survivor that passes, or
+    the dying state up to where it died, or just the requested inputs."""
     if ex.survivors:
         first = next((s for s in ex.survivors if s.ok), ex.survivors[0])
         return first.survivor.env
@@ -115,34 +140,54 @@ def _display_env(ex: Explanation) -> dict[int, MaybePlacement]:
     return dict(zip(ex.graph.inputs, ex.placements))
 
 
-def _inputs_table(ex: Explanation, env, tabulate) -> list[str]:
+def display_path(ex: Analysis) -> tuple[int, ...] | None:
+    """The rule index matched at each node, for the state `display_env` shows."""
+    if ex.survivors:
+        first = next((s for s in ex.survivors if s.ok), ex.survivors[0])
+        return first.survivor.path
+    if ex.blocked is not None:
+        return ex.blocked.path
+    return None
+
+
+
+INPUT_HEAD = ["#", "input", "value", "shape", "dtype", "placement"]
+NODE_HEAD = ["#", "primitive call (output shape)", "rule matched", "from [rule k/n]"]
+
+
+def input_rows(ex: Analysis, env: dict[int, MaybePlacement]) -> list[tuple]:
+    """One row per op input: INPUT_HEAD."""
     g = ex.graph
     rows = []
     for i, (v, name) in enumerate(zip(g.inputs, ex.input_names)):
         m = g.meta(v)
         rows.append((i, name, f"%{v}", _shape(m.shape), _dtype(m.dtype), _p(env.get(v, ex.placements[i]))))
-    table = tabulate(rows, headers=["#", "input", "value", "shape", "dtype", "placement"], tablefmt="simple")
-    return ["op inputs"] + _indent(table)
+    return rows
 
 
-def _node_table(ex: Explanation, env, tabulate) -> list[str]:
+def node_rows(ex: Analysis, env: dict[int, MaybePlacement]) -> tuple[list[list], list[str], dict[int, str]]:
+    """(rows as NODE_HEAD with the full call text, footnotes, node index -> its state:
+    'constant', 'matched', 'blocked', 'not reached' or 'free' (no rule table consulted))."""
     g = ex.graph
     blocked = ex.blocked.node.index if ex.blocked and ex.blocked.node else None
     if ex.blocked is not None and ex.blocked.node is None:
         blocked = -1  # died before the first node: nothing was reached
-    path = _display_path(ex)
-    rows, notes = [], []
+    path = display_path(ex)
+    rows, notes, state = [], [], {}
     for n in g.nodes:
         call = _call(g, n, width=None)
         if n.constant:
             rows.append([n.index, call, "constant (same on every rank)", ""])
+            state[n.index] = "constant"
             continue
         if blocked is not None and n.index > blocked:
             rows.append([n.index, call, "(not reached)", ""])
+            state[n.index] = "not reached"
             continue
         if blocked is not None and n.index == blocked:
             arriving = ", ".join(_p(p) for p in ex.blocked.arriving)
             rows.append([n.index, call, f"** NO RULE for ({arriving})", f"{ex.blocked.table_size} rules"])
+            state[n.index] = "blocked"
             continue
         table = rules_for(n)
         if path is not None and n.index < len(path):
@@ -156,35 +201,45 @@ def _node_table(ex: Explanation, env, tabulate) -> list[str]:
                 notes.append(f"[{len(notes) + 1}] node {n.index}: {', '.join(reads)} (a replicated "
                              "value is already a valid P(avg)/P(max)/P(min): no data moves)")
             rows.append([n.index, call, text, f"{rule.source} [{ri + 1}/{len(table)}]"])
+            state[n.index] = "matched"
         else:
             ins = ", ".join(_p(env.get(v)) for v in n.inputs)
             outs = ", ".join("None" if v is None else _p(env.get(v)) for v in n.outputs)
             rows.append([n.index, call, f"{ins} -> {outs}", ""])
-    # the call column gets what the other columns leave of TABLE_WIDTH (at least 30)
-    others = (max([12, *(len(r[2]) for r in rows)]) + max([15, *(len(r[3]) for r in rows)])
-              + 3 + 3 * 2 + 2)  # the "#" column, column gaps, indent
-    width = max(30, TABLE_WIDTH - others)
+            state[n.index] = "free"
+    return rows, notes, state
+
+
+def _inputs_table(ex: Analysis, env, tabulate) -> list[str]:
+    table = tabulate(input_rows(ex, env), headers=INPUT_HEAD, tablefmt="simple")
+    return ["op inputs"] + _indent(table)
+
+
+def _node_table(ex: Analysis, env, tabulate) -> list[str]:
+    rows, notes, _ = node_rows(ex, env)
+    # the call column gets what the other columns leave of the width (at least 30; at
+    # least 24 once "from [rule k/n]" is on two lines, for a narrow terminal)
+    def others() -> int:
+        longest = [max(len(line) for line in str(r[3]).splitlines() or [""]) for r in rows]
+        return (max([12, *(len(r[2]) for r in rows)]) + max([15, *longest])
+                + 3 + 3 * 2 + 2)  # the "#" column, column gaps, indent
+
+    head = list(NODE_HEAD)
+    width = _WIDTH.get() - 4 - others()
+    if width < 30:
+        for r in rows:
+            r[3] = r[3].replace(" [", "\n[", 1)
+        head[1] = "call (output shape)"
+        width = max(24, _WIDTH.get() - 4 - others())
     for r in rows:
         if len(r[1]) > width:
             r[1] = r[1][: width - 3] + "..."
-    table = tabulate(
-        rows, headers=["#", "primitive call (output shape)", "rule matched", "from [rule k/n]"],
-        tablefmt="simple",
-    )
-    head = f"decomposition: {len(g.nodes)} primitive calls"
+    table = tabulate(rows, headers=head, tablefmt="simple")
+    head = f"decomposition: {len(ex.graph.nodes)} primitive calls"
     return [head] + _indent(table) + _indent([w for note in notes for w in _wrap(note, 4)])
 
 
-def _display_path(ex: Explanation) -> tuple[int, ...] | None:
-    if ex.survivors:
-        first = next((s for s in ex.survivors if s.ok), ex.survivors[0])
-        return first.survivor.path
-    if ex.blocked is not None:
-        return ex.blocked.path
-    return None
-
-
-def _outcome(ex: Explanation, tabulate) -> list[str]:
+def _outcome(ex: Analysis, tabulate) -> list[str]:
     g = ex.graph
     out: list[str] = []
     if ex.survivors:
@@ -235,7 +290,7 @@ def _outcome(ex: Explanation, tabulate) -> list[str]:
     return out
 
 
-def _blocked_section(ex: Explanation, tabulate) -> list[str]:
+def _blocked_section(ex: Analysis, tabulate) -> list[str]:
     b = ex.blocked
     g = ex.graph
     if b.node is None:
@@ -245,9 +300,13 @@ def _blocked_section(ex: Explanation, tabulate) -> list[str]:
     prod = g.producer()
     rows = []
     for k, (v, p) in enumerate(zip(n.inputs, b.arriving)):
-        rows.append((k, f"%{v}", _shape(g.meta(v).shape), _p(p), _origin(ex, v, prod, b.path)))
-    out += _indent(tabulate(rows, headers=["arg", "value", "shape", "placement", "came from"],
-                            tablefmt="simple"), 4)
+        rows.append([k, f"%{v}", _shape(g.meta(v).shape), _p(p), _origin(ex, v, prod, b.path)])
+    head = ["arg", "value", "shape", "placement", "came from"]
+    fixed = tabulate([r[:4] for r in rows], headers=head[:4], tablefmt="simple").splitlines()
+    room = _WIDTH.get() - 4 - 2 - max(len(line) for line in fixed)
+    if room >= 24:  # "came from" wraps in its cell when the line would be too long
+        rows = [[*r[:4], "\n".join(_wrap(r[4], 0, room))] for r in rows]
+    out += _indent(tabulate(rows, headers=head, tablefmt="simple"), 4)
     out.append(f"  nearest of its {b.table_size} rules (fewest arguments differ):")
     rows = []
     for nr in b.nearest:
@@ -260,7 +319,7 @@ def _blocked_section(ex: Explanation, tabulate) -> list[str]:
     return out
 
 
-def _origin(ex: Explanation, v: int, prod: dict, path: tuple) -> str:
+def _origin(ex: Analysis, v: int, prod: dict, path: tuple) -> str:
     g = ex.graph
     if v in g.inputs:
         i = g.inputs.index(v)
@@ -276,14 +335,14 @@ def _origin(ex: Explanation, v: int, prod: dict, path: tuple) -> str:
     return "constant made outside the trace"
 
 
-def _all_section(ex: Explanation) -> list[str]:
+def _all_section(ex: Analysis) -> list[str]:
     d = ex.derived
     out = ["every derived rule (all-Replicate implied):"]
     out += _indent(str(d))
     rejected = d.rejected
     out.append("")
     out.append(f"rejected candidates ({len(rejected)}; * = not decided when it died):")
-    out += [f"  {c}" for c in rejected] or ["  (none)"]
+    out += [line for c in rejected for line in _wrap(f"  {c}", 4)] or ["  (none)"]
     out.append("")
     pruned = pruned_placements(ex)
     if pruned:
@@ -294,7 +353,7 @@ def _all_section(ex: Explanation) -> list[str]:
     return out
 
 
-def pruned_placements(ex: Explanation) -> list[tuple[int, Placement, str]]:
+def pruned_placements(ex: Analysis) -> list[tuple[int, Placement, str]]:
     """(input, placement, why) for every placement of an input's alphabet that appears in
     no derived rule. The solver never lists these as rejected candidates when the first
     node reading the input has no rule taking them: they are pruned before they exist."""
@@ -321,7 +380,7 @@ def pruned_placements(ex: Explanation) -> list[tuple[int, Placement, str]]:
     return out
 
 
-def _mesh_section(ex: Explanation, tabulate) -> list[str]:
+def _mesh_section(ex: Analysis, tabulate) -> list[str]:
     m = ex.mesh
     size = "x".join(map(str, m.mesh_shape))
     cur = "; ".join(
@@ -370,7 +429,7 @@ def _mesh_section(ex: Explanation, tabulate) -> list[str]:
     return out
 
 
-def _cost_lines(ex: Explanation, s) -> list[str]:
+def _cost_lines(ex: Analysis, s) -> list[str]:
     """The strategy's cost, per input redistribution (collectives and local work), when
     the per-input prices add up to the strategy's total; else the total's own lines."""
     total = s.cost.total_seconds
@@ -380,7 +439,7 @@ def _cost_lines(ex: Explanation, s) -> list[str]:
     out = [head]
     per_input = []
     try:
-        from .cost import MeshShape, redistribute_cost
+        from ..cost import MeshShape, redistribute_cost
 
         mesh = MeshShape(ex.mesh.mesh_shape)
         for name, meta, src, dst in zip(ex.input_names, ex.input_metas, ex.mesh.current, s.input_placements):
@@ -492,10 +551,11 @@ def _arg(a: Any) -> str:
     return repr(a)
 
 
-def _wrap(text: str, hang: int, width: int = WIDTH) -> list[str]:
-    """Wrap a long line at `width`, continuation lines indented by `hang`."""
+def _wrap(text: str, hang: int, width: int | None = None) -> list[str]:
+    """Wrap a long line at `width` (the rendering width less 10), continuation lines
+    indented by `hang`."""
     return textwrap.wrap(
-        text, width=width, subsequent_indent=" " * hang, break_long_words=False,
+        text, width=width or _WIDTH.get() - 10, subsequent_indent=" " * hang, break_long_words=False,
         break_on_hyphens=False,
     ) or [text]
 

@@ -1,0 +1,18 @@
+"""Fixtures shared by the CLI tests."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def opinfo_cache(tmp_path_factory):
+    """A cache folder holding the `--opinfo-samples 1` capture, written from this
+    process's own capture (shared with test_coverage's in-process sweeps), so CLI
+    subprocesses with `--opinfo-samples 1` read it instead of capturing again."""
+    from decompshard.coverage.opinfo_samples import capture_aten_samples
+
+    folder = tmp_path_factory.mktemp("decompshard-cache")
+    capture_aten_samples(max_samples_per_opinfo=1, cache_dir=str(folder))
+    assert any(folder.iterdir()), "the capture was not kept on disk"
+    return folder
