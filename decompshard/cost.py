@@ -258,25 +258,65 @@ class Cost:
 # ---------------------------------------------------------------- placements helpers
 
 
-def _is_shard(p: Placement) -> bool:
-    return isinstance(p, (Shard, _StridedShard))
+@dataclass(frozen=True)
+class _Pl:
+    """A placement as the model sees it, normalized (non-negative dim).
+
+    Why not torch's classes: comparing two of them of different kinds costs ~18 µs
+    (``Shard(0) == Replicate()``), and a search prices thousands of placement tuples.
+    Mirrors the bits of torch's API used here; ``split_factor`` > 0 is _StridedShard."""
+
+    kind: str  # "R", "S" or "P"
+    dim: int = 0
+    split_factor: int = 0
+    reduce_op: str = ""
+
+    def is_partial(self) -> bool:
+        return self.kind == "P"
+
+    def is_replicate(self) -> bool:
+        return self.kind == "R"
+
+    def __str__(self) -> str:  # as torch prints them (explanations quote these)
+        if self.kind == "S":
+            return f"_S({self.dim}, {self.split_factor})" if self.split_factor else f"S({self.dim})"
+        return f"P({self.reduce_op})" if self.kind == "P" else "R"
 
 
-def _normalize(p: Placement, ndim: int) -> Placement:
-    if not _is_shard(p):
-        if p.is_replicate() or p.is_partial():
-            return p
-        raise TypeError(f"unsupported placement {p!r}")
-    if not -ndim <= p.dim < ndim:
-        raise ValueError(f"{p} out of range for a {ndim}-D tensor")
-    if p.dim >= 0:
+_REPLICATE = _Pl("R")
+
+
+def _is_shard(p: _Pl) -> bool:
+    return p.kind == "S"
+
+
+def _strided(p: _Pl) -> bool:
+    return p.split_factor > 0
+
+
+def model_placement(p: Placement, ndim: int) -> _Pl:
+    """``p`` (a torch placement) in the model's own form, for callers that price many
+    placement tuples: pass these to ``redistribute_cost`` to skip converting each time."""
+    return _normalize(p, ndim)
+
+
+def _normalize(p: Placement, ndim: int) -> _Pl:
+    if type(p) is _Pl:
         return p
-    if isinstance(p, _StridedShard):
-        return _StridedShard(p.dim % ndim, split_factor=p.split_factor)
-    return Shard(p.dim % ndim)
+    kind = type(p)
+    if issubclass(kind, (Shard, _StridedShard)):
+        if not -ndim <= p.dim < ndim:
+            raise ValueError(f"{p} out of range for a {ndim}-D tensor")
+        sf = p.split_factor if issubclass(kind, _StridedShard) else 0
+        return _Pl("S", p.dim % ndim, sf)
+    if p.is_replicate():
+        return _REPLICATE
+    if p.is_partial():
+        return _Pl("P", reduce_op=p.reduce_op)
+    raise TypeError(f"unsupported placement {p!r}")
 
 
-def _local_shape(shape: Sequence[int], placements: Sequence[Placement],
+def _local_shape(shape: Sequence[int], placements: Sequence[_Pl],
                  sizes: Sequence[int]) -> list[int]:
     """Largest local shard: ceil-divide each sharded dim, mesh dim by mesh dim."""
     out = list(shape)
@@ -286,7 +326,7 @@ def _local_shape(shape: Sequence[int], placements: Sequence[Placement],
     return out
 
 
-def _comm_kind(a: Placement, b: Placement) -> str | None:
+def _comm_kind(a: _Pl, b: _Pl) -> str | None:
     if a.is_partial():
         return ALL_REDUCE if b.is_replicate() else REDUCE_SCATTER
     if _is_shard(a):
@@ -294,8 +334,8 @@ def _comm_kind(a: Placement, b: Placement) -> str | None:
     return None
 
 
-def _greedy_plan(src: Sequence[Placement], dst: Sequence[Placement],
-                 sizes: Sequence[int]) -> list[tuple[int, Placement, Placement]]:
+def _greedy_plan(src: Sequence[_Pl], dst: Sequence[_Pl],
+                 sizes: Sequence[int]) -> list[tuple[int, _Pl, _Pl]]:
     """Mirror of DTensor's ``generate_greedy_transform_infos`` (see module docstring)."""
     cur, steps = list(src), []
     if math.prod(n for p, n in zip(src, sizes) if _is_shard(p)) > 1:
@@ -303,7 +343,7 @@ def _greedy_plan(src: Sequence[Placement], dst: Sequence[Placement],
             tgt = dst[i]
             if _is_shard(tgt) and [_is_shard(p) and p.dim == tgt.dim for p in cur[:i]] != [
                     _is_shard(p) and p.dim == tgt.dim for p in dst[:i]]:
-                tgt = Replicate()  # misaligned nested sharding: clear it first
+                tgt = _REPLICATE  # misaligned nested sharding: clear it first
             if cur[i] != tgt:
                 steps.append((i, cur[i], tgt))
                 cur[i] = tgt
@@ -311,23 +351,23 @@ def _greedy_plan(src: Sequence[Placement], dst: Sequence[Placement],
     return steps
 
 
-def _expand(step: tuple[int, Placement, Placement]) -> tuple[list, bool]:
+def _expand(step: tuple[int, _Pl, _Pl]) -> tuple[list, bool]:
     """Split steps DTensor does not do directly into two, via Replicate."""
     i, a, b = step
     via_r = ((a.is_partial() and b.is_partial())  # P(x)->P(y): rejected by DTensor
              or (_is_shard(a) and b.is_partial())  # S->P: rejected by DTensor
              or (_is_shard(a) and _is_shard(b)  # DTensor goes through R for strided
-                 and (isinstance(a, _StridedShard) or isinstance(b, _StridedShard))))
+                 and (_strided(a) or _strided(b))))
     if not via_r:
         return [step], True
-    return [(i, a, Replicate()), (i, Replicate(), b)], not b.is_partial()
+    return [(i, a, _REPLICATE), (i, _REPLICATE, b)], not b.is_partial()
 
 
-def _mergeable(s: tuple[int, Placement, Placement], t: tuple[int, Placement, Placement]) -> bool:
+def _mergeable(s: tuple[int, _Pl, _Pl], t: tuple[int, _Pl, _Pl]) -> bool:
     kind = _comm_kind(s[1], s[2])
     if kind not in (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE) or kind != _comm_kind(t[1], t[2]):
         return False
-    if any(isinstance(p, _StridedShard) for p in (*s[1:], *t[1:])):
+    if any(_strided(p) for p in (*s[1:], *t[1:])):
         return False
     if s[1:] == t[1:]:
         return True
@@ -417,3 +457,73 @@ def redistribute_cost(global_shape: tuple[int, ...], itemsize: int,
             local("divide merged avg", i, 2 * after)
     lb = sum(w.bytes for w in work)
     return Cost(tuple(colls), lb, lb / topology.memory_bandwidth, tuple(work), supported)
+
+
+# ------------------------------------------------ per-mesh-dim lower bound (for search)
+
+
+@dataclass(frozen=True)
+class CostBound:
+    """A lower bound on one input's share of a ``Cost``, charged to one mesh dim.
+
+    Fields bound the components of ``Cost.sort_key()`` (plus its support flag): summed
+    over the mesh dims of one input, each is <= the exact value of
+    ``redistribute_cost`` for the whole placement tuples, and ``unsupported`` OR-ed over
+    mesh dims is exact. ``collectives`` can be fractional (a share of a fused one)."""
+
+    unsupported: bool = False
+    seconds: float = 0.0
+    collectives: float = 0.0
+    bytes: float = 0.0
+
+
+def _min_local_elems(shape: Sequence[int], mesh: MeshShape) -> float:
+    """Fewest elements any rank can hold, whatever the placements: each tensor dim is
+    ceil-divided by a product of mesh sizes, and all products together are <= the mesh."""
+    total = mesh.group_size(range(mesh.ndim))
+    numel = math.prod(shape)
+    return max(numel / total, float(math.prod(-(-x // total) for x in shape)))
+
+
+def redistribute_lower_bound(global_shape: tuple[int, ...], itemsize: int, src: Placement,
+                             dst: Placement, mesh_dim: int, mesh: MeshShape | Sequence[int],
+                             topology: Topology = H100) -> CostBound:
+    """What mesh dim ``mesh_dim`` alone must cost when its placement goes ``src -> dst``.
+
+    Why it is a bound (``redistribute_cost`` is not a sum over mesh dims: step order,
+    fusion and the other dims' sharding all change the price): the greedy plan gives every
+    mesh dim whose placement changes (size > 1) at least one step, and the first one
+    starts from ``src``. From Replicate that step is local work (a slice or a division) on
+    at least ``_min_local_elems``; from Shard or Partial it is one collective of at least
+    one ring pass, (n-1) hops and (n-1)/n of a message of at least that size. Different
+    mesh dims' first steps are different steps, so the bounds add up, except where
+    DTensor fuses one collective over a flattened group: there each dim is charged only
+    its share (1/group size) of the launch, of the count and of its wire bytes (a fused
+    reduce-scatter puts only (N-1)/N of its input on the wire, less than the sum of the
+    dims' (n_i-1)/n_i), its own hops (a group of N ranks has N-1 >= sum of (n_i - 1)
+    hops) and no bandwidth term. Rejected conversions
+    (to a Partial from anything but Replicate or itself) are flagged exactly: nothing
+    else in the plan sets the flag."""
+    mesh = mesh if isinstance(mesh, MeshShape) else MeshShape(tuple(mesh))
+    n = mesh.sizes[mesh_dim]
+    ndim = len(global_shape)
+    src, dst = _normalize(src, ndim), _normalize(dst, ndim)
+    if n <= 1 or src == dst:
+        return CostBound()
+    elems = _min_local_elems(global_shape, mesh) * itemsize
+    if src.is_replicate():
+        if _is_shard(dst) or dst.reduce_op not in ("avg", "max", "min"):
+            return CostBound(False, 2 * elems / topology.memory_bandwidth, 0.0, 2 * elems)
+        return CostBound()
+    unsupported = dst.is_partial()
+    groups = [len(g) for g in mesh.flattened if mesh_dim in g]
+    wire = (n - 1) / n * elems
+    if groups:  # may be fused with other mesh dims' steps: a share only
+        share = 1.0 / max(groups)
+        alpha = min(topology.intra_node_latency, topology.inter_node_latency)
+        seconds = topology.collective_launch_latency * share + (n - 1) * alpha
+        return CostBound(unsupported, seconds, share, wire * share)
+    inter, per_node = _layout(mesh.sizes, (mesh_dim,), topology.devices_per_node)
+    seconds = collective_seconds(ALL_TO_ALL, elems, n, inter_node=inter, topology=topology,
+                                 ranks_per_node=per_node)
+    return CostBound(unsupported, seconds, 1.0, wire)
