@@ -139,10 +139,7 @@ def ranked(
         raise ValueError(
             f"need {mesh.ndim} placements for each of the {len(tensors)} tensor inputs"
         )
-    trivial = SingleDimRule((R,) * len(tensors), _trivial_outputs(derived), source="implied")
-    # Propagation's rules, not yet local-checked: each is checked only if a strategy
-    # using it is reached (a first DTensor call checks a handful, not all).
-    choices = [trivial, *derived.tentative()]
+    choices = candidate_rules(derived, len(tensors))
     for combo, ins, outs, cost in cheapest_first(choices, tensors, current, mesh, topology):
         if accept is not None and not accept(ins, cost):
             continue
@@ -155,6 +152,14 @@ def ranked(
         with clean_dispatch_state():  # meta kernels run on meta tensors, not the caller's
             reason = _invalid_reason(derived.op, args, kwargs, checked, ins, outs, tensors, mesh.sizes)
         yield MeshStrategy(tuple(checked), ins, outs, cost, not reason, reason)
+
+
+def candidate_rules(derived, n_tensors: int) -> list[SingleDimRule]:
+    """The choices for each mesh dim: all-Replicate, then propagation's rules, not yet
+    local-checked (each is checked only if a strategy using it is reached: a first
+    DTensor call checks a handful, not all)."""
+    trivial = SingleDimRule((R,) * n_tensors, _trivial_outputs(derived), source="implied")
+    return [trivial, *derived.tentative()]
 
 
 def candidate_key(cost: Cost, order: tuple[int, ...]) -> tuple:
