@@ -477,53 +477,108 @@ class CostBound:
     bytes: float = 0.0
 
 
-def _min_local_elems(shape: Sequence[int], mesh: MeshShape) -> float:
-    """Fewest elements any rank can hold, whatever the placements: each tensor dim is
-    ceil-divided by a product of mesh sizes, and all products together are <= the mesh."""
-    total = mesh.group_size(range(mesh.ndim))
-    numel = math.prod(shape)
-    return max(numel / total, float(math.prod(-(-x // total) for x in shape)))
+def _fewest_elems(shape: Sequence[int], known: Sequence[tuple[int, int]], free: int) -> float:
+    """Fewest elements a rank can hold: ``known`` (tensor dim, mesh size) divisions surely
+    apply (ceil, as torch.chunk), and further mesh dims of total size ``free`` may divide
+    any dims: the ceil-divided product over ``free`` is at least both of the bounds below."""
+    out = list(shape)
+    for d, n in known:
+        out[d] = -(-out[d] // n)
+    if free <= 1:
+        return float(math.prod(out))
+    return max(math.prod(out) / free, float(math.prod(-(-x // free) for x in out)))
 
 
-def redistribute_lower_bound(global_shape: tuple[int, ...], itemsize: int, src: Placement,
-                             dst: Placement, mesh_dim: int, mesh: MeshShape | Sequence[int],
-                             topology: Topology = H100) -> CostBound:
-    """What mesh dim ``mesh_dim`` alone must cost when its placement goes ``src -> dst``.
+def _shard_of(p: _Pl | None) -> int | None:
+    return p.dim if p is not None and p.kind == "S" else None
 
-    Why it is a bound (``redistribute_cost`` is not a sum over mesh dims: step order,
-    fusion and the other dims' sharding all change the price): the greedy plan gives every
-    mesh dim whose placement changes (size > 1) at least one step, and the first one
-    starts from ``src``. From Replicate that step is local work (a slice or a division) on
-    at least ``_min_local_elems``; from Shard or Partial it is one collective of at least
-    one ring pass, (n-1) hops and (n-1)/n of a message of at least that size. Different
-    mesh dims' first steps are different steps, so the bounds add up, except where
-    DTensor fuses one collective over a flattened group: there each dim is charged only
-    its share (1/group size) of the launch, of the count and of its wire bytes (a fused
-    reduce-scatter puts only (N-1)/N of its input on the wire, less than the sum of the
-    dims' (n_i-1)/n_i), its own hops (a group of N ranks has N-1 >= sum of (n_i - 1)
-    hops) and no bandwidth term. Rejected conversions
-    (to a Partial from anything but Replicate or itself) are flagged exactly: nothing
-    else in the plan sets the flag."""
-    mesh = mesh if isinstance(mesh, MeshShape) else MeshShape(tuple(mesh))
-    n = mesh.sizes[mesh_dim]
-    ndim = len(global_shape)
-    src, dst = _normalize(src, ndim), _normalize(dst, ndim)
-    if n <= 1 or src == dst:
+
+def _dim_bound(shape: Sequence[int], itemsize: int, src: Sequence[_Pl], dst: Sequence[_Pl | None],
+               m: int, mesh: MeshShape, topology: Topology) -> CostBound:
+    """The bound for mesh dim ``m`` (``dst[m]`` known), given what is known of the others:
+    ``dst[j]`` None means mesh dim j may end anywhere (it may shard any tensor dim)."""
+    n = mesh.sizes[m]
+    a, b = src[m], dst[m]
+    if n <= 1 or a == b:
         return CostBound()
-    elems = _min_local_elems(global_shape, mesh) * itemsize
-    if src.is_replicate():
-        if _is_shard(dst) or dst.reduce_op not in ("avg", "max", "min"):
-            return CostBound(False, 2 * elems / topology.memory_bandwidth, 0.0, 2 * elems)
-        return CostBound()
-    unsupported = dst.is_partial()
-    groups = [len(g) for g in mesh.flattened if mesh_dim in g]
-    wire = (n - 1) / n * elems
+    # when m's first step runs, every other mesh dim is at its source, its target, or
+    # Replicate in between; a division is sure only where both ends shard the same
+    # tensor dim and the planner does not clear it first (same nesting before it)
+    known, free = [], 1
+    for j, (s, t) in enumerate(zip(src, dst)):
+        if j == m or mesh.sizes[j] <= 1:
+            continue
+        sd, td = _shard_of(s), (None if t is None else _shard_of(t))
+        if sd is not None and sd == td and all(
+                t2 is not None and (_shard_of(s2) == sd) == (_shard_of(t2) == sd)
+                for s2, t2 in zip(src[:j], dst[:j])):
+            known.append((sd, mesh.sizes[j]))
+        elif t is None or sd is not None or td is not None:
+            free *= mesh.sizes[j]
+    if a.kind == "R":
+        if b.kind == "S":  # slice: the sliced result is what is copied
+            elems = _fewest_elems(shape, known + [(b.dim, n)], free) * itemsize
+        elif b.reduce_op not in ("avg", "max", "min"):
+            elems = _fewest_elems(shape, known, free) * itemsize
+        else:
+            return CostBound()
+        return CostBound(False, 2 * elems / topology.memory_bandwidth, 0.0, 2 * elems)
+    before = _fewest_elems(shape, known + ([(a.dim, n)] if a.kind == "S" else []), free) * itemsize
+    unsupported = b.is_partial()
+    groups = [len(g) for g in mesh.flattened if m in g]
     if groups:  # may be fused with other mesh dims' steps: a share only
         share = 1.0 / max(groups)
         alpha = min(topology.intra_node_latency, topology.inter_node_latency)
         seconds = topology.collective_launch_latency * share + (n - 1) * alpha
-        return CostBound(unsupported, seconds, share, wire * share)
-    inter, per_node = _layout(mesh.sizes, (mesh_dim,), topology.devices_per_node)
-    seconds = collective_seconds(ALL_TO_ALL, elems, n, inter_node=inter, topology=topology,
+        return CostBound(unsupported, seconds, share, (n - 1) / n * before * share)
+    # the least the first collective can be: an all-gather when the target is not a
+    # shard (to Replicate, or via Replicate to a Partial), an all-reduce from a Partial
+    # to anything but a shard, else an all-to-all / reduce-scatter (or worse, via R)
+    if a.kind == "S" and b.kind != "S":
+        kind, msg = ALL_GATHER, before * n
+    elif a.kind == "P" and b.kind != "S":
+        kind, msg = ALL_REDUCE, before
+    else:
+        kind, msg = ALL_TO_ALL, before
+    inter, per_node = _layout(mesh.sizes, (m,), topology.devices_per_node)
+    seconds = collective_seconds(kind, msg, n, inter_node=inter, topology=topology,
                                  ranks_per_node=per_node)
-    return CostBound(unsupported, seconds, 1.0, wire)
+    return CostBound(unsupported, seconds, 1.0, _RING[kind] * (n - 1) / n * msg)
+
+
+def redistribute_lower_bound(global_shape: tuple[int, ...], itemsize: int,
+                             src: Sequence[Placement], dst: Sequence[Placement | None],
+                             mesh: MeshShape | Sequence[int], topology: Topology = H100) -> CostBound:
+    """A lower bound on ``redistribute_cost(src -> dst)`` charged to the mesh dims whose
+    target is known (``dst[m]`` not None); the others may end anywhere. Bounds of the
+    unknown dims taken one at a time (all others unknown) add to it admissibly.
+
+    Why it is a bound (``redistribute_cost`` is not a sum over mesh dims: step order,
+    fusion and the other dims' sharding all change the price): the greedy plan gives every
+    mesh dim whose placement changes (size > 1) at least one step, and the first one
+    starts from ``src``. From Replicate that step is local work (a slice or a division);
+    from Shard or Partial it is one collective of at least one ring pass, (n-1) hops and
+    its kind's share of a message, the kind being forced by the target (see
+    ``_dim_bound``). Sizes are the fewest elements a rank can hold at that moment: other
+    mesh dims divide for sure only where source and target shard the same tensor dim
+    (in between they may be Replicate). Different mesh dims' first steps are different
+    steps, so the bounds add up, except where DTensor fuses one collective over a
+    flattened group: there each dim is charged only its share (1/group size) of the
+    launch, of the count and of its wire bytes (a fused reduce-scatter puts only (N-1)/N
+    of its input on the wire, less than the sum of the dims' (n_i-1)/n_i), its own hops
+    (N-1 >= sum of (n_i - 1)) and no bandwidth term. Rejected conversions (to a Partial
+    from anything but Replicate or itself) are flagged exactly: nothing else in the plan
+    sets the flag. tests/test_cost.py checks all of this against the exact model."""
+    mesh = mesh if isinstance(mesh, MeshShape) else MeshShape(tuple(mesh))
+    ndim = len(global_shape)
+    src = [_normalize(p, ndim) for p in src]
+    dst = [None if p is None else _normalize(p, ndim) for p in dst]
+    if len(src) != mesh.ndim or len(dst) != mesh.ndim:
+        raise ValueError(f"need {mesh.ndim} placements, got {len(src)} and {len(dst)}")
+    unsupported, seconds, colls, nbytes = False, 0.0, 0.0, 0.0
+    for m in range(mesh.ndim):
+        if dst[m] is not None:
+            b = _dim_bound(global_shape, itemsize, src, dst, m, mesh, topology)
+            unsupported = unsupported or b.unsupported
+            seconds, colls, nbytes = seconds + b.seconds, colls + b.collectives, nbytes + b.bytes
+    return CostBound(unsupported, seconds, colls, nbytes)

@@ -178,10 +178,10 @@ def cheapest_first(
     Why best-first and not enumeration: a mesh of d dims has len(choices)**d strategies
     (50625 for 15 rules on 2x2x2x2), and the first call only needs the cheapest few.
     Exact cost is a sum over inputs of `redistribute_cost` of whole placement tuples,
-    which does not split over mesh dims; `redistribute_lower_bound` gives each (input,
-    mesh dim, target) an admissible share instead. A* over the choices for mesh dims
-    0, 1, ...: a prefix is keyed by the bound of its chosen dims plus the smallest bound
-    of each remaining dim, a full strategy by its exact key. Every component of a
+    which does not split over mesh dims; `redistribute_lower_bound` bounds the share of
+    the mesh dims chosen so far, knowing each other, admissibly. A* over the choices for
+    mesh dims 0, 1, ...: a prefix is keyed by that bound plus the smallest bound of each
+    remaining dim on its own, a full strategy by its exact key. Every component of a
     prefix's key is <= that of each completion (and the rule-order tie-break of a prefix
     is a prefix of theirs), so when a full strategy is popped, nothing unpopped is
     cheaper: the order is exactly the sorted enumeration's. A full strategy is priced
@@ -191,8 +191,9 @@ def cheapest_first(
     model: list[list[tuple]] = []  # the same inputs in the cost model's form (fast to price)
     shapes = [tuple(t.shape) for t in tensors]
     srcs = [tuple(model_placement(p, len(s)) for p in c) for c, s in zip(current, shapes)]
-    bound: list[list[tuple[bool, float, float, float]]] = []
-    memo: dict[tuple, CostBound] = {}
+    sizes = [t.element_size() for t in tensors]
+    unknown = (None,) * n_dims
+    bound: list[list[tuple[bool, float, float, float]]] = []  # dim m alone, per choice
     for m in range(n_dims):
         cur = [c[m] for c in current]
         cols.append([])
@@ -203,15 +204,9 @@ def cheapest_first(
             ins = tuple(_fill(p, strided) for p in rule.inputs)
             cols[m].append((ins, tuple(_fill(p, strided) for p in rule.outputs)))
             model[m].append(tuple(model_placement(p, len(s)) for p, s in zip(ins, shapes)))
-            parts = []
-            for i, (t, dst) in enumerate(zip(tensors, model[m][-1])):
-                b = memo.get((i, m, dst))
-                if b is None:
-                    b = memo[(i, m, dst)] = redistribute_lower_bound(
-                        shapes[i], t.element_size(), srcs[i][m], dst, m, mesh, topology)
-                parts.append(b)
-            bound[m].append((any(b.unsupported for b in parts), sum(b.seconds for b in parts),
-                             sum(b.collectives for b in parts), sum(b.bytes for b in parts)))
+            parts = [redistribute_lower_bound(shapes[i], sizes[i], srcs[i], unknown[:m] + (dst,) + unknown[m + 1:], mesh, topology)
+                     for i, dst in enumerate(model[m][-1])]
+            bound[m].append(_total(parts))
     # rest[k]: per component, the least any choice can add on mesh dims k, k+1, ...
     rest = [(False, 0.0, 0.0, 0.0)] * (n_dims + 1)
     for m in reversed(range(n_dims)):
@@ -219,9 +214,19 @@ def cheapest_first(
         rest[m] = (lo[0] or rest[m + 1][0], *(lo[j] + rest[m + 1][j] for j in (1, 2, 3)))
 
     slack = 1 - 1e-9  # float sums in another order must not lift a bound above the exact
+    known: dict[tuple[int, tuple], CostBound] = {}  # (tensor, known targets): its bound
 
-    def prefix_key(acc: tuple, order: tuple[int, ...]) -> tuple:
-        r = rest[len(order)]
+    def prefix_key(order: tuple[int, ...]) -> tuple:
+        """The bound of the chosen dims, knowing each other (see redistribute_lower_bound),
+        plus the least each unchosen dim can add."""
+        k, parts = len(order), []
+        for i in range(n_t):
+            dst = tuple(model[m][c][i] for m, c in enumerate(order)) + unknown[k:]
+            b = known.get((i, dst))
+            if b is None:
+                b = known[(i, dst)] = redistribute_lower_bound(shapes[i], sizes[i], srcs[i], dst, mesh, topology)
+            parts.append(b)
+        acc, r = _total(parts), rest[k]
         return (acc[0] or r[0], round((acc[1] + r[1]) * slack, 9), (acc[2] + r[2]) * slack,
                 (acc[3] + r[3]) * slack, order)
 
@@ -233,29 +238,30 @@ def cheapest_first(
         outs = tuple(tuple(cols[m][c][1][k] for m, c in enumerate(order)) for k in range(n_out))
         outs = tuple(None if any(p is None for p in o) else o for o in outs)
         cost = Cost()
-        for i, (t, src) in enumerate(zip(tensors, srcs)):
+        for i, src in enumerate(srcs):
             dst = tuple(model[m][c][i] for m, c in enumerate(order))
             one = exact.get((i, dst))
             if one is None:
-                one = exact[(i, dst)] = redistribute_cost(shapes[i], t.element_size(), src, dst, mesh, topology)
+                one = exact[(i, dst)] = redistribute_cost(shapes[i], sizes[i], src, dst, mesh, topology)
             cost = cost + one
         return candidate_key(cost, order), (tuple(choices[c] for c in order), ins, outs, cost)
 
-    zero = (False, 0.0, 0.0, 0.0)
-    heap: list = [(prefix_key(zero, ()), (), zero, None)]
+    heap: list = [(prefix_key(()), (), None)]
     while heap:
-        _, order, acc, payload = heapq.heappop(heap)
+        _, order, payload = heapq.heappop(heap)
         if payload is not None:
             yield payload
-            continue
-        if len(order) == n_dims:  # reached on its bound: price it, back in at its cost
+        elif len(order) == n_dims:  # reached on its bound: price it, back in at its cost
             key, payload = full(order)
-            heapq.heappush(heap, (key, order, acc, payload))
-            continue
-        m = len(order)
-        for c, b in enumerate(bound[m]):
-            nxt = (acc[0] or b[0], acc[1] + b[1], acc[2] + b[2], acc[3] + b[3])
-            heapq.heappush(heap, (prefix_key(nxt, order + (c,)), order + (c,), nxt, None))
+            heapq.heappush(heap, (key, order, payload))
+        else:
+            for c in range(len(choices)):
+                heapq.heappush(heap, (prefix_key(order + (c,)), order + (c,), None))
+
+
+def _total(parts: Sequence[CostBound]) -> tuple[bool, float, float, float]:
+    return (any(b.unsupported for b in parts), sum(b.seconds for b in parts),
+            sum(b.collectives for b in parts), sum(b.bytes for b in parts))
 
 
 def rank_strategies(
