@@ -207,6 +207,18 @@ def cheapest_first(
             parts = [redistribute_lower_bound(shapes[i], sizes[i], srcs[i], unknown[:m] + (dst,) + unknown[m + 1:], mesh, topology)
                      for i, dst in enumerate(model[m][-1])]
             bound[m].append(_total(parts))
+    # Choices that cost the same in every strategy, whatever the other dims choose, are
+    # searched once (their lowest index stands for all) and fanned out when priced:
+    # non-shard targets on a mesh dim of size 1 (DTensor skips the dim), and Replicate /
+    # P(avg|max|min) from a Replicate input (free, no collective) when no flattened group
+    # could fuse across the step. On 2x2x2x2 this turns 6**4 strategies into 3**4.
+    members: list[dict[int, list[int]]] = []
+    for m in range(n_dims):
+        groups: dict[tuple, list[int]] = {}
+        for c in range(len(choices)):
+            groups.setdefault(tuple(None if _free(t, srcs[i][m], mesh, m) else t
+                                    for i, t in enumerate(model[m][c])), []).append(c)
+        members.append({g[0]: g for g in groups.values()})
     # rest[k]: per component, the least any choice can add on mesh dims k, k+1, ...
     rest = [(False, 0.0, 0.0, 0.0)] * (n_dims + 1)
     for m in reversed(range(n_dims)):
@@ -232,11 +244,7 @@ def cheapest_first(
 
     exact: dict[tuple[int, tuple], Cost] = {}  # (tensor, target placements): its cost
 
-    def full(order: tuple[int, ...]) -> tuple:
-        ins = tuple(tuple(cols[m][c][0][i] for m, c in enumerate(order)) for i in range(n_t))
-        n_out = len(cols[0][order[0]][1])
-        outs = tuple(tuple(cols[m][c][1][k] for m, c in enumerate(order)) for k in range(n_out))
-        outs = tuple(None if any(p is None for p in o) else o for o in outs)
+    def price(order: tuple[int, ...]) -> Cost:
         cost = Cost()
         for i, src in enumerate(srcs):
             dst = tuple(model[m][c][i] for m, c in enumerate(order))
@@ -244,19 +252,41 @@ def cheapest_first(
             if one is None:
                 one = exact[(i, dst)] = redistribute_cost(shapes[i], sizes[i], src, dst, mesh, topology)
             cost = cost + one
-        return candidate_key(cost, order), (tuple(choices[c] for c in order), ins, outs, cost)
+        return cost
 
+    def payload(order: tuple[int, ...], cost: Cost) -> tuple:
+        ins = tuple(tuple(cols[m][c][0][i] for m, c in enumerate(order)) for i in range(n_t))
+        n_out = len(cols[0][order[0]][1])
+        outs = tuple(tuple(cols[m][c][1][k] for m, c in enumerate(order)) for k in range(n_out))
+        outs = tuple(None if any(p is None for p in o) else o for o in outs)
+        return tuple(choices[c] for c in order), ins, outs, cost
+
+    # entries: (key, order, state); state None: bounded (prefix, or a full strategy not
+    # yet priced), ("class", cost): priced, stands for its equivalents, ("one", cost)
     heap: list = [(prefix_key(()), (), None)]
     while heap:
-        _, order, payload = heapq.heappop(heap)
-        if payload is not None:
-            yield payload
-        elif len(order) == n_dims:  # reached on its bound: price it, back in at its cost
-            key, payload = full(order)
-            heapq.heappush(heap, (key, order, payload))
-        else:
-            for c in range(len(choices)):
+        _, order, state = heapq.heappop(heap)
+        if state is None and len(order) < n_dims:
+            for c in members[len(order)]:
                 heapq.heappush(heap, (prefix_key(order + (c,)), order + (c,), None))
+        elif state is None:  # reached on its bound: price it, back in at its cost
+            cost = price(order)
+            heapq.heappush(heap, (candidate_key(cost, order), order, ("class", cost)))
+        elif state[0] == "class":  # its equivalents cost the same: each at its own order
+            for one in itertools.product(*(members[m][c] for m, c in enumerate(order))):
+                heapq.heappush(heap, (candidate_key(state[1], one), one, ("one", state[1])))
+        else:
+            yield payload(order, state[1])
+
+
+def _free(target, src, mesh: MeshShape, m: int) -> bool:
+    """Whether `target` on mesh dim m costs nothing in any strategy (see cheapest_first)."""
+    if target.kind == "S":
+        return False
+    if mesh.sizes[m] == 1:
+        return True
+    return (not mesh.flattened and src.kind == "R"
+            and (target.kind == "R" or target.reduce_op in ("avg", "max", "min")))
 
 
 def _total(parts: Sequence[CostBound]) -> tuple[bool, float, float, float]:
