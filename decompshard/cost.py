@@ -489,6 +489,14 @@ def _fewest_elems(shape: Sequence[int], known: Sequence[tuple[int, int]], free: 
     return max(math.prod(out) / free, float(math.prod(-(-x // free) for x in out)))
 
 
+def _fewest_shape(shape: Sequence[int], known: Sequence[tuple[int, int]], free: int) -> list[int]:
+    """Per tensor dim, the least a rank can hold (as ``_fewest_elems``, dim by dim)."""
+    out = list(shape)
+    for d, n in known:
+        out[d] = -(-out[d] // n)
+    return [-(-x // free) for x in out]
+
+
 def _shard_of(p: _Pl | None) -> int | None:
     return p.dim if p is not None and p.kind == "S" else None
 
@@ -501,19 +509,30 @@ def _dim_bound(shape: Sequence[int], itemsize: int, src: Sequence[_Pl], dst: Seq
     a, b = src[m], dst[m]
     if n <= 1 or a == b:
         return CostBound()
-    # when m's first step runs, every other mesh dim is at its source, its target, or
-    # Replicate in between; a division is sure only where both ends shard the same
-    # tensor dim and the planner does not clear it first (same nesting before it)
+    # Which tensor dim each other mesh dim j may divide when m's first step runs: j is
+    # at its source, its target, or Replicate in between. A collective on m runs in the
+    # planner's last-to-first pass when the source has shards (dims before m still at
+    # their source) and else in the first-to-last pass (dims before m at their target,
+    # dims after at their source). One possible dim: assume it divided (a lower bound);
+    # two, or an unknown target: it may divide any dim.
+    reverse = any(p.kind == "S" and k > 1 for p, k in zip(src, mesh.sizes))
     known, free = [], 1
     for j, (s, t) in enumerate(zip(src, dst)):
         if j == m or mesh.sizes[j] <= 1:
             continue
-        sd, td = _shard_of(s), (None if t is None else _shard_of(t))
-        if sd is not None and sd == td and all(
-                t2 is not None and (_shard_of(s2) == sd) == (_shard_of(t2) == sd)
-                for s2, t2 in zip(src[:j], dst[:j])):
-            known.append((sd, mesh.sizes[j]))
-        elif t is None or sd is not None or td is not None:
+        if a.kind != "R" and (j < m) == reverse:
+            opts = {_shard_of(s)}
+        elif t is None:
+            free *= mesh.sizes[j]
+            continue
+        elif a.kind != "R" and j < m:  # first-to-last pass: j already at its target
+            opts = {_shard_of(t)}
+        else:
+            opts = {_shard_of(s), _shard_of(t)}
+        opts.discard(None)
+        if len(opts) == 1:
+            known.append((opts.pop(), mesh.sizes[j]))
+        elif opts:
             free *= mesh.sizes[j]
     if a.kind == "R":
         if b.kind == "S":  # slice: the sliced result is what is copied
@@ -540,10 +559,27 @@ def _dim_bound(shape: Sequence[int], itemsize: int, src: Sequence[_Pl], dst: Seq
         kind, msg = ALL_REDUCE, before
     else:
         kind, msg = ALL_TO_ALL, before
+    copies = 0.0  # chunk copies DTensor makes around it, when surely needed
+
+    def leading(extra: tuple[int, int], d: int) -> float:
+        lo = _fewest_shape(shape, known + [extra] if extra else known, free)
+        return 2.0 * math.prod(lo) * itemsize if math.prod(lo[:d]) > 1 else 0.0
+
+    if a.kind == "S" and b.kind == "S" and reverse and None not in dst[:m]:
+        # the planner's choice is known: all-to-all, unless the nesting before m differs
+        # (or either side is strided): then all-gather first
+        if ([_shard_of(x) == b.dim for x in src[:m]] != [_shard_of(x) == b.dim for x in dst[:m]]
+                or a.split_factor or b.split_factor):
+            kind, msg = ALL_GATHER, before * n
+        else:
+            copies = leading((b.dim, n), a.dim) + leading((a.dim, n), b.dim)
+    elif kind == ALL_GATHER:
+        copies = leading((), a.dim)
     inter, per_node = _layout(mesh.sizes, (m,), topology.devices_per_node)
     seconds = collective_seconds(kind, msg, n, inter_node=inter, topology=topology,
                                  ranks_per_node=per_node)
-    return CostBound(unsupported, seconds, 1.0, _RING[kind] * (n - 1) / n * msg)
+    return CostBound(unsupported, seconds + copies / topology.memory_bandwidth, 1.0,
+                     _RING[kind] * (n - 1) / n * msg + copies)
 
 
 def redistribute_lower_bound(global_shape: tuple[int, ...], itemsize: int,
