@@ -52,7 +52,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Sequence
 
-from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, Shard
 
 from ._compat import TorchStridedShard as _StridedShard
 
@@ -258,25 +258,65 @@ class Cost:
 # ---------------------------------------------------------------- placements helpers
 
 
-def _is_shard(p: Placement) -> bool:
-    return isinstance(p, (Shard, _StridedShard))
+@dataclass(frozen=True)
+class _Pl:
+    """A placement as the model sees it, normalized (non-negative dim).
+
+    Why not torch's classes: comparing two of them of different kinds costs ~18 µs
+    (``Shard(0) == Replicate()``), and a search prices thousands of placement tuples.
+    Mirrors the bits of torch's API used here; ``split_factor`` > 0 is _StridedShard."""
+
+    kind: str  # "R", "S" or "P"
+    dim: int = 0
+    split_factor: int = 0
+    reduce_op: str = ""
+
+    def is_partial(self) -> bool:
+        return self.kind == "P"
+
+    def is_replicate(self) -> bool:
+        return self.kind == "R"
+
+    def __str__(self) -> str:  # as torch prints them (explanations quote these)
+        if self.kind == "S":
+            return f"_S({self.dim}, {self.split_factor})" if self.split_factor else f"S({self.dim})"
+        return f"P({self.reduce_op})" if self.kind == "P" else "R"
 
 
-def _normalize(p: Placement, ndim: int) -> Placement:
-    if not _is_shard(p):
-        if p.is_replicate() or p.is_partial():
-            return p
-        raise TypeError(f"unsupported placement {p!r}")
-    if not -ndim <= p.dim < ndim:
-        raise ValueError(f"{p} out of range for a {ndim}-D tensor")
-    if p.dim >= 0:
+_REPLICATE = _Pl("R")
+
+
+def _is_shard(p: _Pl) -> bool:
+    return p.kind == "S"
+
+
+def _strided(p: _Pl) -> bool:
+    return p.split_factor > 0
+
+
+def model_placement(p: Placement, ndim: int) -> _Pl:
+    """``p`` (a torch placement) in the model's own form, for callers that price many
+    placement tuples: pass these to ``redistribute_cost`` to skip converting each time."""
+    return _normalize(p, ndim)
+
+
+def _normalize(p: Placement, ndim: int) -> _Pl:
+    if type(p) is _Pl:
         return p
-    if isinstance(p, _StridedShard):
-        return _StridedShard(p.dim % ndim, split_factor=p.split_factor)
-    return Shard(p.dim % ndim)
+    kind = type(p)
+    if issubclass(kind, (Shard, _StridedShard)):
+        if not -ndim <= p.dim < ndim:
+            raise ValueError(f"{p} out of range for a {ndim}-D tensor")
+        sf = p.split_factor if issubclass(kind, _StridedShard) else 0
+        return _Pl("S", p.dim % ndim, sf)
+    if p.is_replicate():
+        return _REPLICATE
+    if p.is_partial():
+        return _Pl("P", reduce_op=p.reduce_op)
+    raise TypeError(f"unsupported placement {p!r}")
 
 
-def _local_shape(shape: Sequence[int], placements: Sequence[Placement],
+def _local_shape(shape: Sequence[int], placements: Sequence[_Pl],
                  sizes: Sequence[int]) -> list[int]:
     """Largest local shard: ceil-divide each sharded dim, mesh dim by mesh dim."""
     out = list(shape)
@@ -286,7 +326,7 @@ def _local_shape(shape: Sequence[int], placements: Sequence[Placement],
     return out
 
 
-def _comm_kind(a: Placement, b: Placement) -> str | None:
+def _comm_kind(a: _Pl, b: _Pl) -> str | None:
     if a.is_partial():
         return ALL_REDUCE if b.is_replicate() else REDUCE_SCATTER
     if _is_shard(a):
@@ -294,8 +334,8 @@ def _comm_kind(a: Placement, b: Placement) -> str | None:
     return None
 
 
-def _greedy_plan(src: Sequence[Placement], dst: Sequence[Placement],
-                 sizes: Sequence[int]) -> list[tuple[int, Placement, Placement]]:
+def _greedy_plan(src: Sequence[_Pl], dst: Sequence[_Pl],
+                 sizes: Sequence[int]) -> list[tuple[int, _Pl, _Pl]]:
     """Mirror of DTensor's ``generate_greedy_transform_infos`` (see module docstring)."""
     cur, steps = list(src), []
     if math.prod(n for p, n in zip(src, sizes) if _is_shard(p)) > 1:
@@ -303,7 +343,7 @@ def _greedy_plan(src: Sequence[Placement], dst: Sequence[Placement],
             tgt = dst[i]
             if _is_shard(tgt) and [_is_shard(p) and p.dim == tgt.dim for p in cur[:i]] != [
                     _is_shard(p) and p.dim == tgt.dim for p in dst[:i]]:
-                tgt = Replicate()  # misaligned nested sharding: clear it first
+                tgt = _REPLICATE  # misaligned nested sharding: clear it first
             if cur[i] != tgt:
                 steps.append((i, cur[i], tgt))
                 cur[i] = tgt
@@ -311,23 +351,23 @@ def _greedy_plan(src: Sequence[Placement], dst: Sequence[Placement],
     return steps
 
 
-def _expand(step: tuple[int, Placement, Placement]) -> tuple[list, bool]:
+def _expand(step: tuple[int, _Pl, _Pl]) -> tuple[list, bool]:
     """Split steps DTensor does not do directly into two, via Replicate."""
     i, a, b = step
     via_r = ((a.is_partial() and b.is_partial())  # P(x)->P(y): rejected by DTensor
              or (_is_shard(a) and b.is_partial())  # S->P: rejected by DTensor
              or (_is_shard(a) and _is_shard(b)  # DTensor goes through R for strided
-                 and (isinstance(a, _StridedShard) or isinstance(b, _StridedShard))))
+                 and (_strided(a) or _strided(b))))
     if not via_r:
         return [step], True
-    return [(i, a, Replicate()), (i, Replicate(), b)], not b.is_partial()
+    return [(i, a, _REPLICATE), (i, _REPLICATE, b)], not b.is_partial()
 
 
-def _mergeable(s: tuple[int, Placement, Placement], t: tuple[int, Placement, Placement]) -> bool:
+def _mergeable(s: tuple[int, _Pl, _Pl], t: tuple[int, _Pl, _Pl]) -> bool:
     kind = _comm_kind(s[1], s[2])
     if kind not in (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE) or kind != _comm_kind(t[1], t[2]):
         return False
-    if any(isinstance(p, _StridedShard) for p in (*s[1:], *t[1:])):
+    if any(_strided(p) for p in (*s[1:], *t[1:])):
         return False
     if s[1:] == t[1:]:
         return True
@@ -417,3 +457,164 @@ def redistribute_cost(global_shape: tuple[int, ...], itemsize: int,
             local("divide merged avg", i, 2 * after)
     lb = sum(w.bytes for w in work)
     return Cost(tuple(colls), lb, lb / topology.memory_bandwidth, tuple(work), supported)
+
+
+# ------------------------------------------------ per-mesh-dim lower bound (for search)
+
+
+@dataclass(frozen=True)
+class CostBound:
+    """A lower bound on one input's share of a ``Cost``, charged to one mesh dim.
+
+    Fields bound the components of ``Cost.sort_key()`` (plus its support flag): summed
+    over the mesh dims of one input, each is <= the exact value of
+    ``redistribute_cost`` for the whole placement tuples, and ``unsupported`` OR-ed over
+    mesh dims is exact. ``collectives`` can be fractional (a share of a fused one)."""
+
+    unsupported: bool = False
+    seconds: float = 0.0
+    collectives: float = 0.0
+    bytes: float = 0.0
+
+
+def _fewest_elems(shape: Sequence[int], known: Sequence[tuple[int, int]], free: int) -> float:
+    """Fewest elements a rank can hold: ``known`` (tensor dim, mesh size) divisions surely
+    apply (ceil, as torch.chunk), and further mesh dims of total size ``free`` may divide
+    any dims: the ceil-divided product over ``free`` is at least both of the bounds below."""
+    out = list(shape)
+    for d, n in known:
+        out[d] = -(-out[d] // n)
+    if free <= 1:
+        return float(math.prod(out))
+    return max(math.prod(out) / free, float(math.prod(-(-x // free) for x in out)))
+
+
+def _fewest_shape(shape: Sequence[int], known: Sequence[tuple[int, int]], free: int) -> list[int]:
+    """Per tensor dim, the least a rank can hold (as ``_fewest_elems``, dim by dim)."""
+    out = list(shape)
+    for d, n in known:
+        out[d] = -(-out[d] // n)
+    return [-(-x // free) for x in out]
+
+
+def _shard_of(p: _Pl | None) -> int | None:
+    return p.dim if p is not None and p.kind == "S" else None
+
+
+def _dim_bound(shape: Sequence[int], itemsize: int, src: Sequence[_Pl], dst: Sequence[_Pl | None],
+               m: int, mesh: MeshShape, topology: Topology) -> CostBound:
+    """The bound for mesh dim ``m`` (``dst[m]`` known), given what is known of the others:
+    ``dst[j]`` None means mesh dim j may end anywhere (it may shard any tensor dim)."""
+    n = mesh.sizes[m]
+    a, b = src[m], dst[m]
+    if n <= 1 or a == b:
+        return CostBound()
+    # Which tensor dim each other mesh dim j may divide when m's first step runs: j is
+    # at its source, its target, or Replicate in between. A collective on m runs in the
+    # planner's last-to-first pass when the source has shards (dims before m still at
+    # their source) and else in the first-to-last pass (dims before m at their target,
+    # dims after at their source). One possible dim: assume it divided (a lower bound);
+    # two, or an unknown target: it may divide any dim.
+    reverse = any(p.kind == "S" and k > 1 for p, k in zip(src, mesh.sizes))
+    known, free = [], 1
+    for j, (s, t) in enumerate(zip(src, dst)):
+        if j == m or mesh.sizes[j] <= 1:
+            continue
+        if a.kind != "R" and (j < m) == reverse:
+            opts = {_shard_of(s)}
+        elif t is None:
+            free *= mesh.sizes[j]
+            continue
+        elif a.kind != "R" and j < m:  # first-to-last pass: j already at its target
+            opts = {_shard_of(t)}
+        else:
+            opts = {_shard_of(s), _shard_of(t)}
+        opts.discard(None)
+        if len(opts) == 1:
+            known.append((opts.pop(), mesh.sizes[j]))
+        elif opts:
+            free *= mesh.sizes[j]
+    if a.kind == "R":
+        if b.kind == "S":  # slice: the sliced result is what is copied
+            elems = _fewest_elems(shape, known + [(b.dim, n)], free) * itemsize
+        elif b.reduce_op not in ("avg", "max", "min"):
+            elems = _fewest_elems(shape, known, free) * itemsize
+        else:
+            return CostBound()
+        return CostBound(False, 2 * elems / topology.memory_bandwidth, 0.0, 2 * elems)
+    before = _fewest_elems(shape, known + ([(a.dim, n)] if a.kind == "S" else []), free) * itemsize
+    unsupported = b.is_partial()
+    groups = [len(g) for g in mesh.flattened if m in g]
+    if groups:  # may be fused with other mesh dims' steps: a share only
+        share = 1.0 / max(groups)
+        alpha = min(topology.intra_node_latency, topology.inter_node_latency)
+        seconds = topology.collective_launch_latency * share + (n - 1) * alpha
+        return CostBound(unsupported, seconds, share, (n - 1) / n * before * share)
+    # the least the first collective can be: an all-gather when the target is not a
+    # shard (to Replicate, or via Replicate to a Partial), an all-reduce from a Partial
+    # to anything but a shard, else an all-to-all / reduce-scatter (or worse, via R)
+    if a.kind == "S" and b.kind != "S":
+        kind, msg = ALL_GATHER, before * n
+    elif a.kind == "P" and b.kind != "S":
+        kind, msg = ALL_REDUCE, before
+    else:
+        kind, msg = ALL_TO_ALL, before
+    copies = 0.0  # chunk copies DTensor makes around it, when surely needed
+
+    def leading(extra: tuple[int, int], d: int) -> float:
+        lo = _fewest_shape(shape, known + [extra] if extra else known, free)
+        return 2.0 * math.prod(lo) * itemsize if math.prod(lo[:d]) > 1 else 0.0
+
+    if a.kind == "S" and b.kind == "S" and reverse and None not in dst[:m]:
+        # the planner's choice is known: all-to-all, unless the nesting before m differs
+        # (or either side is strided): then all-gather first
+        if ([_shard_of(x) == b.dim for x in src[:m]] != [_shard_of(x) == b.dim for x in dst[:m]]
+                or a.split_factor or b.split_factor):
+            kind, msg = ALL_GATHER, before * n
+        else:
+            copies = leading((b.dim, n), a.dim) + leading((a.dim, n), b.dim)
+    elif kind == ALL_GATHER:
+        copies = leading((), a.dim)
+    inter, per_node = _layout(mesh.sizes, (m,), topology.devices_per_node)
+    seconds = collective_seconds(kind, msg, n, inter_node=inter, topology=topology,
+                                 ranks_per_node=per_node)
+    return CostBound(unsupported, seconds + copies / topology.memory_bandwidth, 1.0,
+                     _RING[kind] * (n - 1) / n * msg + copies)
+
+
+def redistribute_lower_bound(global_shape: tuple[int, ...], itemsize: int,
+                             src: Sequence[Placement], dst: Sequence[Placement | None],
+                             mesh: MeshShape | Sequence[int], topology: Topology = H100) -> CostBound:
+    """A lower bound on ``redistribute_cost(src -> dst)`` charged to the mesh dims whose
+    target is known (``dst[m]`` not None); the others may end anywhere. Bounds of the
+    unknown dims taken one at a time (all others unknown) add to it admissibly.
+
+    Why it is a bound (``redistribute_cost`` is not a sum over mesh dims: step order,
+    fusion and the other dims' sharding all change the price): the greedy plan gives every
+    mesh dim whose placement changes (size > 1) at least one step, and the first one
+    starts from ``src``. From Replicate that step is local work (a slice or a division);
+    from Shard or Partial it is one collective of at least one ring pass, (n-1) hops and
+    its kind's share of a message, the kind being forced by the target (see
+    ``_dim_bound``). Sizes are the fewest elements a rank can hold at that moment: other
+    mesh dims divide for sure only where source and target shard the same tensor dim
+    (in between they may be Replicate). Different mesh dims' first steps are different
+    steps, so the bounds add up, except where DTensor fuses one collective over a
+    flattened group: there each dim is charged only its share (1/group size) of the
+    launch, of the count and of its wire bytes (a fused reduce-scatter puts only (N-1)/N
+    of its input on the wire, less than the sum of the dims' (n_i-1)/n_i), its own hops
+    (N-1 >= sum of (n_i - 1)) and no bandwidth term. Rejected conversions (to a Partial
+    from anything but Replicate or itself) are flagged exactly: nothing else in the plan
+    sets the flag. tests/test_cost.py checks all of this against the exact model."""
+    mesh = mesh if isinstance(mesh, MeshShape) else MeshShape(tuple(mesh))
+    ndim = len(global_shape)
+    src = [_normalize(p, ndim) for p in src]
+    dst = [None if p is None else _normalize(p, ndim) for p in dst]
+    if len(src) != mesh.ndim or len(dst) != mesh.ndim:
+        raise ValueError(f"need {mesh.ndim} placements, got {len(src)} and {len(dst)}")
+    unsupported, seconds, colls, nbytes = False, 0.0, 0.0, 0.0
+    for m in range(mesh.ndim):
+        if dst[m] is not None:
+            b = _dim_bound(global_shape, itemsize, src, dst, m, mesh, topology)
+            unsupported = unsupported or b.unsupported
+            seconds, colls, nbytes = seconds + b.seconds, colls + b.collectives, nbytes + b.bytes
+    return CostBound(unsupported, seconds, colls, nbytes)

@@ -14,13 +14,16 @@ the cheapest *valid* strategy wins. Valid means, on the real mesh and shapes:
 Placeholders S(d) become `Shard(d)`, or `_StridedShard(d, sf)` when the inputs already
 carry that kind on that mesh dim (the rule holds for any sharding kind).
 
-Candidates are costed first (one cost per input and target placement, memoized) and
-checked for validity in cost order only as far as needed: `choose` stops at the first
-valid one (`ranked`); `rank_strategies` checks them all, for explanations.
+Candidates come in cost order from a best-first search over the per-mesh-dim choices
+(`cheapest_first`: admissible per-dim bounds from the cost model, exact costs only for
+the strategies reached), and are checked for validity only as far as needed: `choose`
+stops at the first valid one (`ranked`); `rank_strategies` checks the cheapest
+`MAX_LISTED` (all of them on small meshes), for explanations.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -29,13 +32,15 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._compat import TorchPartial, TorchReplicate, TorchShard, TorchStridedShard
-from .cost import H100, Cost, MeshShape, Topology, redistribute_cost
+from .cost import (
+    H100, Cost, CostBound, MeshShape, Topology, model_placement, redistribute_cost, redistribute_lower_bound,
+)
 from .derive import derive_rules
 from .dispatch_modes.clean import clean_dispatch_state
 from .placements import MaybePlacement, Partial, R, ShardPlaceholder, SingleDimRule
 
 TorchPlacement = Any
-MAX_COMBOS = 4096  # strategies costed per call; beyond, rules are pre-filtered per mesh dim
+MAX_LISTED = 4096  # strategies rank_strategies checks (beyond: up to the first valid one)
 
 
 @dataclass(frozen=True)
@@ -124,7 +129,8 @@ def ranked(
 ) -> Iterator[MeshStrategy]:
     """Candidate strategies cheapest first (those DTensor can redistribute to before those
     it cannot), each checked for validity only when reached. The first valid one is the
-    choice: on a 4x4x4 mesh with 14 rules that is one check instead of 2744.
+    choice: on a 4x4x4 mesh with 14 rules that is one check instead of 2744, and the
+    candidates are found best-first (`cheapest_first`), not by costing all of them.
     `accept(input_placements, cost)` skips candidates before they are checked."""
     mesh = mesh_shape if isinstance(mesh_shape, MeshShape) else MeshShape(tuple(mesh_shape))
     derived = derive_rules(op, *args, **kwargs)
@@ -133,24 +139,8 @@ def ranked(
         raise ValueError(
             f"need {mesh.ndim} placements for each of the {len(tensors)} tensor inputs"
         )
-    trivial = SingleDimRule((R,) * len(tensors), _trivial_outputs(derived), source="implied")
-    # Propagation's rules, not yet local-checked: each is checked only if a strategy
-    # using it is reached (a first DTensor call checks a handful, not all).
-    tentative = derived.tentative()
-    per_dim = [_candidate_rules(tentative, trivial, current, m) for m in range(mesh.ndim)]
-    memo: dict[tuple[int, tuple], Cost] = {}  # (tensor, target placements): its cost
-    cands = []
-    for order, combo in enumerate(itertools.product(*per_dim)):
-        ins, outs = expand(combo, current)
-        cost = Cost()
-        for i, (t, src, dst) in enumerate(zip(tensors, current, ins)):
-            c = memo.get((i, dst))
-            if c is None:
-                c = memo[(i, dst)] = redistribute_cost(tuple(t.shape), t.element_size(), tuple(src), dst, mesh, topology)
-            cost = cost + c
-        cands.append(((not cost.dtensor_supported, cost.sort_key(), order), combo, ins, outs, cost))
-    cands.sort(key=lambda c: c[0])
-    for _, combo, ins, outs, cost in cands:
+    choices = candidate_rules(derived, len(tensors))
+    for combo, ins, outs, cost in cheapest_first(choices, tensors, current, mesh, topology):
         if accept is not None and not accept(ins, cost):
             continue
         checked = [derived.validated(r) for r in combo]
@@ -164,12 +154,163 @@ def ranked(
         yield MeshStrategy(tuple(checked), ins, outs, cost, not reason, reason)
 
 
+def candidate_rules(derived, n_tensors: int) -> list[SingleDimRule]:
+    """The choices for each mesh dim: all-Replicate, then propagation's rules, not yet
+    local-checked (each is checked only if a strategy using it is reached: a first
+    DTensor call checks a handful, not all)."""
+    trivial = SingleDimRule((R,) * n_tensors, _trivial_outputs(derived), source="implied")
+    return [trivial, *derived.tentative()]
+
+
+def candidate_key(cost: Cost, order: tuple[int, ...]) -> tuple:
+    """The total order of candidates: DTensor-supported first, then `Cost.sort_key()`,
+    then the choice indices per mesh dim (rule order) to break the remaining ties."""
+    return (not cost.dtensor_supported, *cost.sort_key(), order)
+
+
+def cheapest_first(
+    choices: Sequence[SingleDimRule], tensors: Sequence[torch.Tensor],
+    current: Sequence[Sequence[TorchPlacement]], mesh: MeshShape, topology: Topology = H100,
+) -> Iterator[tuple[tuple[SingleDimRule, ...], tuple, tuple, Cost]]:
+    """Every strategy (one of `choices` per mesh dim) as (rules, input placements, output
+    placements, cost), in `candidate_key` order, without costing them all first.
+
+    Why best-first and not enumeration: a mesh of d dims has len(choices)**d strategies
+    (50625 for 15 rules on 2x2x2x2), and the first call only needs the cheapest few.
+    Exact cost is a sum over inputs of `redistribute_cost` of whole placement tuples,
+    which does not split over mesh dims; `redistribute_lower_bound` bounds the share of
+    the mesh dims chosen so far, knowing each other, admissibly. A* over the choices for
+    mesh dims 0, 1, ...: a prefix is keyed by that bound plus the smallest bound of each
+    remaining dim on its own, a full strategy by its exact key. Every component of a
+    prefix's key is <= that of each completion (and the rule-order tie-break of a prefix
+    is a prefix of theirs), so when a full strategy is popped, nothing unpopped is
+    cheaper: the order is exactly the sorted enumeration's. A full strategy is priced
+    only when its bound comes up, so most are never priced."""
+    n_dims, n_t = mesh.ndim, len(tensors)
+    cols: list[list[tuple[tuple, tuple]]] = []  # per mesh dim, per choice: (ins, outs) there
+    model: list[list[tuple]] = []  # the same inputs in the cost model's form (fast to price)
+    shapes = [tuple(t.shape) for t in tensors]
+    srcs = [tuple(model_placement(p, len(s)) for p in c) for c, s in zip(current, shapes)]
+    sizes = [t.element_size() for t in tensors]
+    unknown = (None,) * n_dims
+    bound: list[list[tuple[bool, float, float, float]]] = []  # dim m alone, per choice
+    for m in range(n_dims):
+        cur = [c[m] for c in current]
+        cols.append([])
+        bound.append([])
+        model.append([])
+        for rule in choices:
+            strided = _strided_factors(rule, cur)
+            ins = tuple(_fill(p, strided) for p in rule.inputs)
+            cols[m].append((ins, tuple(_fill(p, strided) for p in rule.outputs)))
+            model[m].append(tuple(model_placement(p, len(s)) for p, s in zip(ins, shapes)))
+            parts = [redistribute_lower_bound(shapes[i], sizes[i], srcs[i], unknown[:m] + (dst,) + unknown[m + 1:], mesh, topology)
+                     for i, dst in enumerate(model[m][-1])]
+            bound[m].append(_total(parts))
+    # Choices that cost the same in every strategy, whatever the other dims choose, are
+    # searched once (their lowest index stands for all) and fanned out when priced:
+    # non-shard targets on a mesh dim of size 1 (DTensor skips the dim), and Replicate /
+    # P(avg|max|min) from a Replicate input (free, no collective) when no flattened group
+    # could fuse across the step. On 2x2x2x2 this turns 6**4 strategies into 3**4.
+    members: list[dict[int, list[int]]] = []
+    for m in range(n_dims):
+        groups: dict[tuple, list[int]] = {}
+        for c in range(len(choices)):
+            groups.setdefault(tuple(None if _free(t, srcs[i][m], mesh, m) else t
+                                    for i, t in enumerate(model[m][c])), []).append(c)
+        members.append({g[0]: g for g in groups.values()})
+    # rest[k]: per component, the least any choice can add on mesh dims k, k+1, ...
+    rest = [(False, 0.0, 0.0, 0.0)] * (n_dims + 1)
+    for m in reversed(range(n_dims)):
+        lo = [min(b[j] for b in bound[m]) for j in range(4)]
+        rest[m] = (lo[0] or rest[m + 1][0], *(lo[j] + rest[m + 1][j] for j in (1, 2, 3)))
+
+    slack = 1 - 1e-9  # float sums in another order must not lift a bound above the exact
+    known: dict[tuple[int, tuple], CostBound] = {}  # (tensor, known targets): its bound
+
+    def prefix_key(order: tuple[int, ...]) -> tuple:
+        """The bound of the chosen dims, knowing each other (see redistribute_lower_bound),
+        plus the least each unchosen dim can add."""
+        k, parts = len(order), []
+        for i in range(n_t):
+            dst = tuple(model[m][c][i] for m, c in enumerate(order)) + unknown[k:]
+            b = known.get((i, dst))
+            if b is None:
+                b = known[(i, dst)] = redistribute_lower_bound(shapes[i], sizes[i], srcs[i], dst, mesh, topology)
+            parts.append(b)
+        acc, r = _total(parts), rest[k]
+        return (acc[0] or r[0], round((acc[1] + r[1]) * slack, 9), (acc[2] + r[2]) * slack,
+                (acc[3] + r[3]) * slack, order)
+
+    exact: dict[tuple[int, tuple], Cost] = {}  # (tensor, target placements): its cost
+
+    def price(order: tuple[int, ...]) -> Cost:
+        cost = Cost()
+        for i, src in enumerate(srcs):
+            dst = tuple(model[m][c][i] for m, c in enumerate(order))
+            one = exact.get((i, dst))
+            if one is None:
+                one = exact[(i, dst)] = redistribute_cost(shapes[i], sizes[i], src, dst, mesh, topology)
+            cost = cost + one
+        return cost
+
+    def payload(order: tuple[int, ...], cost: Cost) -> tuple:
+        ins = tuple(tuple(cols[m][c][0][i] for m, c in enumerate(order)) for i in range(n_t))
+        n_out = len(cols[0][order[0]][1])
+        outs = tuple(tuple(cols[m][c][1][k] for m, c in enumerate(order)) for k in range(n_out))
+        outs = tuple(None if any(p is None for p in o) else o for o in outs)
+        return tuple(choices[c] for c in order), ins, outs, cost
+
+    # entries: (key, order, state); state None: bounded (prefix, or a full strategy not
+    # yet priced), ("class", cost): priced, stands for its equivalents, ("one", cost)
+    heap: list = [(prefix_key(()), (), None)]
+    while heap:
+        _, order, state = heapq.heappop(heap)
+        if state is None and len(order) < n_dims:
+            for c in members[len(order)]:
+                heapq.heappush(heap, (prefix_key(order + (c,)), order + (c,), None))
+        elif state is None:  # reached on its bound: price it, back in at its cost
+            cost = price(order)
+            heapq.heappush(heap, (candidate_key(cost, order), order, ("class", cost)))
+        elif state[0] == "class":  # its equivalents cost the same: each at its own order
+            for one in itertools.product(*(members[m][c] for m, c in enumerate(order))):
+                heapq.heappush(heap, (candidate_key(state[1], one), one, ("one", state[1])))
+        else:
+            yield payload(order, state[1])
+
+
+def _free(target, src, mesh: MeshShape, m: int) -> bool:
+    """Whether `target` on mesh dim m costs nothing in any strategy (see cheapest_first)."""
+    if target.kind == "S":
+        return False
+    if mesh.sizes[m] == 1:
+        return True
+    return (not mesh.flattened and src.kind == "R"
+            and (target.kind == "R" or target.reduce_op in ("avg", "max", "min")))
+
+
+def _total(parts: Sequence[CostBound]) -> tuple[bool, float, float, float]:
+    return (any(b.unsupported for b in parts), sum(b.seconds for b in parts),
+            sum(b.collectives for b in parts), sum(b.bytes for b in parts))
+
+
 def rank_strategies(
     op, args: tuple, kwargs: dict, mesh_shape: Sequence[int] | MeshShape,
     current: Sequence[Sequence[TorchPlacement]], topology: Topology = H100,
+    limit: int = MAX_LISTED,
 ) -> list[MeshStrategy]:
-    """Every candidate strategy, cheapest valid first (invalid ones last, with reasons)."""
-    out = list(ranked(op, args, kwargs, mesh_shape, current, topology))
+    """Candidate strategies, cheapest valid first (invalid ones last, with reasons).
+
+    All of them on small meshes; on large ones (15 rules on 2x2x2x2 is 50625) the
+    cheapest `limit`, and further ones only until a valid one is among them: each is
+    checked on the mesh, which is what an explanation costs."""
+    out: list[MeshStrategy] = []
+    found = False
+    for s in ranked(op, args, kwargs, mesh_shape, current, topology):
+        out.append(s)
+        found = found or s.valid
+        if len(out) >= limit and found:
+            break
     out.sort(key=lambda s: not s.valid)  # stable: cost order within each group
     return out
 
@@ -185,29 +326,6 @@ def _trivial_outputs(derived) -> tuple:
     if derived.rules:
         return tuple(None if p is None else R for p in derived.rules[0].outputs)
     return (R,)
-
-
-def _candidate_rules(rules, trivial, current, m: int) -> list[SingleDimRule]:
-    """All rules, or when the product would explode, the ones closest to the current
-    placements on this mesh dim (plus all-Replicate)."""
-    cands = [trivial, *rules]
-    n_dims = len(current[0]) if current else 1
-    if len(cands) ** n_dims <= MAX_COMBOS:
-        return cands
-    keep = max(2, int(MAX_COMBOS ** (1 / n_dims)))
-
-    def closeness(rule: SingleDimRule) -> int:
-        return sum(_same_kind(p, c[m]) for p, c in zip(rule.inputs, current))
-
-    return [trivial] + sorted(rules, key=closeness, reverse=True)[: keep - 1]
-
-
-def _same_kind(p: MaybePlacement, cur: TorchPlacement) -> bool:
-    if isinstance(p, ShardPlaceholder):
-        return isinstance(cur, (TorchShard, TorchStridedShard)) and cur.dim == p.dim
-    if isinstance(p, Partial):
-        return isinstance(cur, TorchPartial) and cur.reduce_op == p.reduce_op
-    return isinstance(cur, TorchReplicate)
 
 
 def _invalid_reason(op, args, kwargs, combo, ins, outs, tensors, mesh: tuple[int, ...]) -> str:

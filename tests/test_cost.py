@@ -28,6 +28,7 @@ from decompshard.cost import (
     bus_bandwidth,
     collective_seconds,
     redistribute_cost,
+    redistribute_lower_bound,
 )
 
 R, P = Replicate(), Partial()
@@ -305,3 +306,79 @@ def test_plan_matches_dtensor(sizes, shape, data) -> None:
         pytest.skip(f"torch planner API changed: {e}")
     got = redistribute_cost(shape, FP32, src, dst, MeshShape(sizes, flattened=flattened))
     assert [(x.kind, x.mesh_dims) for x in got.collectives] == expected
+
+
+def _random_placement(rng, ndim: int):
+    kind = rng.randrange(6)
+    if kind == 0 or ndim == 0:
+        return R
+    if kind == 1:
+        return Partial(rng.choice(["sum", "sum", "avg", "max"]))
+    if kind == 2:
+        return _StridedShard(rng.randrange(ndim), split_factor=rng.choice([2, 3]))
+    return Shard(rng.randrange(-ndim, ndim))
+
+
+def test_per_mesh_dim_lower_bounds_add_up_to_at_most_the_exact_cost():
+    """lift's best-first search is exact only if these bounds are admissible: summed over
+    mesh dims, every component of the sort key is <= the exact cost's, and the support
+    flag is exact. Random shapes, meshes (with flattened groups), placements, topologies."""
+    import random
+
+    rng = random.Random(13)
+    checked = fused = tight = 0
+    for _ in range(6000):
+        sizes = tuple(rng.choice([1, 2, 2, 3, 4, 8]) for _ in range(rng.randint(1, 4)))
+        flattened = ()
+        if len(sizes) >= 2 and rng.random() < 0.4:
+            dims = sorted(rng.sample(range(len(sizes)), rng.randint(2, len(sizes))))
+            flattened = (tuple(dims),)
+        mesh = MeshShape(sizes, flattened=flattened)
+        ndim = rng.randint(0, 3)
+        shape = tuple(rng.choice([0, 1, 3, 7, 8, 64, 1000]) for _ in range(ndim))
+        src = [_random_placement(rng, ndim) for _ in sizes]
+        dst = [_random_placement(rng, ndim) for _ in sizes]
+        if flattened and ndim and rng.random() < 0.5:  # what DTensor fuses: alike steps
+            a, b = rng.choice([(Shard(0), R), (Partial("sum"), R), (Partial("avg"), R),
+                               (Partial("sum"), Shard(ndim - 1)), (Partial("sum"), Partial("avg"))])
+            for m in flattened[0]:
+                src[m], dst[m] = a, b
+        topo = rng.choice([H100, A100, dataclasses.replace(H100, devices_per_node=4)])
+        exact = redistribute_cost(shape, 4, src, dst, mesh, topo)
+        # some targets known, the rest bounded one mesh dim at a time (as lift's search)
+        known = [d if rng.random() < 0.6 else None for d in dst]
+        bounds = [redistribute_lower_bound(shape, 4, src, known, mesh, topo)] + [
+            redistribute_lower_bound(shape, 4, src, [d if j == m else None for j in range(len(sizes))], mesh, topo)
+            for m, d in enumerate(dst) if known[m] is None]
+        assert any(b.unsupported for b in bounds) == (not exact.dtensor_supported), (shape, src, dst, sizes)
+        slack = 1 + 1e-9
+        assert sum(b.seconds for b in bounds) <= exact.total_seconds * slack + 1e-15, (shape, src, known, dst, sizes)
+        assert sum(b.collectives for b in bounds) <= len(exact.collectives) + 1e-9, (shape, src, known, dst, sizes)
+        assert sum(b.bytes for b in bounds) <= exact.bytes_moved * slack + 1e-9, (shape, src, known, dst, sizes)
+        full = redistribute_lower_bound(shape, 4, src, dst, mesh, topo)
+        tight += full.seconds >= 0.9 * exact.total_seconds
+        checked += 1
+        fused += any(len(c.mesh_dims) > 1 for c in exact.collectives)
+    assert fused > 50  # fused collectives were exercised, not only per-dim ones
+    assert tight > checked // 2  # and the bound is not vacuous
+
+
+def test_lower_bound_is_tight_for_one_collective_and_uses_known_sharding():
+    # the bound must not be vacuous: a lone all-to-all is priced exactly
+    mesh = MeshShape((4,))
+    exact = redistribute_cost((64, 64), FP32, [Shard(0)], [Shard(1)], mesh)
+    bound = redistribute_lower_bound((64, 64), FP32, [Shard(0)], [Shard(1)], mesh)
+    assert [c.kind for c in exact.collectives] == [ALL_TO_ALL]
+    assert bound.collectives == 1 and bound.seconds == pytest.approx(exact.total_seconds)
+    assert bound.bytes == pytest.approx(exact.bytes_moved)  # the chunk reorder included
+    assert redistribute_lower_bound((64, 64), FP32, [Shard(0)], [Shard(0)], mesh).seconds == 0
+    # an all-gather on mesh dim 0 of 2x2 moves less if mesh dim 1 shards the tensor
+    # first; the bound can rule that out only once mesh dim 1's target is known
+    mesh = MeshShape((2, 2))
+    src = [Shard(0), R]
+    unknown = redistribute_lower_bound((64, 64), FP32, src, [R, None], mesh)
+    kept = redistribute_lower_bound((64, 64), FP32, src, [R, R], mesh)
+    exact = redistribute_cost((64, 64), FP32, src, [R, R], mesh)
+    assert [c.kind for c in exact.collectives] == [ALL_GATHER]
+    assert unknown.bytes < kept.bytes and kept.bytes == pytest.approx(exact.bytes_moved)
+    assert kept.seconds == pytest.approx(exact.total_seconds)

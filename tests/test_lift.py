@@ -181,3 +181,100 @@ def test_local_shape_matches_torch():
         for coord in itertools.product(*(range(m) for m in mesh)):
             want = tuple(_compute_local_shape_and_global_offset(shape, mesh, list(coord), placements)[0])
             assert local_shape_nd(shape, placements, mesh, coord) == want, (shape, placements, mesh, coord)
+
+
+def _random_case(rng):
+    """(op, args, tensors, current placements, mesh) small enough to enumerate."""
+    from decompshard.cost import MeshShape
+
+    cases = [
+        (aten.addmv.default, addmv_args()),
+        (aten.addr.default, (torch.randn(8, 6), torch.randn(8), torch.randn(6))),
+        (aten.mse_loss.default, (torch.randn(8, 3), torch.randn(8, 3))),
+        (aten.pixel_shuffle.default, (torch.randn(2, 8, 3, 3), 2)),
+        (aten.rot90.default, (torch.randn(8, 6), 1, [1, 0])),
+        (aten.renorm.default, (torch.randn(8, 6), 2, 0, 1.0)),
+        (aten.mse_loss_backward.default, (torch.randn(()), torch.randn(8, 6), torch.randn(8, 6), 1)),
+    ]
+    op, args = rng.choice(cases)
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    n_dims = rng.randint(1, 3)
+    sizes = tuple(rng.choice([1, 2, 2, 3, 4]) for _ in range(n_dims))
+    flattened = ((tuple(range(n_dims)),) if n_dims > 1 and rng.random() < 0.3 else ())
+    mesh = MeshShape(sizes, flattened=flattened)
+
+    def placement(t):
+        nd = t.dim()
+        options = [R, R, PSUM, PMAX, Partial("avg")]
+        if nd:
+            d = rng.randrange(nd)
+            options += [Shard(d), Shard(d), Shard(-1), _StridedShard(d, split_factor=2)]
+        return rng.choice(options)
+
+    current = [tuple(placement(t) for _ in sizes) for t in tensors]
+    return op, args, tensors, current, mesh
+
+
+def _enumerate_sorted(choices, tensors, current, mesh):
+    """The reference: cost every combination, sort (what lift did before best-first)."""
+    from decompshard.cost import Cost, redistribute_cost
+
+    out = []
+    for order in itertools.product(range(len(choices)), repeat=mesh.ndim):
+        combo = tuple(choices[c] for c in order)
+        ins, outs = lift.expand(combo, current)
+        cost = Cost()
+        for t, src, dst in zip(tensors, current, ins):
+            cost = cost + redistribute_cost(tuple(t.shape), t.element_size(), tuple(src), dst, mesh)
+        out.append(((not cost.dtensor_supported, cost.sort_key(), order), combo, ins, outs, cost))
+    out.sort(key=lambda x: x[0])
+    return [x[1:] for x in out]
+
+
+def test_best_first_order_equals_full_enumeration_on_random_cases():
+    from decompshard.derive import derive_rules
+
+    rng = random.Random(2026)
+    compared = longest = 0
+    while compared < 40:
+        op, args, tensors, current, mesh = _random_case(rng)
+        derived = derive_rules(op, *args)
+        choices = lift.candidate_rules(derived, len(tensors))
+        if len(choices) ** mesh.ndim > 1500:
+            continue
+        want = _enumerate_sorted(choices, tensors, current, mesh)
+        got = list(lift.cheapest_first(choices, tensors, current, mesh))
+        assert len(got) == len(want), (op, current, mesh)
+        for g, w in zip(got, want):
+            assert g[0] == w[0], (op, current, mesh)  # same rules, in the same order
+            assert g[1] == w[1] and g[2] == w[2]  # same placements
+            assert (g[3].dtensor_supported, g[3].sort_key()) == (w[3].dtensor_supported, w[3].sort_key())
+        compared += 1
+        longest = max(longest, len(want))
+    assert longest > 500  # some cases had many strategies to order
+
+
+def test_choice_equals_full_enumeration_first_valid_on_random_cases():
+    # End to end: the strategy `choose` returns is the first valid one of the sorted
+    # full enumeration (validity judged the same way, by lift's own checks).
+    from decompshard.derive import derive_rules
+
+    rng = random.Random(7)
+    done = 0
+    while done < 25:
+        op, args, tensors, current, mesh = _random_case(rng)
+        derived = derive_rules(op, *args)
+        choices = lift.candidate_rules(derived, len(tensors))
+        if len(choices) ** mesh.ndim > 800:
+            continue
+        best = choose(op, args, {}, mesh, current)
+        for combo, ins, outs, cost in _enumerate_sorted(choices, tensors, current, mesh):
+            checked = [derived.validated(r) for r in combo]
+            if None in checked:
+                continue
+            ins, outs = lift.expand(checked, current)
+            if not lift._invalid_reason(derived.op, args, {}, checked, ins, outs, tensors, mesh.sizes):
+                break
+        assert best.rules == tuple(checked) and best.input_placements == ins, (op, current, mesh)
+        assert best.cost.sort_key() == cost.sort_key()
+        done += 1
