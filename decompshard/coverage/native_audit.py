@@ -84,10 +84,11 @@ def _from_pool(name: str, rec: dict[str, Any]) -> dict[str, Any]:
 def native_sweep(patterns: str | None = None, *, jobs: int = 1, timeout: float = 60.0, samples_per_op: int = 2,
                  opinfo_samples: int | None = None, progress: bool = True) -> dict[str, Any]:
     """Capture OpInfo samples, pick the native ops among the selected ones, audit each."""
-    from .command import _validate_exact, select_ops
+    from .command import select_ops, validate_patterns
     from .opinfo_samples import capture_aten_samples
 
-    _validate_exact(patterns)
+    if patterns is not None:
+        validate_patterns(patterns)
     t0 = time.perf_counter()
     if progress:
         print("native audit: capturing aten calls from torch's OpInfo samples...", file=sys.stderr, flush=True)
