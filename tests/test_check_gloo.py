@@ -11,7 +11,6 @@ import json
 import pickle
 import time
 
-import pytest
 import torch
 import torch.multiprocessing as mp
 

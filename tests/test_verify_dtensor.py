@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 import decompshard
 from decompshard.verify_dtensor import (
-    MESHES,
     Outcome,
     device_mesh,
     format_placements,

@@ -20,7 +20,7 @@ import math
 import warnings
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
