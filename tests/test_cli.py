@@ -96,9 +96,11 @@ def test_bad_ops_fail_before_any_capture(tmp_path, ops, message):
 
 def test_a_sweep_writes_the_report_on_stdout_and_counts_agree(opinfo_cache):
     """stdout is the report alone (CSV here, read back by csv); stderr has the progress and
-    a last line whose per-status counts are the report's, in the same words."""
+    a last line whose per-status counts are the report's, in the same words. (No numerical
+    check: it would not change a status, only the time.)"""
     ops = ["aten.mul.Tensor", "aten.addmv.default", "aten.dist.default", "aten.nonzero.default"]
-    got = run_cli("coverage", "--ops", ",".join(ops), "--format", "csv", *FAST, cache_dir=opinfo_cache)
+    got = run_cli("coverage", "--ops", ",".join(ops), "--format", "csv", "--no-verify", *FAST,
+                  cache_dir=opinfo_cache)
     assert got.returncode == 0, got.stderr
     rows = list(csv.DictReader(io.StringIO(got.stdout)))
     assert [r["op"] for r in rows] == sorted(ops)
@@ -128,8 +130,8 @@ def test_ctrl_c_during_the_sweep_writes_what_finished(opinfo_cache, tmp_path):
     finished so far, marked interrupted."""
     out = tmp_path / "partial.json"
     ops = ["aten.mul.Tensor", *DERIVED_OPS]
-    proc = spawn_cli("coverage", "-v", "--ops", ",".join(ops), "--format", "json", "-o", str(out), *FAST,
-                     cache_dir=opinfo_cache)
+    proc = spawn_cli("coverage", "-v", "--ops", ",".join(ops), "--format", "json", "-o", str(out), "--no-verify",
+                     *FAST, cache_dir=opinfo_cache)
     seen: list[str] = []
     try:
         _wait_for(proc, "coverage: [2/6]", seen)  # mul (native) and one derived op are done

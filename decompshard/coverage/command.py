@@ -133,7 +133,9 @@ def _emit(text: str, output: str | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     statuses = _check_args(args)
-    if not (args.diff or args.from_json):  # before anything here imports torch (see sweep)
+    if args.ops is not None:
+        validate_globs(args.ops)  # torch only (2 s): a pattern that matches nothing fails now
+    if not (args.diff or args.from_json):  # before this process imports the rest (see sweep)
         _start_worker_server(args.jobs)
     from . import report as rep
 
@@ -200,25 +202,32 @@ def all_aten_overloads() -> list[str]:
     return out
 
 
-def validate_patterns(patterns: str) -> None:
-    """Fail fast, before the (slow) OpInfo capture: an empty --ops, an unknown exact name,
-    a glob that matches no aten op at all. (A glob that matches aten ops none of which
-    OpInfo reaches is found out by `select_ops`.)"""
-    parts = _parts(patterns)
-    from ..derive import resolve_op
-
+def validate_globs(patterns: str) -> None:
+    """A glob that matches no aten op at all, checked against the dispatcher's list
+    (needs torch, not decompshard's solver)."""
     names: list[str] | None = None
-    for raw in parts:
+    for raw in _parts(patterns):
         pat = _normalize(raw)
         if _GLOB & set(pat):
             names = all_aten_overloads() if names is None else names
             if not any(fnmatch.fnmatchcase(n, pat) for n in names):
                 raise UsageError(f"--ops pattern {raw!r} matches no aten op")
-            continue
-        try:
-            resolve_op(pat)
-        except ValueError as e:
-            raise UsageError(f"--ops: {e}") from None
+
+
+def validate_patterns(patterns: str) -> None:
+    """Fail fast, before the (slow) OpInfo capture: an empty --ops, a glob that matches no
+    aten op at all, an unknown exact name. (A glob that matches aten ops none of which
+    OpInfo reaches is found out by `select_ops`.)"""
+    validate_globs(patterns)
+    from ..derive import resolve_op
+
+    for raw in _parts(patterns):
+        pat = _normalize(raw)
+        if not _GLOB & set(pat):
+            try:
+                resolve_op(pat)
+            except ValueError as e:
+                raise UsageError(f"--ops: {e}") from None
 
 
 def select_ops(patterns: str | None, reached: Sequence["torch._ops.OpOverload"]) -> list["torch._ops.OpOverload"]:
@@ -254,9 +263,10 @@ def select_ops(patterns: str | None, reached: Sequence["torch._ops.OpOverload"])
 
 def _start_worker_server(jobs: int) -> None:
     """The sweep's workers fork from a server process that imports torch and decompshard
-    once (sweep._context: forkserver, sweep preloaded). Starting that server first lets
-    its imports (3 s) run while this process imports torch and reads the capture, instead
-    of after.
+    once (sweep._context: forkserver, sweep preloaded). Starting that server before this
+    process imports decompshard's solver and reads the capture lets the two run side by
+    side on two cores (`run` starts it once torch is in and the globs are checked, so a
+    mistyped pattern does not pay for it).
 
     It starts with SIGINT ignored, which it and every worker it forks inherit (Python
     installs no KeyboardInterrupt handler when it starts with SIGINT ignored): a Ctrl-C
