@@ -86,12 +86,14 @@ def test_a_misspelled_option_shows_that_commands_usage(tmp_path, argv, usage, hi
     ("aten.addmvv*", "matches no aten op"),
 ])
 def test_bad_ops_fail_before_any_capture(tmp_path, ops, message):
-    """Checked before the OpInfo capture starts: nothing is captured, nothing written."""
-    got = run_cli("coverage", "--ops", ops, cache_dir=tmp_path)
-    assert got.returncode == 2 and got.stdout == ""
-    assert got.stderr.startswith("decompshard coverage: error:") and message in got.stderr
-    assert len(got.stderr.splitlines()) == 1  # no "capturing..." line before it
-    assert list(tmp_path.iterdir()) == []
+    """Checked before the OpInfo capture starts: nothing is captured (only the list of aten
+    op names a glob is checked against may be kept, so the next check needs no torch)."""
+    for _ in range(2):  # the second run reads the kept list of names
+        got = run_cli("coverage", "--ops", ops, cache_dir=tmp_path)
+        assert got.returncode == 2 and got.stdout == ""
+        assert got.stderr.startswith("decompshard coverage: error:") and message in got.stderr
+        assert len(got.stderr.splitlines()) == 1  # no "capturing..." line before it
+        assert not [p for p in tmp_path.iterdir() if not p.name.startswith("aten-overloads-")]
 
 
 def test_a_sweep_writes_the_report_on_stdout_and_counts_agree(opinfo_cache):
@@ -168,7 +170,7 @@ def test_ctrl_c_during_the_capture(tmp_path):
     assert proc.returncode == 130, err
     assert "Traceback" not in err
     assert err.splitlines()[-1] == "decompshard coverage: interrupted"
-    assert stdout == "" and list(tmp_path.iterdir()) == []
+    assert stdout == "" and not list(tmp_path.glob("opinfo-samples-*"))
 
 
 # ------------------------------------------------------------------ report formats
