@@ -86,19 +86,23 @@ def test_a_misspelled_option_shows_that_commands_usage(tmp_path, argv, usage, hi
     ("aten.addmvv*", "matches no aten op"),
 ])
 def test_bad_ops_fail_before_any_capture(tmp_path, ops, message):
-    """Checked before the OpInfo capture starts: nothing is captured, nothing written."""
-    got = run_cli("coverage", "--ops", ops, cache_dir=tmp_path)
-    assert got.returncode == 2 and got.stdout == ""
-    assert got.stderr.startswith("decompshard coverage: error:") and message in got.stderr
-    assert len(got.stderr.splitlines()) == 1  # no "capturing..." line before it
-    assert list(tmp_path.iterdir()) == []
+    """Checked before the OpInfo capture starts: nothing is captured (only the list of aten
+    op names a glob is checked against may be kept, so the next check needs no torch)."""
+    for _ in range(2):  # the second run reads the kept list of names
+        got = run_cli("coverage", "--ops", ops, cache_dir=tmp_path)
+        assert got.returncode == 2 and got.stdout == ""
+        assert got.stderr.startswith("decompshard coverage: error:") and message in got.stderr
+        assert len(got.stderr.splitlines()) == 1  # no "capturing..." line before it
+        assert not [p for p in tmp_path.iterdir() if not p.name.startswith("aten-overloads-")]
 
 
 def test_a_sweep_writes_the_report_on_stdout_and_counts_agree(opinfo_cache):
     """stdout is the report alone (CSV here, read back by csv); stderr has the progress and
-    a last line whose per-status counts are the report's, in the same words."""
+    a last line whose per-status counts are the report's, in the same words. (No numerical
+    check: it would not change a status, only the time.)"""
     ops = ["aten.mul.Tensor", "aten.addmv.default", "aten.dist.default", "aten.nonzero.default"]
-    got = run_cli("coverage", "--ops", ",".join(ops), "--format", "csv", *FAST, cache_dir=opinfo_cache)
+    got = run_cli("coverage", "--ops", ",".join(ops), "--format", "csv", "--no-verify", *FAST,
+                  cache_dir=opinfo_cache)
     assert got.returncode == 0, got.stderr
     rows = list(csv.DictReader(io.StringIO(got.stdout)))
     assert [r["op"] for r in rows] == sorted(ops)
@@ -128,8 +132,8 @@ def test_ctrl_c_during_the_sweep_writes_what_finished(opinfo_cache, tmp_path):
     finished so far, marked interrupted."""
     out = tmp_path / "partial.json"
     ops = ["aten.mul.Tensor", *DERIVED_OPS]
-    proc = spawn_cli("coverage", "-v", "--ops", ",".join(ops), "--format", "json", "-o", str(out), *FAST,
-                     cache_dir=opinfo_cache)
+    proc = spawn_cli("coverage", "-v", "--ops", ",".join(ops), "--format", "json", "-o", str(out), "--no-verify",
+                     *FAST, cache_dir=opinfo_cache)
     seen: list[str] = []
     try:
         _wait_for(proc, "coverage: [2/6]", seen)  # mul (native) and one derived op are done
@@ -166,7 +170,7 @@ def test_ctrl_c_during_the_capture(tmp_path):
     assert proc.returncode == 130, err
     assert "Traceback" not in err
     assert err.splitlines()[-1] == "decompshard coverage: interrupted"
-    assert stdout == "" and list(tmp_path.iterdir()) == []
+    assert stdout == "" and not list(tmp_path.glob("opinfo-samples-*"))
 
 
 # ------------------------------------------------------------------ report formats

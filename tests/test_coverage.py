@@ -415,3 +415,24 @@ def test_progress_eta_leaves_out_the_instant_lookups():
     lines = out.getvalue().splitlines()
     assert lines[7].endswith("(4 s)")  # the first derived op: no rate yet
     assert lines[8] == "coverage: ops 9/12 (8 s, ETA 12 s)"  # 3 left at 4 s each
+
+
+def test_glob_checks_read_the_kept_op_list_without_torch(tmp_path):
+    """The list of aten overloads a glob is checked against is the dispatcher's, kept on
+    disk for the installed torch; read back, it is the same list."""
+    from decompshard.coverage.command import all_aten_overloads
+
+    fresh = all_aten_overloads(str(tmp_path))
+    kept = list(tmp_path.glob("aten-overloads-*.txt"))
+    assert len(kept) == 1 and "aten.addmv.default" in fresh and "aten.add.Tensor" in fresh
+    assert sorted(all_aten_overloads(str(tmp_path))) == sorted(fresh) == sorted(all_aten_overloads(None))
+    code = ("import sys; from decompshard.coverage.command import validate_globs; "
+            f"validate_globs('aten.addmv*,aten.pixel_*', {str(tmp_path)!r}); print('torch' in sys.modules)")
+    import subprocess
+    import sys
+
+    from _cli import ROOT, cli_env
+
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(tmp_path),
+                         cwd=ROOT, timeout=60)
+    assert got.returncode == 0 and got.stdout.strip() == "False", got.stderr

@@ -24,6 +24,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
+from .._paths import cache_dir as default_cache_dir
 from ..cli import UsageError
 
 if TYPE_CHECKING:
@@ -138,7 +139,9 @@ def _emit(text: str, output: str | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     statuses = _check_args(args)
-    if not (args.diff or args.from_json):  # before anything here imports torch (see sweep)
+    if args.ops is not None:  # a pattern that matches nothing fails now, in well under a second
+        validate_globs(args.ops, None if args.no_cache else default_cache_dir())
+    if not (args.diff or args.from_json):  # before this process imports torch (see sweep)
         _start_worker_server(args.jobs)
     from . import report as rep
 
@@ -204,38 +207,85 @@ def _parts(patterns: str) -> list[str]:
     return parts
 
 
-def all_aten_overloads() -> list[str]:
-    """Every aten overload registered with the dispatcher, as 'aten.<name>.<overload>'
-    (milliseconds, no OpInfo): what a glob can possibly match."""
+def all_aten_overloads(cache_dir: str | None = None) -> list[str]:
+    """Every aten overload registered with the dispatcher, as 'aten.<name>.<overload>':
+    what a glob can possibly match. Asking the dispatcher needs torch (2 s to import);
+    with `cache_dir` the list is kept there, keyed by the installed torch's version.py
+    (its version and commit), and read back without importing torch."""
+    key = _torch_build_key()
+    path = os.path.join(cache_dir, f"aten-overloads-{key}.txt") if cache_dir and key else None
+    if path is not None and os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            names = f.read().split()
+        if names:
+            return names
     import torch
 
-    out = []
+    names = []
     for name in torch._C._dispatch_get_all_op_names():
         if name.startswith("aten::"):
             base, _, overload = name[len("aten::"):].partition(".")
-            out.append(f"aten.{base}.{overload or 'default'}")
-    return out
+            names.append(f"aten.{base}.{overload or 'default'}")
+    if path is not None:
+        _write_atomically(path, "\n".join(sorted(names)) + "\n")
+    return names
 
 
-def validate_patterns(patterns: str) -> None:
-    """Fail fast, before the (slow) OpInfo capture: an empty --ops, an unknown exact name,
-    a glob that matches no aten op at all. (A glob that matches aten ops none of which
-    OpInfo reaches is found out by `select_ops`.)"""
-    parts = _parts(patterns)
-    from ..derive import resolve_op
+def _torch_build_key() -> str | None:
+    """A hash of the installed torch's version.py (version and git commit), found without
+    importing torch; None when there is no such file."""
+    import hashlib
+    import importlib.util
 
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.origin:
+        return None
+    try:
+        with open(os.path.join(os.path.dirname(spec.origin), "version.py"), "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()[:16]
+    except OSError:
+        return None
+
+
+def _write_atomically(path: str, text: str) -> None:
+    import tempfile
+
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache folder only costs the next run 2 s
+        return
+
+
+def validate_globs(patterns: str, cache_dir: str | None = None) -> None:
+    """A glob that matches no aten op at all (see `all_aten_overloads`: no torch import
+    once the list is kept in `cache_dir`)."""
     names: list[str] | None = None
-    for raw in parts:
+    for raw in _parts(patterns):
         pat = _normalize(raw)
         if _GLOB & set(pat):
-            names = all_aten_overloads() if names is None else names
+            names = all_aten_overloads(cache_dir) if names is None else names
             if not any(fnmatch.fnmatchcase(n, pat) for n in names):
                 raise UsageError(f"--ops pattern {raw!r} matches no aten op")
-            continue
-        try:
-            resolve_op(pat)
-        except ValueError as e:
-            raise UsageError(f"--ops: {e}") from None
+
+
+def validate_patterns(patterns: str, cache_dir: str | None = None) -> None:
+    """Fail fast, before the (slow) OpInfo capture: an empty --ops, a glob that matches no
+    aten op at all, an unknown exact name. (A glob that matches aten ops none of which
+    OpInfo reaches is found out by `select_ops`.)"""
+    validate_globs(patterns, cache_dir)
+    from ..derive import resolve_op
+
+    for raw in _parts(patterns):
+        pat = _normalize(raw)
+        if not _GLOB & set(pat):
+            try:
+                resolve_op(pat)
+            except ValueError as e:
+                raise UsageError(f"--ops: {e}") from None
 
 
 def select_ops(patterns: str | None, reached: Sequence["torch._ops.OpOverload"]) -> list["torch._ops.OpOverload"]:
@@ -271,9 +321,10 @@ def select_ops(patterns: str | None, reached: Sequence["torch._ops.OpOverload"])
 
 def _start_worker_server(jobs: int) -> None:
     """The sweep's workers fork from a server process that imports torch and decompshard
-    once (sweep._context: forkserver, sweep preloaded). Starting that server first lets
-    its imports (3 s) run while this process imports torch and reads the capture, instead
-    of after.
+    once (sweep._context: forkserver, sweep preloaded). Starting that server before this
+    process imports torch and reads the capture lets the two run side by side on two
+    cores (`run` starts it right after the checks that need no torch, the globs included
+    once their list is on disk).
 
     It starts with SIGINT ignored, which it and every worker it forks inherit (Python
     installs no KeyboardInterrupt handler when it starts with SIGINT ignored): a Ctrl-C
@@ -308,13 +359,13 @@ def sweep(patterns: str | None = None, *, jobs: int = 1, timeout: float = 60.0, 
     KeyboardInterrupt propagates after `partial["doc"]` is set to the report of the ops
     finished so far (`run.interrupted` true), when the sweep had started."""
     from . import report as rep
-    from .opinfo_samples import capture_aten_samples, capture_is_cached, default_cache_dir
+    from .opinfo_samples import capture_aten_samples, capture_is_cached
     from .progress import Progress
     from .sweep import needs_worker, pick_samples, records_for
 
     _start_worker_server(jobs)  # (a no-op when `run` started it already)
     if patterns is not None:
-        validate_patterns(patterns)
+        validate_patterns(patterns, default_cache_dir() if cache else None)
     show = verbosity >= 0
     t0 = time.perf_counter()
     cache_dir = default_cache_dir() if cache else None
