@@ -478,36 +478,59 @@ def _run_dtensor(op, flat, spec, tensor_idx, mesh, placements, ref: _Reference, 
     except Exception as e:
         return Outcome("n/a", "setup", f"cannot build the input DTensors: {_one_line(e)}")
     args, kwargs = tree_unflatten(dflat, spec)
+    # Every verdict below is agreed by all ranks before anyone moves on (`_agreed`): in
+    # a real group, a rank that stopped early while the others entered the next
+    # collective would hang them all.
     try:
         with torch.enable_grad() if grad_on else torch.no_grad():
             out = op(*args, **kwargs)
+        failed = None
     except Exception as e:
-        return Outcome("error", "forward", _one_line(e))
+        failed = Outcome("error", "forward", _one_line(e))
+    if (failed := _agreed(failed, "forward")) is not None:
+        return failed
     outs = tree_flatten(out)[0]
     try:
         bad = _compare_all(outs, ref.outputs, "output") or _compare_all(
             [inputs[i] for i in ref.written], list(ref.written.values()), "input after the call", only_dtensor=True)
+        verdict = Outcome("WRONG", "forward", *bad) if bad else None
     except Exception as e:
-        return Outcome("error", "forward", f"reading the result: {_one_line(e)}")
-    if bad:
-        return Outcome("WRONG", "forward", *bad)
-    if not grad_on:
-        return Outcome("ok")
+        verdict = Outcome("error", "forward", f"reading the result: {_one_line(e)}")
+    if (verdict := _agreed(verdict, "forward")) is not None or not grad_on:
+        return verdict or Outcome("ok")
     pairs = [(o, c) for o, c in zip(outs, ref.cotangents) if c is not None]
-    try:
-        if any(not isinstance(o, DTensor) or not o.requires_grad for o, _ in pairs):
-            return Outcome("WRONG", "backward", "an output that needs a gradient has no autograd graph")
-        dcots = [distribute_tensor(c, mesh, [TorchReplicate()] * mesh.ndim) for _, c in pairs]
-        grads = torch.autograd.grad([o for o, _ in pairs], [inputs[i] for i in leaves], dcots, allow_unused=True)
-    except Exception as e:
-        return Outcome("error", "backward", _one_line(e))
+    grads: Sequence[Any] = ()
+    if any(not isinstance(o, DTensor) or not o.requires_grad for o, _ in pairs):
+        verdict = Outcome("WRONG", "backward", "an output that needs a gradient has no autograd graph")
+    else:
+        try:
+            dcots = [distribute_tensor(c, mesh, [TorchReplicate()] * mesh.ndim) for _, c in pairs]
+            grads = torch.autograd.grad([o for o, _ in pairs], [inputs[i] for i in leaves], dcots, allow_unused=True)
+        except Exception as e:
+            verdict = Outcome("error", "backward", _one_line(e))
+    if (verdict := _agreed(verdict, "backward")) is not None:
+        return verdict
     try:
         bad = _compare_all(list(grads), ref.grads, "gradient", allow_none=True)
+        verdict = Outcome("WRONG", "backward", *bad) if bad else None
     except Exception as e:
-        return Outcome("error", "backward", f"reading the gradients: {_one_line(e)}")
-    if bad:
-        return Outcome("WRONG", "backward", *bad)
-    return Outcome("ok")
+        verdict = Outcome("error", "backward", f"reading the gradients: {_one_line(e)}")
+    return _agreed(verdict, "backward") or Outcome("ok")
+
+
+def _agreed(mine: Outcome | None, stage: str) -> Outcome | None:
+    """This rank's verdict, or another rank's failure, the same on every rank of a real
+    group (simulated: one process judges every rank, nothing to agree)."""
+    import torch.distributed as dist
+
+    if _simulating() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine
+    code = {None: 0, "error": 1, "WRONG": 2}.get(mine.status if mine else None, 1)
+    worst = torch.tensor([code])
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    if int(worst) == code:
+        return mine
+    return Outcome("WRONG" if int(worst) == 2 else "error", stage, "on another rank (see its verdict)")
 
 
 def _compare_all(got: Sequence[Any], want: Sequence[Any], what: str, *, allow_none: bool = False,
@@ -516,7 +539,10 @@ def _compare_all(got: Sequence[Any], want: Sequence[Any], what: str, *, allow_no
 
     if len(got) != len(want):
         return f"{len(got)} {what}s, one device gives {len(want)}", math.inf
-    for j, (g, w) in enumerate(zip(got, want)):
+    # gather every value before judging any: in a real group each rank judges its own
+    # shard, and all must run the same collectives whatever they find
+    fulls = [g.full_tensor() if isinstance(g, DTensor) else None for g in got]
+    for j, (g, w, full) in enumerate(zip(got, want, fulls)):
         if not isinstance(w, torch.Tensor):
             if isinstance(g, torch.Tensor) or (g != w and not (g != g and w != w)):
                 return f"{what} {j}: {g!r}, one device gives {w!r}", math.inf
@@ -529,13 +555,13 @@ def _compare_all(got: Sequence[Any], want: Sequence[Any], what: str, *, allow_no
             if only_dtensor:
                 continue
             return f"{what} {j} is a {type(g).__name__}, not a DTensor", math.inf
-        bad = _compare_dtensor(g, w)
+        bad = _compare_dtensor(g, w, full)
         if bad:
             return f"{what} {j} {bad[0]}", bad[1]
     return None
 
 
-def _compare_dtensor(g: Any, w: torch.Tensor) -> tuple[str, float] | None:
+def _compare_dtensor(g: Any, w: torch.Tensor, full: torch.Tensor) -> tuple[str, float] | None:
     """Metadata the DTensor claims against what each rank holds, then the value on every
     rank against one device."""
     from .lift import local_shape_nd
@@ -557,7 +583,7 @@ def _compare_dtensor(g: Any, w: torch.Tensor) -> tuple[str, float] | None:
         if _layout_disagrees(g, lt):
             return (f"{where}: the DTensor's strides {list(g.stride())} disagree with rank {r}'s local "
                     f"strides {list(lt.stride())} (a later view would fail)"), math.inf
-    for r, f in rank_locals(g.full_tensor(), g.device_mesh).items():
+    for r, f in rank_locals(full, g.device_mesh).items():
         if not close(f, w, []):
             err = _max_err(f, w)
             return f"{where}: rank {r}'s full_tensor() differs from one device (max error {err:.3g})", err

@@ -79,3 +79,19 @@ def compile_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         with open(f"{out_dir}/compile{rank}.json", "w") as f:
             json.dump(out, f)
         dist.destroy_process_group()
+
+
+def spawn(fn, args: tuple, nprocs: int, deadline: float = 420.0) -> None:
+    """torch.multiprocessing.spawn with a deadline: a hung collective fails the test
+    instead of hanging CI. Kills the processes when the deadline passes."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    end = time.monotonic() + deadline
+    while not ctx.join(timeout=5):
+        if time.monotonic() > end:
+            for p in ctx.processes:
+                p.kill()
+            raise TimeoutError(f"gloo processes still running after {deadline:.0f} s (a hung collective?)")

@@ -12,7 +12,6 @@ import pickle
 import time
 
 import torch
-import torch.multiprocessing as mp
 
 import _e2e_model as M
 import _gloo_cases as G
@@ -54,7 +53,7 @@ def test_gloo_agrees_with_the_simulated_check(tmp_path):
     with open(tmp_path / "cases.pkl", "wb") as f:
         pickle.dump(cases, f)
     t0 = time.perf_counter()
-    mp.spawn(G.worker, args=(4, M.free_port(), str(tmp_path / "cases.pkl"), str(tmp_path)), nprocs=4, join=True)
+    G.spawn(G.worker, (4, M.free_port(), str(tmp_path / "cases.pkl"), str(tmp_path)), 4)
     elapsed = time.perf_counter() - t0
     per_rank = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     assert all(len(v) == len(cases) for v in per_rank), per_rank
@@ -86,7 +85,7 @@ def test_gloo_agrees_with_the_simulated_check(tmp_path):
 def test_compiled_dynamic_mean_losses_match_one_device_on_gloo(tmp_path):
     # torch's own fallback, used for symbolic shapes before, gave a loss off by 0.14 and
     # a weight gradient off by 1.9 for mse on this uneven batch (10 rows on 3 ranks).
-    mp.spawn(G.compile_worker, args=(3, M.free_port(), str(tmp_path)), nprocs=3, join=True)
+    G.spawn(G.compile_worker, (3, M.free_port(), str(tmp_path)), 3)
     for r in range(3):
         res = json.loads((tmp_path / f"compile{r}.json").read_text())
         assert "crash" not in res, res
