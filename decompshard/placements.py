@@ -255,6 +255,21 @@ def _split_top_level(text: str, sep: str) -> list[str]:
     return parts
 
 
+def parse_mesh_shape(mesh: Sequence[int] | str) -> tuple[int, ...]:
+    """'2x4' (or a sequence of ints) -> the mesh shape; ValueError otherwise."""
+    if isinstance(mesh, str):
+        parts = [p.strip() for p in mesh.lower().replace("×", "x").split("x")]
+        try:
+            sizes = tuple(int(p) for p in parts)
+        except ValueError:
+            raise ValueError(f"malformed mesh {mesh!r}: expected sizes like 2x4") from None
+    else:
+        sizes = tuple(int(s) for s in mesh)
+    if not sizes or any(s < 1 for s in sizes):
+        raise ValueError(f"malformed mesh {mesh!r}: sizes must be positive integers")
+    return sizes
+
+
 # ------------------------------------------------------------------ shard geometry
 
 

@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._compat import TorchPartial, TorchReplicate, TorchShard, TorchStridedShard
 from ._rank_sim import close, make_parts, promote
-from .placements import REDUCE_OPS, Partial, _split_top_level
+from .placements import REDUCE_OPS, Partial, _split_top_level, parse_mesh_shape
 
 TorchPlacement = Any
 MESHES: dict[str, tuple[int, ...]] = {"1d": (6,), "2d": (2, 3), "3d": (2, 2, 2)}
@@ -98,19 +98,10 @@ def parse_placements(text: str, shapes: Sequence[Sequence[int]], ndim: int) -> t
 
 
 def parse_mesh(text: str | Sequence[int]) -> tuple[int, ...]:
-    """'2x3' (or a name in MESHES, or a sequence) -> mesh shape."""
-    if isinstance(text, str):
-        if text in MESHES:
-            return MESHES[text]
-        try:
-            sizes = tuple(int(p) for p in text.lower().replace("×", "x").split("x"))
-        except ValueError:
-            raise ValueError(f"malformed mesh {text!r}: expected sizes like 2x3 or one of {sorted(MESHES)}") from None
-    else:
-        sizes = tuple(int(s) for s in text)
-    if not sizes or any(s < 1 for s in sizes):
-        raise ValueError(f"malformed mesh {text!r}: sizes must be positive integers")
-    return sizes
+    """'2x3', a name in MESHES ('1d', '2d', '3d'), or a sequence -> mesh shape."""
+    if isinstance(text, str) and text in MESHES:
+        return MESHES[text]
+    return parse_mesh_shape(text)
 
 
 # ------------------------------------------------------------------ simulated world

@@ -40,6 +40,7 @@ from ..placements import (
     ShardPlaceholder,
     SingleDimRule,
     format_rule,
+    parse_mesh_shape,
     parse_placement,
     parse_placements,
 )
@@ -481,20 +482,6 @@ def suggestions(
 
 
 # ------------------------------------------------------------------------ mesh
-
-
-def parse_mesh_shape(mesh: Sequence[int] | str) -> tuple[int, ...]:
-    if isinstance(mesh, str):
-        parts = [p.strip() for p in mesh.lower().replace("×", "x").split("x")]
-        try:
-            sizes = tuple(int(p) for p in parts)
-        except ValueError:
-            raise ValueError(f"malformed mesh {mesh!r}: expected sizes like 2x4") from None
-    else:
-        sizes = tuple(int(s) for s in mesh)
-    if not sizes or any(s < 1 for s in sizes):
-        raise ValueError(f"malformed mesh {mesh!r}: sizes must be positive integers")
-    return sizes
 
 
 def parse_mesh_placements(
