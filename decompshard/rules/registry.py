@@ -16,9 +16,10 @@ import torch
 from .. import caches
 from ..dispatch_modes.graph import PrimNode, freeze
 from ..placements import P, R, SingleDimRule, is_partial, is_shard, is_strided
-from . import project_rules, strided, torch_op_strategy, torch_single_dim
+from . import project_rules, strided, torch_op_strategy, torch_single_dim, torch_tables
 
 SOURCES = (torch_single_dim, torch_op_strategy, project_rules)
+_TORCH_SOURCES = (torch_single_dim, torch_op_strategy)  # answered by shape class (torch_tables)
 
 
 def has_rule(op: torch._ops.OpOverload) -> bool:
@@ -55,7 +56,9 @@ def _compute_rules(node: PrimNode) -> tuple[SingleDimRule, ...]:
     trivial = SingleDimRule((R,) * n_in, tuple(R if v is not None else None for v in node.outputs), source="implied")
     found: list[SingleDimRule] = []
     for src in SOURCES:
-        got = src.rules(node) if src.has_rules(node.op) else None
+        if not src.has_rules(node.op):
+            continue
+        got = torch_tables.torch_rules(src, node) if src in _TORCH_SOURCES else src.rules(node)
         if got is not None:
             found = got
             break
@@ -143,3 +146,4 @@ def _avg_twin(rule: SingleDimRule, metas: list) -> SingleDimRule | None:
 
 def clear_cache() -> None:
     _CACHE.clear()
+    torch_tables.clear_cache()

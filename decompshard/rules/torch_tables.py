@@ -1,0 +1,121 @@
+"""Torch's primitive rules by shape class: shipped with the package, then remembered.
+
+Why: building a primitive's rule table from torch's strategy functions costs 1-3 ms (a
+fake mesh, an OpSchema per candidate, torch's propagation), the largest share of a cold
+derivation after the traces. Torch's answer depends on the call's shape class, not its
+sizes (rules/shape_class.py), so the answers for the classes the default op set meets
+ship in `torch_tables.json`, made by `scripts/gen_rule_tables.py` with torch asked at
+three members of every class. `tests/test_shipped_tables.py` asks torch again, live.
+
+Trust is per op: only ops the generator verified ("verified_ops": every class it met
+gave one answer at every member) are looked up by class, in the shipped table and in
+the class-keyed cache of answers computed here. Any other op is asked at its exact
+shapes. A table made with another torch version is not used at all: torch's strategies
+change between releases.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import caches
+from ..dispatch_modes.graph import PrimNode
+from ..placements import SingleDimRule, format_placement, parse_placement
+from .shape_class import class_key
+
+TABLE_PATH = Path(__file__).with_name("torch_tables.json")
+FORMAT = 1
+
+
+def torch_release() -> str:
+    """The torch release a table belongs to ("2.13.0"; local build tags dropped)."""
+    return torch.__version__.split("+")[0]
+
+
+# (source, class key) -> rules or None, for verified ops at classes not shipped
+_CLASS_CACHE = caches.BoundedCache("torch_rules_by_class", 8192)
+
+
+class _Shipped:
+    def __init__(self) -> None:
+        self.loaded = False
+        self.verified: frozenset[str] = frozenset()
+        self.entries: dict[str, dict[str, Any]] = {}
+
+    def load(self) -> None:
+        self.loaded = True
+        try:
+            data = json.loads(TABLE_PATH.read_text())
+        except (OSError, ValueError):
+            return  # no table: every answer is computed live
+        if data.get("format") != FORMAT or data.get("torch") != torch_release():
+            return
+        self.verified = frozenset(data["verified_ops"])
+        self.entries = data["entries"]
+
+
+_SHIPPED = _Shipped()
+
+
+def torch_rules(source: Any, node: PrimNode) -> list[SingleDimRule] | None:
+    """`source.rules(node)` (a torch rule source module), answered by class where the
+    op is verified."""
+    if not _SHIPPED.loaded:
+        _SHIPPED.load()
+    if str(node.op) not in _SHIPPED.verified:
+        return source.rules(node)
+    key = class_key(node)
+    if key is None:
+        return source.rules(node)
+    shipped = _SHIPPED.entries.get(source.SOURCE, {}).get(key)
+    if shipped is not None:
+        return decode(shipped, source.SOURCE)
+    hit = _CLASS_CACHE.get((source.SOURCE, key), _MISSING)
+    if hit is _MISSING:
+        hit = _CLASS_CACHE.put((source.SOURCE, key), source.rules(node))
+    return None if hit is None else list(hit)
+
+
+_MISSING = object()
+
+
+def encode(rules: list[SingleDimRule] | None) -> list | None:
+    """JSON form: [[inputs...], [outputs...], even] per rule (None: the source declined)."""
+    if rules is None:
+        return None
+    return [[[format_placement(p) for p in r.inputs], [format_placement(p) for p in r.outputs], r.even_only]
+            for r in rules]
+
+
+def decode(data: list | None, source: str) -> list[SingleDimRule] | None:
+    if data is None:
+        return None
+    return [
+        SingleDimRule(tuple(_placement(p) for p in ins), tuple(_placement(p) for p in outs), even, source)
+        for ins, outs, even in data
+    ]
+
+
+_PARSED: dict[str, Any] = {}
+
+
+def _placement(text: str) -> Any:
+    hit = _PARSED.get(text, _MISSING)
+    if hit is _MISSING:
+        hit = _PARSED[text] = parse_placement(text)
+    return hit
+
+
+def shipped_table() -> dict[str, Any]:
+    """The table as loaded (empty if absent or made with another torch), for tests."""
+    if not _SHIPPED.loaded:
+        _SHIPPED.load()
+    return {"verified_ops": sorted(_SHIPPED.verified), "entries": _SHIPPED.entries}
+
+
+def clear_cache() -> None:
+    _CLASS_CACHE.clear()
