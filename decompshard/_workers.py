@@ -30,7 +30,10 @@ def _worker_main(conn: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C for all
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    conn.send_bytes(b"ready")
+    try:
+        conn.send_bytes(b"ready")
+    except OSError:  # the parent closed our pipe while we started (a timeout, Ctrl-C): leave quietly
+        return
     while True:
         try:
             data = conn.recv_bytes()
@@ -42,7 +45,10 @@ def _worker_main(conn: Any) -> None:
         except Exception as e:
             text = (str(e).strip().splitlines() or [""])[0][:200]
             out = ("error", f"{type(e).__name__}: {text}" if text else type(e).__name__)
-        conn.send_bytes(pickle.dumps(out))
+        try:
+            conn.send_bytes(pickle.dumps(out))
+        except OSError:  # the parent is gone or stopped waiting for us
+            return
 
 
 def _context() -> Any:
@@ -136,5 +142,5 @@ def run_jobs(jobs: Sequence[Job], workers: int, timeout: float,
                 elif not w.ready and now - w.started > _START_TIMEOUT:
                     raise RuntimeError(f"a worker process did not start within {_START_TIMEOUT:g} s")
     finally:
-        for w in pool:
-            w.stop(kill=True)
+        for w in pool:  # an idle worker leaves on its own when its pipe closes
+            w.stop(kill=bool(w.job))

@@ -25,18 +25,15 @@ repeat 20-60 s of OpInfo work per worker and again after every recycle.
 from __future__ import annotations
 
 import collections
-import multiprocessing as mp
 import pickle
 import re
-import signal
 import time
-import warnings
-from multiprocessing.connection import wait
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .. import _workers
 from .._compat import sharding_propagator
 from ..derive import DerivedRules, derive_rules, resolve_op
 from ..dispatch_modes.tracing import has_decomposition
@@ -253,128 +250,28 @@ def _classify(per: list[dict[str, Any]], tf_status: str) -> tuple[str, str]:
 # ------------------------------------------------------------------ workers
 
 
-def _worker_main(conn: Any) -> None:
-    """Worker loop: receive pickled (name, samples, verify), send back the record."""
-    warnings.filterwarnings("ignore")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops us quietly
-    torch.set_num_threads(1)
-    try:
-        conn.send_bytes(b"ready")
-    except OSError:  # the parent closed our pipe while we started (a timeout, Ctrl-C): leave quietly
-        return
-    while True:
-        try:
-            data = conn.recv_bytes()
-        except (EOFError, OSError):
-            return
-        name = "?"
-        t0 = time.perf_counter()
-        try:
-            job = pickle.loads(data)
-            name = job[1] if callable(job[0]) else job[0]
-            rec = _run_job(job)
-        except Exception as e:
-            rec = failed_record(name, f"error: {_one_line(e)}", time.perf_counter() - t0)
-        try:
-            conn.send_bytes(pickle.dumps(rec))
-        except OSError:  # the parent is gone or stopped waiting for us
-            return
-
-
 def _run_job(job: tuple) -> dict[str, Any]:
     """A job is `(name, samples, verify)` for `analyse_op`, or `(fn, name, *args)`: any
     module-level function returning a record (the native audit uses this pool too)."""
     return job[0](*job[1:]) if callable(job[0]) else analyse_op(*job)
 
 
-def _context() -> Any:
-    """forkserver with this module preloaded (a recycled worker starts in ~25 ms instead of
-    ~5 s for a spawned one); spawn where forkserver does not exist."""
-    if "forkserver" in mp.get_all_start_methods():
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload([__name__])
-        return ctx
-    return mp.get_context("spawn")
-
-
-class _Worker:
-    def __init__(self, ctx: Any):
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child,), daemon=True)
-        self.proc.start()
-        child.close()
-        self.ready = False
-        self.job: str | None = None
-        self.started = time.monotonic()
-
-    def stop(self, kill: bool = False) -> None:
-        if kill:
-            self.proc.kill()
-        self.conn.close()
-        self.proc.join(timeout=5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
+def _run_payload(payload: bytes) -> dict[str, Any]:
+    return _run_job(pickle.loads(payload))
 
 
 def run_jobs(jobs: Sequence[tuple[str, bytes]], workers: int, timeout: float,
              on_result: Callable[[str, dict[str, Any]], None]) -> None:
-    """Run pickled jobs (see `_run_job`) on `workers` processes (0: in this process, no timeout).
+    """Run pickled jobs (see `_run_job`) on `workers` processes (0: in this process, no
+    timeout), in decompshard's crash-isolating pool (`_workers.run_jobs`). A job that
+    raises, crashes its worker or overruns its deadline becomes the op's record as
+    unsupported, with the reason."""
 
-    Each job's deadline starts when a ready worker receives it; an overrun kills that
-    worker and reports the op as unsupported with the timeout as its reason."""
-    if workers <= 0:
-        for name, payload in jobs:
-            t0 = time.perf_counter()
-            try:
-                on_result(name, _run_job(pickle.loads(payload)))
-            except Exception as e:
-                on_result(name, failed_record(name, f"error: {_one_line(e)}", time.perf_counter() - t0))
-        return
-    ctx = _context()
-    pending = collections.deque(jobs)
-    pool = [_Worker(ctx) for _ in range(min(workers, len(jobs)))]
-    early_deaths = 0
-    try:
-        while pending or any(w.job for w in pool):
-            for w in pool:
-                if w.ready and w.job is None and pending:
-                    w.job, payload = pending.popleft()
-                    w.started = time.monotonic()
-                    w.conn.send_bytes(payload)
-            now = time.monotonic()
-            limits = [w.started + (timeout if w.job else 300.0) - now for w in pool if w.job or not w.ready]
-            for conn in wait([w.conn for w in pool], timeout=max(0.0, min(limits)) if limits else None):
-                w = next(x for x in pool if x.conn is conn)
-                try:
-                    data = conn.recv_bytes()
-                except (EOFError, OSError):
-                    w.proc.join(1)
-                    code = w.proc.exitcode
-                    if w.job:
-                        on_result(w.job, failed_record(w.job, f"crashed: worker exited with code {code}",
-                                                       time.monotonic() - w.started))
-                    elif (early_deaths := early_deaths + 1) >= 3:
-                        raise RuntimeError(f"coverage worker processes fail to start (exit code {code})")
-                    pool[pool.index(w)] = _Worker(ctx)
-                    w.stop(kill=True)
-                    continue
-                if not w.ready:
-                    w.ready = True
-                    continue
-                name, w.job = w.job, None
-                on_result(name, pickle.loads(data))
-            now = time.monotonic()
-            for i, w in enumerate(pool):
-                if w.job and now - w.started > timeout:
-                    on_result(w.job, failed_record(w.job, f"timed out after {timeout:g} s", now - w.started))
-                    w.stop(kill=True)
-                    pool[i] = _Worker(ctx)
-                elif not w.ready and now - w.started > 300.0:
-                    raise RuntimeError("a coverage worker process did not start within 300 s")
-    finally:
-        for w in pool:
-            w.stop(kill=bool(w.job))
+    def failed(name: str, reason: str, seconds: float) -> None:
+        on_result(name, failed_record(name, reason, seconds))
+
+    _workers.run_jobs([(name, _run_payload, (payload,)) for name, payload in jobs], workers, timeout,
+                      on_result, failed)
 
 
 def needs_worker(op: torch._ops.OpOverload, samples: Sequence[Any]) -> bool:
