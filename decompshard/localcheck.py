@@ -21,19 +21,16 @@ decompositions legitimately take short-cuts on empty tensors.
 
 from __future__ import annotations
 
-import faulthandler
 import math
-import os
-import pickle
-import signal
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
-from . import caches
-from .dispatch_modes.graph import PrimGraph, freeze, leaves, map_leaves
+from . import caches, kernel_sandbox
+from .dispatch_modes.graph import PrimGraph, freeze, map_leaves
 from .errors import UnsupportedOp
+from .kernel_sandbox import isolated  # noqa: F401  (re-exported: a crash-isolated run)
 from .placements import P, Partial, is_shard, local_shape
 from .propagate import Survivor
 
@@ -252,7 +249,7 @@ def _real_kernel_on_empty_shard(g: PrimGraph, cand: Survivor, args, kwargs, shap
     meta kernel (pixel_unshuffle of a [0, 1, 6, 6] tensor returns [0, 1, 6, 6] on CPU).
     DTensor runs the real kernel, so the real kernel decides, on zero-filled inputs.
     Some kernels do not raise but crash: CPU flash attention divides by the head count
-    (SIGFPE with 0 heads), so the run happens in a forked child where fork exists."""
+    (SIGFPE with 0 heads), so the run happens in a sandbox process (kernel_sandbox)."""
     if sum(math.prod(s) for s in shapes) > EMPTY_SHARD_REAL_RUN_LIMIT:
         return "an empty shard would need a real kernel run on large inputs; refused"
     meta_args, meta_kwargs = local_args(args, kwargs, shapes)
@@ -260,17 +257,14 @@ def _real_kernel_on_empty_shard(g: PrimGraph, cand: Survivor, args, kwargs, shap
         g.op(*meta_args, **meta_kwargs)
     except Exception as e:
         return f"the op's meta kernel refuses an empty shard: {(str(e).splitlines() or [''])[0][:120]}"
-    a, k = map_leaves(
-        lambda x: torch.zeros(x.shape, dtype=x.dtype) if isinstance(x, torch.Tensor) else x,
-        (meta_args, meta_kwargs),
-    )
-    key = (g.op, freeze(map_leaves(lambda x: (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x, (a, k))))
+    key = (g.op, freeze(map_leaves(lambda x: (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x,
+                                   (meta_args, meta_kwargs))))
     try:
         hit = _EMPTY_RUNS.get(key)
     except TypeError:  # an unhashable argument: no caching
         key, hit = None, None
     if hit is None:
-        hit = isolated(lambda: [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in leaves(g.op(*a, **k))])
+        hit = kernel_sandbox.output_shapes_on_zeros(g.op, meta_args, meta_kwargs)
         if key is not None:
             _EMPTY_RUNS.put(key, hit)
     status, got = hit
@@ -289,48 +283,6 @@ def _real_kernel_on_empty_shard(g: PrimGraph, cand: Survivor, args, kwargs, shap
 
 def clear_empty_shard_runs() -> None:
     _EMPTY_RUNS.clear()
-
-
-def isolated(fn: Callable[[], Any]) -> tuple[str, Any]:
-    """Run `fn` where a crash cannot take this process down: ('ok', its picklable
-    result), ('error', the exception's first line) or ('crash', the signal's name).
-    In a forked child with one intra-op thread (an OpenMP pool does not survive a fork);
-    in-process where the platform has no fork."""
-    if not hasattr(os, "fork"):
-        try:
-            return "ok", fn()
-        except Exception as e:
-            return "error", _first_line(e)
-    rd, wr = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into the caller's code
-        try:
-            os.close(rd)
-            faulthandler.disable()  # a crash here is the expected answer, not news
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, 2)
-            torch.set_num_threads(1)
-            try:
-                msg = ("ok", fn())
-            except Exception as e:
-                msg = ("error", _first_line(e))
-            with os.fdopen(wr, "wb") as f:
-                pickle.dump(msg, f)
-        finally:
-            os._exit(0)
-    os.close(wr)
-    with os.fdopen(rd, "rb") as f:
-        data = f.read()
-    _, status = os.waitpid(pid, 0)
-    if os.WIFSIGNALED(status):
-        return "crash", signal.Signals(os.WTERMSIG(status)).name
-    if not data:
-        return "crash", f"exit status {os.WEXITSTATUS(status)}"
-    return pickle.loads(data)
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).splitlines() or [type(e).__name__])[0][:120]
 
 
 def _shard_fraction(g: PrimGraph, cand: Survivor, shapes) -> float | None:
