@@ -98,3 +98,15 @@ def test_substitution_saves_traces():
     decompshard.clear_caches()
     derive_rules(aten.hardswish.default, torch.randn(10, 10)).rules
     assert len(_TRACES) == 1  # the global trace only (7 before substitution)
+
+
+def test_a_read_with_the_tracing_mode_switched_off_still_counts():
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def sneaky(t):
+        with _disable_current_modes():
+            n = t.shape[0]
+        return t.sum() / n
+
+    g = _trace(aten.sum.default, torch.randn(6, 4), decomp=sneaky)
+    assert g.reads.get(g.inputs[0], 0) & READ_SIZE

@@ -40,11 +40,11 @@ def tensor_meta(t: torch.Tensor) -> TensorMeta:
 # reaches the tracing mode, which notes which value's sizes or layout were read.
 _SIZE_QUERIES = {
     aten.sym_size.default, aten.sym_size.int, aten.size.default, aten.size.int,
-    aten.sym_numel.default, aten.numel.default,
+    aten.sym_numel.default, aten.numel.default, aten.is_same_size.default,
 }
 _LAYOUT_QUERIES = {
     aten.sym_stride.default, aten.sym_stride.int, aten.stride.default, aten.stride.int,
-    aten.is_contiguous.default, aten.is_contiguous.memory_format,
+    aten.is_contiguous.default, aten.is_contiguous.memory_format, aten.sym_is_contiguous.default,
     aten.sym_storage_offset.default, aten.storage_offset.default,
     aten.is_strides_like_format.default, aten.is_non_overlapping_and_dense.default,
 }
@@ -61,6 +61,7 @@ class _Watched(torch.Tensor):
     output shape is checked on its own."""
 
     inner: torch.Tensor
+    rec: "_Recorder | None" = None
 
     @staticmethod
     def __new__(cls, inner: torch.Tensor):
@@ -73,8 +74,13 @@ class _Watched(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        # reached only with the tracing mode off (the recorder's own bookkeeping):
-        # answer on the inner tensors, unrecorded
+        # reached only with the tracing mode off (decompshard's own bookkeeping reads the
+        # inner tensor instead, so this is code that switched modes off): a query still
+        # counts as a read, to stay on the safe side
+        if func in _SIZE_QUERIES or func in _LAYOUT_QUERIES:
+            for t in args:
+                if type(t) is _Watched and t.rec is not None:
+                    t.rec.note_read(t, READ_SIZE if func in _SIZE_QUERIES else READ_LAYOUT)
         return func(*_unwrap(args), **_unwrap(kwargs or {}))
 
     def __repr__(self) -> str:
@@ -147,6 +153,7 @@ class _Recorder:
         w = self._outer.get(id(inner))
         if w is None:
             w = _Watched(inner)
+            w.rec = self
             self._outer[id(inner)] = w
             self._keep.append(inner)
         return w
@@ -184,9 +191,9 @@ class TracingMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _SIZE_QUERIES or func in _LAYOUT_QUERIES:
-            t = args[0]
-            if type(t) is _Watched:
-                self.rec.note_read(t, READ_SIZE if func in _SIZE_QUERIES else READ_LAYOUT)
+            for t in args:
+                if type(t) is _Watched:
+                    self.rec.note_read(t, READ_SIZE if func in _SIZE_QUERIES else READ_LAYOUT)
             return func(*_unwrap(args), **_unwrap(kwargs))
         if func is aten.dim.default:
             return _unwrap_leaf(args[0]).dim()
