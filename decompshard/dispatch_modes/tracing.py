@@ -49,6 +49,21 @@ _LAYOUT_QUERIES = {
     aten.is_strides_like_format.default, aten.is_non_overlapping_and_dense.default,
 }
 READ_SIZE, READ_LAYOUT = 1, 2  # PrimGraph.reads bits
+_QUERY_BIT = {**{f: READ_SIZE for f in _SIZE_QUERIES}, **{f: READ_LAYOUT for f in _LAYOUT_QUERIES}}
+
+
+def _answer_query(func, args: tuple, kwargs: dict, rec: "_Recorder | None") -> Any:
+    """Note the read on every watched argument, answer on the inner tensors (a query's
+    arguments are flat: tensors, ints, a memory format)."""
+    bit = _QUERY_BIT[func]
+    plain = []
+    for t in args:
+        if type(t) is _Watched:
+            if rec is not None:
+                rec.note_read(t, bit)
+            t = t.inner
+        plain.append(t)
+    return func(*plain, **kwargs)
 
 
 class _Watched(torch.Tensor):
@@ -77,10 +92,9 @@ class _Watched(torch.Tensor):
         # reached only with the tracing mode off (decompshard's own bookkeeping reads the
         # inner tensor instead, so this is code that switched modes off): a query still
         # counts as a read, to stay on the safe side
-        if func in _SIZE_QUERIES or func in _LAYOUT_QUERIES:
-            for t in args:
-                if type(t) is _Watched and t.rec is not None:
-                    t.rec.note_read(t, READ_SIZE if func in _SIZE_QUERIES else READ_LAYOUT)
+        if func in _QUERY_BIT:
+            rec = next((t.rec for t in args if type(t) is _Watched), None)
+            return _answer_query(func, args, kwargs or {}, rec)
         return func(*_unwrap(args), **_unwrap(kwargs or {}))
 
     def __repr__(self) -> str:
@@ -190,11 +204,8 @@ class TracingMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _SIZE_QUERIES or func in _LAYOUT_QUERIES:
-            for t in args:
-                if type(t) is _Watched:
-                    self.rec.note_read(t, READ_SIZE if func in _SIZE_QUERIES else READ_LAYOUT)
-            return func(*_unwrap(args), **_unwrap(kwargs))
+        if func in _QUERY_BIT:
+            return _answer_query(func, args, kwargs, self.rec)
         if func is aten.dim.default:
             return _unwrap_leaf(args[0]).dim()
         data_dependent, random, _ = _tag_facts(func)
