@@ -29,6 +29,7 @@ import torch
 
 from . import caches, kernel_sandbox
 from .dispatch_modes.graph import PrimGraph, freeze, map_leaves
+from .dispatch_modes.substitute import SubstitutedGraph, substitute
 from .errors import UnsupportedOp
 from .kernel_sandbox import isolated  # noqa: F401  (re-exported: a crash-isolated run)
 from .placements import P, Partial, is_shard, local_shape
@@ -142,10 +143,12 @@ def _check_world_size(graph, cand, args, kwargs, trace_at, W: int) -> tuple[str,
             continue
         seen.add(shapes)
         where = f"rank {r} of {W}"
-        try:
-            local = trace_at(*local_args(args, kwargs, shapes))
-        except UnsupportedOp as e:
-            return f"on {where} the decomposition fails: {e.reason}", False
+        local = substitute(graph, args, kwargs, shapes)
+        if local is None:  # the decomposition may behave differently here: run it
+            try:
+                local = trace_at(*local_args(args, kwargs, shapes))
+            except UnsupportedOp as e:
+                return f"on {where} the decomposition fails: {e.reason}", False
         if any(0 in shp and 0 not in graph.meta(v).shape for v, shp in zip(graph.inputs, shapes)):
             reason = _compare_outputs_only(graph, local, cand, W, r)
             reason = reason or _real_kernel_on_empty_shard(graph, cand, args, kwargs, shapes, W, r)
@@ -208,11 +211,11 @@ _LAYOUT_COPIES = {aten.clone.default, aten.contiguous.default}
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 
 
-def _compared_nodes(graph: PrimGraph) -> list:
+def _compared_nodes(graph: PrimGraph | SubstitutedGraph) -> list:
     return [
         n for n in graph.nodes
-        if not (n.op in _LAYOUT_COPIES and len(n.inputs) == 1 and n.out_metas
-                and n.out_metas[0] is not None and n.out_metas[0].shape == graph.meta(n.inputs[0]).shape)
+        if not (n.op in _LAYOUT_COPIES and len(n.inputs) == 1 and n.outputs and n.outputs[0] is not None
+                and graph.meta(n.outputs[0]).shape == graph.meta(n.inputs[0]).shape)
     ]
 
 

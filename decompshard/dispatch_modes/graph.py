@@ -124,6 +124,9 @@ class PrimGraph:
     outputs: tuple[int | None, ...]  # value id per output leaf; None: not a tensor
     values: list[ValueInfo] = field(default_factory=list)
     nodes: list[PrimNode] = field(default_factory=list)
+    # value id -> tracing.READ_SIZE | READ_LAYOUT: the decomposition's own code (not a
+    # primitive's kernel) read that value's sizes / strides. Empty: it read none.
+    reads: dict[int, int] = field(default_factory=dict)
 
     def meta(self, vid: int) -> TensorMeta:
         return self.values[vid].meta

@@ -1,0 +1,281 @@
+"""The local graph without running the decomposition again, where that is provably exact.
+
+The local-shape check (localcheck.py) needs the decomposition's graph at each rank's
+local shapes. Re-running it costs as much as the first trace, and in torch 2.13 that is
+mostly meta kernels written in Python (a floor division ~5 ms, a clamp ~0.8 ms). Most
+decompositions never look at a size: `hardswish(x) = x * clamp(x + 3, 0, 6) / 6`. When
+the global trace shows that the decomposition's own code (not a primitive's kernel) read
+no size and no stride that differs locally (`PrimGraph.reads`, noted by the tracing
+mode), its run at local shapes makes the same calls with the same non-tensor arguments:
+Python cannot branch on, or compute an argument from, a number it never saw. Only the
+primitives' output shapes change, and for the primitives below they follow from the
+input shapes alone:
+
+- pointwise ops (torch's `pointwise` tag): the broadcast of the tensor inputs' shapes;
+- factories whose size is an argument (`new_full(x, size, v)`): that argument, unchanged;
+- full reductions to a scalar (`mean(x)`): `()`; reductions over listed dims;
+- ops whose output has their first input's shape (casts, copies, `full_like`, `flip`);
+- dim shuffles with their arguments unchanged (permute, transpose, unsqueeze, squeeze,
+  expand): computed from the input shape the way torch defines them.
+
+Anything else (another primitive, an in-place op, a read of a size that differs, an
+empty shard, where decompositions and kernels take short-cuts) returns None, and the
+caller re-traces as before. Every shape function is checked against the global trace
+before it is trusted with local shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from .graph import PrimGraph, leaves
+from .tracing import READ_LAYOUT, READ_SIZE, _is_mutating
+
+aten = torch.ops.aten
+
+# output shape = a size argument: unchanged when the arguments are
+_SIZED_BY_ARGS = {
+    aten.new_full.default, aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default,
+    aten.full.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format,
+    aten.scalar_tensor.default, aten.empty_strided.default, aten.new_empty_strided.default,
+}
+# reductions over every element, whatever the input's shape: a 0-dim result
+_FULL_REDUCTIONS = {
+    aten.sum.default, aten.mean.default, aten.prod.default, aten.any.default, aten.all.default,
+    aten.max.default, aten.min.default,
+}
+
+
+# output shape = the first input's shape
+_SAME_SHAPE = {
+    aten.alias.default, aten.detach.default, aten.clone.default, aten.lift_fresh.default,
+    aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
+    aten.full_like.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
+    aten.fill.Scalar, aten.fill.Tensor, aten.flip.default, aten.contiguous.default,
+}
+# reductions over the `dim` argument (all dims when it is None or empty), keepdim-aware
+_DIM_REDUCTIONS = {
+    aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,
+    aten.linalg_vector_norm.default, aten.any.dims, aten.all.dims, aten.prod.dim_int,
+    aten.any.dim, aten.all.dim,
+}
+
+
+@dataclass(frozen=True)
+class _Shape:
+    shape: tuple[int, ...]
+
+
+class SubstitutedGraph:
+    """The global graph's nodes (same calls, same arguments) with local value shapes:
+    what localcheck compares, duck-typed like a PrimGraph (nodes, outputs, meta)."""
+
+    def __init__(self, graph: PrimGraph, shapes: dict[int, tuple[int, ...]]):
+        self.nodes = graph.nodes
+        self.outputs = graph.outputs
+        self._shapes = shapes
+
+    def meta(self, vid: int) -> _Shape:
+        return _Shape(self._shapes[vid])
+
+
+def substitute(graph: PrimGraph, args: tuple, kwargs: dict,
+               shapes: Sequence[tuple[int, ...]]) -> SubstitutedGraph | None:
+    """The graph a trace at these input shapes (`localcheck.local_args`) would record,
+    or None where that is not provably so."""
+    if any(0 in shp for shp in shapes):
+        return None
+    local: dict[int, tuple[int, ...]] = {}
+    for v, shp in zip(graph.inputs, shapes):
+        local[v] = tuple(shp)
+    for n in graph.nodes:
+        outs = _out_shapes(graph, n, [_shape(graph, local, v) for v in n.inputs])
+        if outs is None:
+            return None
+        for v, shp in zip(n.outputs, outs):
+            if v is not None:
+                local[v] = shp
+    for v, bits in graph.reads.items():
+        if _shape(graph, local, v) != tuple(graph.meta(v).shape):
+            return None
+        if bits & READ_LAYOUT and not _same_layout(graph, args, kwargs, shapes, v):
+            return None
+    return SubstitutedGraph(graph, _Complete(graph, local))
+
+
+def _shape(graph: PrimGraph, local: dict, v: int) -> tuple[int, ...]:
+    shp = local.get(v)
+    return tuple(graph.meta(v).shape) if shp is None else shp
+
+
+class _Complete(dict):
+    """Local shapes; a value made outside any recorded call (a Python-made constant)
+    keeps its global shape."""
+
+    def __init__(self, graph: PrimGraph, local: dict):
+        super().__init__(local)
+        self._graph = graph
+
+    def __missing__(self, v: int) -> tuple[int, ...]:
+        return tuple(self._graph.meta(v).shape)
+
+
+def _out_shapes(graph: PrimGraph, n, in_shapes: list) -> list | None:
+    """Local output shapes of node `n` from its inputs' local shapes, or None."""
+    if _is_mutating(n.op) or len(n.outputs) != 1 or n.outputs[0] is None:
+        return None
+    want = tuple(graph.meta(n.outputs[0]).shape)
+    if n.op in _SIZED_BY_ARGS:
+        return [want]
+    if n.op in _FULL_REDUCTIONS:
+        return [()] if want == () else None
+    fn = _SHAPE_FNS.get(n.op)
+    if fn is not None:
+        if not in_shapes:
+            return None
+        a = _bound_args(n)
+        try:
+            if fn([tuple(m.shape) for m in n.input_metas()], a) != want:
+                return None  # the shape function does not reproduce the global trace
+            out = fn(in_shapes, a)
+        except (IndexError, KeyError, TypeError, ValueError):
+            return None
+        return None if out is None else [out]
+    if torch.Tag.pointwise in n.op.tags and in_shapes:
+        global_in = [tuple(m.shape) for m in n.input_metas()]
+        try:
+            if tuple(torch.broadcast_shapes(*global_in)) != want:
+                return None  # not the plain broadcast this shape function assumes
+            return [tuple(torch.broadcast_shapes(*in_shapes))]
+        except RuntimeError:  # shapes that do not broadcast: let the real trace say so
+            return None
+    return None
+
+
+def _same_layout(graph: PrimGraph, args: tuple, kwargs: dict, shapes, v: int) -> bool:
+    """A stride read sees the same strides locally only for a graph input laid out as
+    the global one (constants made by the decomposition are not proven so: refuse)."""
+    if v not in graph.inputs:
+        return False
+    from ..localcheck import local_args  # localcheck imports this module
+
+    i = graph.inputs.index(v)
+    local = [x for x in leaves(local_args(args, kwargs, shapes)) if isinstance(x, torch.Tensor)][i]
+    return tuple(local.stride()) == tuple(graph.meta(v).stride) and local.storage_offset() == 0
+
+
+def _bound_args(n) -> dict[str, Any]:
+    """The node's non-tensor arguments by schema name (defaults filled in)."""
+    out: dict[str, Any] = {}
+    for i, a in enumerate(n.op._schema.arguments):
+        if i < len(n.args):
+            out[a.name] = n.args[i]
+        elif a.name in n.kwargs:
+            out[a.name] = n.kwargs[a.name]
+        elif a.has_default_value():
+            out[a.name] = a.default_value
+    return out
+
+
+def _wrap(d: int, ndim: int) -> int:
+    if not -max(ndim, 1) <= d < max(ndim, 1):
+        raise ValueError(f"dim {d} out of range")
+    return d % max(ndim, 1)
+
+
+def _same(ins, a):
+    return ins[0]
+
+
+def _reduce(ins, a):
+    x = ins[0]
+    dims = a.get("dim")
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        dims = range(len(x))
+    elif isinstance(dims, int):
+        dims = [dims]
+    gone = {_wrap(d, len(x)) for d in dims}
+    if a.get("keepdim", False):
+        return tuple(1 if i in gone else s for i, s in enumerate(x))
+    return tuple(s for i, s in enumerate(x) if i not in gone)
+
+
+def _permute(ins, a):
+    x = ins[0]
+    dims = [_wrap(d, len(x)) for d in a["dims"]]
+    if sorted(dims) != list(range(len(x))):
+        raise ValueError("not a permutation")
+    return tuple(x[d] for d in dims)
+
+
+def _transpose(ins, a):
+    x = list(ins[0])
+    if not x:
+        return ()
+    i, j = _wrap(a["dim0"], len(x)), _wrap(a["dim1"], len(x))
+    x[i], x[j] = x[j], x[i]
+    return tuple(x)
+
+
+def _t(ins, a):
+    x = ins[0]
+    if len(x) > 2:
+        raise ValueError("t of more than 2 dims")
+    return tuple(reversed(x))
+
+
+def _unsqueeze(ins, a):
+    x = list(ins[0])
+    x.insert(_wrap(a["dim"], len(x) + 1), 1)
+    return tuple(x)
+
+
+def _squeeze_dims(ins, dims):
+    x = ins[0]
+    drop = {_wrap(d, len(x)) for d in dims} if x else set()
+    return tuple(s for i, s in enumerate(x) if not (i in drop and s == 1))
+
+
+def _expand(ins, a):
+    x, size = ins[0], list(a["size"])
+    lead = len(size) - len(x)
+    if lead < 0:
+        raise ValueError("expand to fewer dims")
+    out = []
+    for i, s in enumerate(size):
+        if i < lead:
+            if s < 0:
+                raise ValueError("-1 in a new leading dim")
+            out.append(s)
+            continue
+        have = x[i - lead]
+        target = have if s == -1 else s
+        if have != target and have != 1:
+            return None  # the local expand would fail: the real trace reports it
+        out.append(target)
+    return tuple(out)
+
+
+def _dot(ins, a):
+    if len(ins) != 2 or any(len(s) != 1 for s in ins) or ins[0] != ins[1]:
+        return None  # mismatched local lengths fail in the kernel: re-trace
+    return ()
+
+
+_SHAPE_FNS = {
+    **{op: _same for op in _SAME_SHAPE},
+    **{op: _reduce for op in _DIM_REDUCTIONS},
+    aten.permute.default: _permute,
+    aten.transpose.int: _transpose,
+    aten.t.default: _t,
+    aten.unsqueeze.default: _unsqueeze,
+    aten.squeeze.default: lambda ins, a: _squeeze_dims(ins, range(len(ins[0]))),
+    aten.squeeze.dim: lambda ins, a: _squeeze_dims(ins, [a["dim"]]),
+    aten.squeeze.dims: lambda ins, a: _squeeze_dims(ins, a["dim"]),
+    aten.expand.default: _expand,
+    aten.dot.default: _dot,
+    aten.vdot.default: _dot,
+}
