@@ -110,3 +110,23 @@ def test_a_read_with_the_tracing_mode_switched_off_still_counts():
 
     g = _trace(aten.sum.default, torch.randn(6, 4), decomp=sneaky)
     assert g.reads.get(g.inputs[0], 0) & READ_SIZE
+
+
+def test_broadcast_matches_torch():
+    """substitute's plain-int broadcast against torch.broadcast_shapes, errors included."""
+    import random
+
+    from decompshard.dispatch_modes.substitute import _broadcast
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        shapes = [tuple(rng.choice([1, 2, 3]) for _ in range(rng.randint(0, 4))) for _ in range(rng.randint(1, 3))]
+        try:
+            want = tuple(torch.broadcast_shapes(*shapes))
+        except RuntimeError:
+            want = "error"
+        try:
+            got = _broadcast(shapes)
+        except ValueError:
+            got = "error"
+        assert got == want, shapes

@@ -147,12 +147,28 @@ def _out_shapes(graph: PrimGraph, n, in_shapes: list) -> list | None:
     if torch.Tag.pointwise in n.op.tags and in_shapes:
         global_in = [tuple(m.shape) for m in n.input_metas()]
         try:
-            if tuple(torch.broadcast_shapes(*global_in)) != want:
+            if _broadcast(global_in) != want:
                 return None  # not the plain broadcast this shape function assumes
-            return [tuple(torch.broadcast_shapes(*in_shapes))]
-        except RuntimeError:  # shapes that do not broadcast: let the real trace say so
+            return [_broadcast(in_shapes)]
+        except ValueError:  # shapes that do not broadcast: let the real trace say so
             return None
     return None
+
+
+def _broadcast(shapes: list) -> tuple[int, ...]:
+    """numpy/torch broadcasting of int shapes (torch.broadcast_shapes, without the
+    symbolic-shape machinery that makes it ~70 us a call)."""
+    out: list[int] = []
+    for shp in shapes:
+        if len(shp) > len(out):
+            out = [1] * (len(shp) - len(out)) + out
+        for i, s in enumerate(shp, len(out) - len(shp)):
+            if s != out[i]:
+                if out[i] == 1:
+                    out[i] = s
+                elif s != 1:
+                    raise ValueError(f"shapes {shapes} do not broadcast")
+    return tuple(out)
 
 
 def _same_layout(graph: PrimGraph, args: tuple, kwargs: dict, shapes, v: int) -> bool:
