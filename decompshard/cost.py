@@ -523,25 +523,37 @@ def _options(p, ndim: int) -> tuple[_Pl, ...]:
     return p if type(p) is tuple else (p,)
 
 
-def _alignable(src: Sequence[_Pl], dst: Sequence, ndim: int) -> list[list[bool]]:
-    """ok[i][d]: whether mesh dim i's target may shard tensor dim d exactly when its
-    source does. The greedy planner keeps a Shard(d) target of mesh dim j in its
-    last-to-first pass only if that holds on every mesh dim before j (else it goes to
-    Replicate first)."""
-    out = []
-    for s, t in zip(src, dst):
-        opts = _options(t, ndim)
-        dims = {o.dim for o in opts if o.kind == "S"}
-        only = next(iter(dims)) if len(dims) == 1 and all(o.kind == "S" for o in opts) else None
-        sd = s.dim if s.kind == "S" else None
-        out.append([(d in dims) if sd == d else only != d for d in range(ndim)])
-    return out
+@dataclass(frozen=True)
+class TargetRow:
+    """What the bounds need to know of one mesh dim's target (known, or one of several)
+    against its source, worked out once (a search bounds the same targets many times).
+
+    ``shards``: the tensor dims the target may shard; ``ok[d]``: whether it may shard d
+    exactly when the source does (DTensor's greedy planner keeps a Shard(d) target of a
+    later mesh dim in its last-to-first pass only if that holds on every mesh dim before
+    it); ``off[d]``: whether it may differ from the source on sharding d."""
+
+    shards: frozenset
+    ok: tuple[bool, ...]
+    off: tuple[bool, ...]
 
 
-def _divisions(ndim: int, src: Sequence[_Pl], dst: Sequence, m: int, mesh: MeshShape,
-               reverse: bool, in_reverse_pass: bool, ok: list[list[bool]]) -> list[tuple[int, int]]:
+def target_row(src: _Pl, target, ndim: int) -> TargetRow:
+    """The `TargetRow` of one mesh dim: ``target`` a placement, a tuple of the placements
+    it may be, or None (any), all in the model's form."""
+    opts = _options(target, ndim)
+    dims = frozenset(o.dim for o in opts if o.kind == "S")
+    only = next(iter(dims)) if len(dims) == 1 and all(o.kind == "S" for o in opts) else None
+    sd = src.dim if src.kind == "S" else None
+    ok = tuple((d in dims) if sd == d else only != d for d in range(ndim))
+    off = tuple(any((o.kind == "S" and o.dim == d) != (sd == d) for o in opts) for d in range(ndim))
+    return TargetRow(dims, ok, off)
+
+
+def _divisions(ndim: int, src: Sequence[_Pl], m: int, mesh: MeshShape, reverse: bool,
+               in_reverse_pass: bool, rows: Sequence[TargetRow]) -> list[tuple[int, int]]:
     """(tensor dim, most it can be divided by) from the other mesh dims when mesh dim m's
-    first step runs (no fusion: each step its own collective); ``ok`` from `_alignable`.
+    first step runs (no fusion: each step its own collective).
 
     The greedy planner: with sharded sources, a last-to-first pass moves each mesh dim j
     to its target, or to Replicate when a Shard(d) target's nesting on the dims before j
@@ -555,21 +567,26 @@ def _divisions(ndim: int, src: Sequence[_Pl], dst: Sequence, m: int, mesh: MeshS
     for j, n in enumerate(mesh.sizes):
         if j != m and n > 1:
             if j < m:
-                states = (src[j],) if in_reverse_pass else _options(dst[j], ndim)
-                for d in {o.dim for o in states if o.kind == "S"}:
-                    div[d] *= n
+                if in_reverse_pass:
+                    if src[j].kind == "S":
+                        div[src[j].dim] *= n
+                else:
+                    for d in rows[j].shards:
+                        div[d] *= n
             elif not reverse:
                 if src[j].kind == "S":  # (never: no sharded source means no shard > 1)
                     div[src[j].dim] *= n
             else:
-                for d in {o.dim for o in _options(dst[j], ndim) if o.kind == "S"}:
+                sj = src[j].dim if src[j].kind == "S" else None
+                for d in rows[j].shards:
                     if aligned[d]:
-                        if src[j].kind == "S" and src[j].dim == d:
+                        if sj == d:
                             div[d] *= n
-                        else:
-                            new[d] = max(new[d], n)
+                        elif n > new[d]:
+                            new[d] = n
         if reverse:
-            aligned = [x and y for x, y in zip(aligned, ok[j])]
+            ok = rows[j].ok
+            aligned = [x and y for x, y in zip(aligned, ok)]
     return [(d, div[d] * new[d]) for d in range(ndim) if div[d] * new[d] > 1]
 
 
@@ -603,37 +620,34 @@ def _fused_known_free(src: Sequence[_Pl], dst: Sequence, m: int, mesh: MeshShape
 
 
 def _dim_bound(shape: Sequence[int], itemsize: int, src: Sequence[_Pl], dst: Sequence,
-               m: int, mesh: MeshShape, topology: Topology, ok: list | None = None) -> CostBound:
+               m: int, mesh: MeshShape, topology: Topology, rows: Sequence[TargetRow],
+               reverse: bool) -> CostBound:
     """The bound for mesh dim ``m`` (``dst[m]`` known), given what is known of the others:
-    ``dst[j]`` a tuple lists the placements mesh dim j may end in, None means any."""
+    ``dst[j]`` a tuple lists the placements mesh dim j may end in, None means any;
+    ``rows[j]`` is `target_row` of ``dst[j]``, ``reverse`` whether the source has shards."""
     n = mesh.sizes[m]
     a, b = src[m], dst[m]
     if n <= 1 or a == b:
         return CostBound()
     ndim = len(shape)
-    reverse = any(p.kind == "S" and k > 1 for p, k in zip(src, mesh.sizes))
     groups = [len(g) for g in mesh.flattened if m in g]
     if groups:
         known, free = _fused_known_free(src, dst, m, mesh, reverse)
     else:
         free = 1
-        if ok is None:
-            ok = _alignable(src, dst, ndim) if reverse else []
         if a.kind != "R":  # a collective, in the last-to-first pass when there is one
-            known = _divisions(ndim, src, dst, m, mesh, reverse, reverse, ok)
+            known = _divisions(ndim, src, m, mesh, reverse, reverse, rows)
         else:  # local work, in whichever pass the planner puts it: the least of both
             passes = {False}
             if reverse and b.kind != "S":
                 passes = {True}
             elif reverse:
-                misaligned = any(
-                    any((o.kind == "S" and o.dim == b.dim) != (src[i].kind == "S" and src[i].dim == b.dim)
-                        for o in _options(dst[i], ndim)) for i in range(m))
-                kept = all(ok[i][b.dim] for i in range(m))
+                misaligned = any(rows[i].off[b.dim] for i in range(m))
+                kept = all(rows[i].ok[b.dim] for i in range(m))
                 passes = ({True} if kept else set()) | ({False} if misaligned else set())
             elems = []
             for in_reverse in passes:
-                known = _divisions(ndim, src, dst, m, mesh, reverse, in_reverse, ok)
+                known = _divisions(ndim, src, m, mesh, reverse, in_reverse, rows)
                 if b.kind == "S":  # slice: the sliced result is what is copied
                     elems.append(_fewest_elems(shape, known + [(b.dim, n)], 1))
                 elif b.reduce_op not in ("avg", "max", "min"):
@@ -727,17 +741,20 @@ def redistribute_lower_bound(global_shape: tuple[int, ...], itemsize: int,
 
 def lower_bound_model(global_shape: tuple[int, ...], itemsize: int, src: Sequence[_Pl],
                       dst: Sequence[_Pl | tuple[_Pl, ...] | None], mesh: MeshShape,
-                      topology: Topology = H100) -> CostBound:
+                      topology: Topology = H100,
+                      rows: Sequence[TargetRow] | None = None) -> CostBound:
     """``redistribute_lower_bound`` for placements already in the model's form
-    (``model_placement``), unchecked: for searches that bound many placement tuples."""
+    (``model_placement``), unchecked: for searches that bound many placement tuples, and
+    may pass each mesh dim's `target_row` (``rows``), kept from call to call."""
     unsupported, seconds, colls, nbytes = False, 0.0, 0.0, 0.0
-    ok = None  # what `_alignable` says, worked out once for all mesh dims
+    reverse = None
     for m in range(mesh.ndim):
         if type(dst[m]) is _Pl and dst[m] != src[m] and mesh.sizes[m] > 1:
-            if ok is None:
+            if reverse is None:
                 reverse = any(p.kind == "S" and k > 1 for p, k in zip(src, mesh.sizes))
-                ok = _alignable(src, dst, len(global_shape)) if reverse else []
-            b = _dim_bound(global_shape, itemsize, src, dst, m, mesh, topology, ok)
+                if rows is None:
+                    rows = [target_row(a, t, len(global_shape)) for a, t in zip(src, dst)]
+            b = _dim_bound(global_shape, itemsize, src, dst, m, mesh, topology, rows, reverse)
             unsupported = unsupported or b.unsupported
             seconds, colls, nbytes = seconds + b.seconds, colls + b.collectives, nbytes + b.bytes
     return CostBound(unsupported, seconds, colls, nbytes)

@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ._compat import TorchPartial, TorchReplicate, TorchShard, TorchStridedShard
 from .cost import (
     H100, Cost, CostBound, MeshShape, Topology, bytes_key, lower_bound_model, model_placement, redistribute_cost,
+    target_row,
 )
 from .derive import derive_rules
 from .dispatch_modes.clean import clean_dispatch_state
@@ -209,13 +210,24 @@ def cheapest_first(
     # the same as small ints (index into unknown[i][m]): cache keys that hash fast
     tid = [[tuple(unknown[i][m].index(model[m][c][i]) for i in range(n_t)) for c in range(len(choices))]
            for m in range(n_dims)]
+    # and what the bounds need of each: rows[i][m][id], the last one (-1) for "unknown"
+    # (worked out when first needed: most targets are never bounded)
+    rows_seen: dict[tuple[int, int, int], Any] = {}
+
+    def row(i: int, m: int, x: int):
+        r = rows_seen.get((i, m, x))
+        if r is None:
+            r = rows_seen[(i, m, x)] = target_row(
+                srcs[i][m], unknown[i][m] if x < 0 else unknown[i][m][x], len(shapes[i]))
+        return r
     alone: dict[tuple[int, int, Any], CostBound] = {}  # (tensor, mesh dim, target): bound
 
     def bound_alone(i: int, m: int, dst) -> CostBound:
         b = alone.get((i, m, dst))
         if b is None:
             b = alone[(i, m, dst)] = lower_bound_model(
-                shapes[i], sizes[i], srcs[i], unknown[i][:m] + (dst,) + unknown[i][m + 1:], mesh, topology)
+                shapes[i], sizes[i], srcs[i], unknown[i][:m] + (dst,) + unknown[i][m + 1:], mesh, topology,
+                [row(i, j, unknown[i][m].index(dst) if j == m else -1) for j in range(n_dims)])
         return b
 
     def dim_alone(m: int) -> list[tuple[bool, float, float, float]]:
@@ -258,7 +270,9 @@ def cheapest_first(
             b = known.get((i, ids))
             if b is None:
                 dst = tuple(model[m][c][i] for m, c in enumerate(order)) + unknown[i][k:]
-                b = known[(i, ids)] = lower_bound_model(shapes[i], sizes[i], srcs[i], dst, mesh, topology)
+                b = known[(i, ids)] = lower_bound_model(
+                    shapes[i], sizes[i], srcs[i], dst, mesh, topology,
+                    [row(i, m, ids[m] if m < k else -1) for m in range(n_dims)])
             parts.append(b)
         acc, r = _total(parts), rest[k]
         # a count of collectives is whole: a bound of 0.999... (float sums of fused
