@@ -204,6 +204,12 @@ class LocalWork:
     seconds: float
 
 
+def bytes_key(nbytes: float) -> float:
+    """Bytes as ``Cost.sort_key`` compares them: to 10 significant digits. Monotone, so a
+    lower bound's key is <= the exact key."""
+    return float(f"{nbytes:.10g}")
+
+
 @dataclass(frozen=True)
 class Cost:
     """Everything one redistribution costs; ``+`` sums several (one per input)."""
@@ -223,13 +229,17 @@ class Cost:
         return sum(c.wire_bytes for c in self.collectives) + self.local_bytes
 
     def sort_key(self) -> tuple[float, int, float]:
-        """Order candidates: time (to 1 ns), then fewer collectives, then fewer bytes.
+        """Order candidates: time (to 1 ns), then fewer collectives, then fewer bytes (to
+        10 significant digits).
 
         Rounding makes float noise a tie, and the tie-breakers make the order total and
         deterministic; a remaining tie is for the caller to break (rule order). Because
         local work counts in ``bytes_moved``, a strategy needing R->P(sum) loses to one
-        that keeps the input Replicate even when the division rounds to 0 ns."""
-        return (round(self.total_seconds, 9), len(self.collectives), self.bytes_moved)
+        that keeps the input Replicate even when the division rounds to 0 ns. Bytes are
+        rounded so that a search bounding them from below (lift) can see a tie as one:
+        a bound a hair under the exact sum would otherwise rank every prefix that ties
+        with a strategy on bytes before it."""
+        return (round(self.total_seconds, 9), len(self.collectives), bytes_key(self.bytes_moved))
 
     def __add__(self, other: Cost) -> Cost:
         """Cost of doing both (e.g. redistributing every input of a strategy)."""
@@ -501,25 +511,97 @@ def _shard_of(p: _Pl | None) -> int | None:
     return p.dim if p is not None and p.kind == "S" else None
 
 
-def _dim_bound(shape: Sequence[int], itemsize: int, src: Sequence[_Pl], dst: Sequence[_Pl | None],
-               m: int, mesh: MeshShape, topology: Topology) -> CostBound:
-    """The bound for mesh dim ``m`` (``dst[m]`` known), given what is known of the others:
-    ``dst[j]`` None means mesh dim j may end anywhere (it may shard any tensor dim)."""
-    n = mesh.sizes[m]
-    a, b = src[m], dst[m]
-    if n <= 1 or a == b:
-        return CostBound()
-    # Which tensor dim each other mesh dim j may divide when m's first step runs: j is
-    # at its source, its target, or Replicate in between. A collective on m runs in the
-    # planner's last-to-first pass when the source has shards (dims before m still at
-    # their source) and else in the first-to-last pass (dims before m at their target,
-    # dims after at their source). One possible dim: assume it divided (a lower bound);
-    # two, or an unknown target: it may divide any dim.
-    reverse = any(p.kind == "S" and k > 1 for p, k in zip(src, mesh.sizes))
+@lru_cache(maxsize=64)
+def _anything(ndim: int) -> tuple[_Pl, ...]:
+    return (_REPLICATE, *(_Pl("S", d) for d in range(ndim)))
+
+
+def _options(p, ndim: int) -> tuple[_Pl, ...]:
+    """The placements a target may be: itself, the listed ones, or (None) any."""
+    if p is None:
+        return _anything(ndim)
+    return p if type(p) is tuple else (p,)
+
+
+@dataclass(frozen=True)
+class TargetRow:
+    """What the bounds need to know of one mesh dim's target (known, or one of several)
+    against its source, worked out once (a search bounds the same targets many times).
+
+    ``shards``: the tensor dims the target may shard; ``ok[d]``: whether it may shard d
+    exactly when the source does (DTensor's greedy planner keeps a Shard(d) target of a
+    later mesh dim in its last-to-first pass only if that holds on every mesh dim before
+    it); ``off[d]``: whether it may differ from the source on sharding d."""
+
+    shards: frozenset
+    ok: tuple[bool, ...]
+    off: tuple[bool, ...]
+
+
+def target_row(src: _Pl, target, ndim: int) -> TargetRow:
+    """The `TargetRow` of one mesh dim: ``target`` a placement, a tuple of the placements
+    it may be, or None (any), all in the model's form."""
+    opts = _options(target, ndim)
+    dims = frozenset(o.dim for o in opts if o.kind == "S")
+    only = next(iter(dims)) if len(dims) == 1 and all(o.kind == "S" for o in opts) else None
+    sd = src.dim if src.kind == "S" else None
+    ok = tuple((d in dims) if sd == d else only != d for d in range(ndim))
+    off = tuple(any((o.kind == "S" and o.dim == d) != (sd == d) for o in opts) for d in range(ndim))
+    return TargetRow(dims, ok, off)
+
+
+def _divisions(ndim: int, src: Sequence[_Pl], m: int, mesh: MeshShape, reverse: bool,
+               in_reverse_pass: bool, rows: Sequence[TargetRow]) -> list[tuple[int, int]]:
+    """(tensor dim, most it can be divided by) from the other mesh dims when mesh dim m's
+    first step runs (no fusion: each step its own collective).
+
+    The greedy planner: with sharded sources, a last-to-first pass moves each mesh dim j
+    to its target, or to Replicate when a Shard(d) target's nesting on the dims before j
+    differs from the source's; then a first-to-last pass finishes. So when m's step runs
+    in the last-to-first pass, dims before m are at their source and dims after m at that
+    pass's target; in the first-to-last pass, dims before m are at their target. Among
+    the dims after m, two at Shard(d) where the source does not shard d cannot both be
+    kept (the first breaks the second's nesting), so of those only the largest counts."""
+    div, new = [1] * ndim, [1] * ndim
+    aligned = [True] * ndim  # per tensor dim: every mesh dim so far may match the source
+    for j, n in enumerate(mesh.sizes):
+        if j != m and n > 1:
+            if j < m:
+                if in_reverse_pass:
+                    if src[j].kind == "S":
+                        div[src[j].dim] *= n
+                else:
+                    for d in rows[j].shards:
+                        div[d] *= n
+            elif not reverse:
+                if src[j].kind == "S":  # (never: no sharded source means no shard > 1)
+                    div[src[j].dim] *= n
+            else:
+                sj = src[j].dim if src[j].kind == "S" else None
+                for d in rows[j].shards:
+                    if aligned[d]:
+                        if sj == d:
+                            div[d] *= n
+                        elif n > new[d]:
+                            new[d] = n
+        if reverse:
+            ok = rows[j].ok
+            aligned = [x and y for x, y in zip(aligned, ok)]
+    return [(d, div[d] * new[d]) for d in range(ndim) if div[d] * new[d] > 1]
+
+
+def _fused_known_free(src: Sequence[_Pl], dst: Sequence, m: int, mesh: MeshShape,
+                      reverse: bool) -> tuple[list[tuple[int, int]], int]:
+    """As `_divisions`, for a mesh dim whose step may be fused with other dims' steps
+    (a flattened group holds it): the run's sizes are taken before its first step, so
+    each other dim j is at its source, its target, or Replicate in between. One possible
+    tensor dim: assume it divided; two, or an unknown target: it may divide any dim."""
+    a = src[m]
     known, free = [], 1
     for j, (s, t) in enumerate(zip(src, dst)):
         if j == m or mesh.sizes[j] <= 1:
             continue
+        t = t if t is None or not isinstance(t, tuple) else (t[0] if len(t) == 1 else None)
         if a.kind != "R" and (j < m) == reverse:
             opts = {_shard_of(s)}
         elif t is None:
@@ -534,8 +616,48 @@ def _dim_bound(shape: Sequence[int], itemsize: int, src: Sequence[_Pl], dst: Seq
             known.append((opts.pop(), mesh.sizes[j]))
         elif opts:
             free *= mesh.sizes[j]
-    if a.kind == "R":
-        if b.kind == "S":  # slice: the sliced result is what is copied
+    return known, free
+
+
+def _dim_bound(shape: Sequence[int], itemsize: int, src: Sequence[_Pl], dst: Sequence,
+               m: int, mesh: MeshShape, topology: Topology, rows: Sequence[TargetRow],
+               reverse: bool) -> CostBound:
+    """The bound for mesh dim ``m`` (``dst[m]`` known), given what is known of the others:
+    ``dst[j]`` a tuple lists the placements mesh dim j may end in, None means any;
+    ``rows[j]`` is `target_row` of ``dst[j]``, ``reverse`` whether the source has shards."""
+    n = mesh.sizes[m]
+    a, b = src[m], dst[m]
+    if n <= 1 or a == b:
+        return CostBound()
+    ndim = len(shape)
+    groups = [len(g) for g in mesh.flattened if m in g]
+    if groups:
+        known, free = _fused_known_free(src, dst, m, mesh, reverse)
+    else:
+        free = 1
+        if a.kind != "R":  # a collective, in the last-to-first pass when there is one
+            known = _divisions(ndim, src, m, mesh, reverse, reverse, rows)
+        else:  # local work, in whichever pass the planner puts it: the least of both
+            passes = {False}
+            if reverse and b.kind != "S":
+                passes = {True}
+            elif reverse:
+                misaligned = any(rows[i].off[b.dim] for i in range(m))
+                kept = all(rows[i].ok[b.dim] for i in range(m))
+                passes = ({True} if kept else set()) | ({False} if misaligned else set())
+            elems = []
+            for in_reverse in passes:
+                known = _divisions(ndim, src, m, mesh, reverse, in_reverse, rows)
+                if b.kind == "S":  # slice: the sliced result is what is copied
+                    elems.append(_fewest_elems(shape, known + [(b.dim, n)], 1))
+                elif b.reduce_op not in ("avg", "max", "min"):
+                    elems.append(_fewest_elems(shape, known, 1))
+            if not elems:
+                return CostBound()
+            least = min(elems) * itemsize
+            return CostBound(False, 2 * least / topology.memory_bandwidth, 0.0, 2 * least)
+    if a.kind == "R":  # (fused groups only; see above for the rest)
+        if b.kind == "S":
             elems = _fewest_elems(shape, known + [(b.dim, n)], free) * itemsize
         elif b.reduce_op not in ("avg", "max", "min"):
             elems = _fewest_elems(shape, known, free) * itemsize
@@ -544,7 +666,6 @@ def _dim_bound(shape: Sequence[int], itemsize: int, src: Sequence[_Pl], dst: Seq
         return CostBound(False, 2 * elems / topology.memory_bandwidth, 0.0, 2 * elems)
     before = _fewest_elems(shape, known + ([(a.dim, n)] if a.kind == "S" else []), free) * itemsize
     unsupported = b.is_partial()
-    groups = [len(g) for g in mesh.flattened if m in g]
     if groups:  # may be fused with other mesh dims' steps: a share only
         share = 1.0 / max(groups)
         alpha = min(topology.intra_node_latency, topology.inter_node_latency)
@@ -565,7 +686,8 @@ def _dim_bound(shape: Sequence[int], itemsize: int, src: Sequence[_Pl], dst: Seq
         lo = _fewest_shape(shape, known + [extra] if extra else known, free)
         return 2.0 * math.prod(lo) * itemsize if math.prod(lo[:d]) > 1 else 0.0
 
-    if a.kind == "S" and b.kind == "S" and reverse and None not in dst[:m]:
+    if (a.kind == "S" and b.kind == "S" and reverse
+            and all(isinstance(x, _Pl) for x in dst[:m])):
         # the planner's choice is known: all-to-all, unless the nesting before m differs
         # (or either side is strided): then all-gather first
         if ([_shard_of(x) == b.dim for x in src[:m]] != [_shard_of(x) == b.dim for x in dst[:m]]
@@ -583,11 +705,13 @@ def _dim_bound(shape: Sequence[int], itemsize: int, src: Sequence[_Pl], dst: Seq
 
 
 def redistribute_lower_bound(global_shape: tuple[int, ...], itemsize: int,
-                             src: Sequence[Placement], dst: Sequence[Placement | None],
+                             src: Sequence[Placement],
+                             dst: Sequence[Placement | tuple[Placement, ...] | None],
                              mesh: MeshShape | Sequence[int], topology: Topology = H100) -> CostBound:
     """A lower bound on ``redistribute_cost(src -> dst)`` charged to the mesh dims whose
-    target is known (``dst[m]`` not None); the others may end anywhere. Bounds of the
-    unknown dims taken one at a time (all others unknown) add to it admissibly.
+    target is known (``dst[m]`` a placement); the others end in one of the placements
+    listed (``dst[m]`` a tuple) or anywhere (None). Bounds of the unknown dims taken one
+    at a time (the others as unknown) add to it admissibly.
 
     Why it is a bound (``redistribute_cost`` is not a sum over mesh dims: step order,
     fusion and the other dims' sharding all change the price): the greedy plan gives every
@@ -595,9 +719,9 @@ def redistribute_lower_bound(global_shape: tuple[int, ...], itemsize: int,
     starts from ``src``. From Replicate that step is local work (a slice or a division);
     from Shard or Partial it is one collective of at least one ring pass, (n-1) hops and
     its kind's share of a message, the kind being forced by the target (see
-    ``_dim_bound``). Sizes are the fewest elements a rank can hold at that moment: other
-    mesh dims divide for sure only where source and target shard the same tensor dim
-    (in between they may be Replicate). Different mesh dims' first steps are different
+    ``_dim_bound``). Sizes are the fewest elements a rank can hold at that moment, from
+    where the planner has put the other mesh dims by then (``_divisions``; a dim whose
+    target is not known divides by its size every tensor dim it may shard). Different mesh dims' first steps are different
     steps, so the bounds add up, except where DTensor fuses one collective over a
     flattened group: there each dim is charged only its share (1/group size) of the
     launch, of the count and of its wire bytes (a fused reduce-scatter puts only (N-1)/N
@@ -608,13 +732,29 @@ def redistribute_lower_bound(global_shape: tuple[int, ...], itemsize: int,
     mesh = mesh if isinstance(mesh, MeshShape) else MeshShape(tuple(mesh))
     ndim = len(global_shape)
     src = [_normalize(p, ndim) for p in src]
-    dst = [None if p is None else _normalize(p, ndim) for p in dst]
+    dst = [None if p is None else tuple(_normalize(q, ndim) for q in p) if isinstance(p, tuple)
+           else _normalize(p, ndim) for p in dst]
     if len(src) != mesh.ndim or len(dst) != mesh.ndim:
         raise ValueError(f"need {mesh.ndim} placements, got {len(src)} and {len(dst)}")
+    return lower_bound_model(global_shape, itemsize, src, dst, mesh, topology)
+
+
+def lower_bound_model(global_shape: tuple[int, ...], itemsize: int, src: Sequence[_Pl],
+                      dst: Sequence[_Pl | tuple[_Pl, ...] | None], mesh: MeshShape,
+                      topology: Topology = H100,
+                      rows: Sequence[TargetRow] | None = None) -> CostBound:
+    """``redistribute_lower_bound`` for placements already in the model's form
+    (``model_placement``), unchecked: for searches that bound many placement tuples, and
+    may pass each mesh dim's `target_row` (``rows``), kept from call to call."""
     unsupported, seconds, colls, nbytes = False, 0.0, 0.0, 0.0
+    reverse = None
     for m in range(mesh.ndim):
-        if dst[m] is not None:
-            b = _dim_bound(global_shape, itemsize, src, dst, m, mesh, topology)
+        if type(dst[m]) is _Pl and dst[m] != src[m] and mesh.sizes[m] > 1:
+            if reverse is None:
+                reverse = any(p.kind == "S" and k > 1 for p, k in zip(src, mesh.sizes))
+                if rows is None:
+                    rows = [target_row(a, t, len(global_shape)) for a, t in zip(src, dst)]
+            b = _dim_bound(global_shape, itemsize, src, dst, m, mesh, topology, rows, reverse)
             unsupported = unsupported or b.unsupported
             seconds, colls, nbytes = seconds + b.seconds, colls + b.collectives, nbytes + b.bytes
     return CostBound(unsupported, seconds, colls, nbytes)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -33,7 +34,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._compat import TorchPartial, TorchReplicate, TorchShard, TorchStridedShard
 from .cost import (
-    H100, Cost, CostBound, MeshShape, Topology, model_placement, redistribute_cost, redistribute_lower_bound,
+    H100, Cost, CostBound, MeshShape, Topology, bytes_key, lower_bound_model, model_placement, redistribute_cost,
+    target_row,
 )
 from .derive import derive_rules
 from .dispatch_modes.clean import clean_dispatch_state
@@ -192,21 +194,50 @@ def cheapest_first(
     shapes = [tuple(t.shape) for t in tensors]
     srcs = [tuple(model_placement(p, len(s)) for p in c) for c, s in zip(current, shapes)]
     sizes = [t.element_size() for t in tensors]
-    unknown = (None,) * n_dims
-    bound: list[list[tuple[bool, float, float, float]]] = []  # dim m alone, per choice
     for m in range(n_dims):
         cur = [c[m] for c in current]
         cols.append([])
-        bound.append([])
         model.append([])
         for rule in choices:
             strided = _strided_factors(rule, cur)
             ins = tuple(_fill(p, strided) for p in rule.inputs)
             cols[m].append((ins, tuple(_fill(p, strided) for p in rule.outputs)))
             model[m].append(tuple(model_placement(p, len(s)) for p, s in zip(ins, shapes)))
-            parts = [redistribute_lower_bound(shapes[i], sizes[i], srcs[i], unknown[:m] + (dst,) + unknown[m + 1:], mesh, topology)
-                     for i, dst in enumerate(model[m][-1])]
-            bound[m].append(_total(parts))
+    # per tensor, per mesh dim: the targets the choices allow there (what an unchosen
+    # mesh dim may end in: the bounds use it to know which tensor dims it may shard)
+    unknown = [tuple(tuple(dict.fromkeys(model[m][c][i] for c in range(len(choices)))) for m in range(n_dims))
+               for i in range(n_t)]
+    # the same as small ints (index into unknown[i][m]): cache keys that hash fast
+    tid = [[tuple(unknown[i][m].index(model[m][c][i]) for i in range(n_t)) for c in range(len(choices))]
+           for m in range(n_dims)]
+    # and what the bounds need of each: rows[i][m][id], the last one (-1) for "unknown"
+    # (worked out when first needed: most targets are never bounded)
+    rows_seen: dict[tuple[int, int, int], Any] = {}
+
+    def row(i: int, m: int, x: int):
+        r = rows_seen.get((i, m, x))
+        if r is None:
+            r = rows_seen[(i, m, x)] = target_row(
+                srcs[i][m], unknown[i][m] if x < 0 else unknown[i][m][x], len(shapes[i]))
+        return r
+    alone: dict[tuple[int, int, Any], CostBound] = {}  # (tensor, mesh dim, target): bound
+
+    def bound_alone(i: int, m: int, dst) -> CostBound:
+        b = alone.get((i, m, dst))
+        if b is None:
+            b = alone[(i, m, dst)] = lower_bound_model(
+                shapes[i], sizes[i], srcs[i], unknown[i][:m] + (dst,) + unknown[i][m + 1:], mesh, topology,
+                [row(i, j, unknown[i][m].index(dst) if j == m else -1) for j in range(n_dims)])
+        return b
+
+    def dim_alone(m: int) -> list[tuple[bool, float, float, float]]:
+        """Bounds of mesh dim m alone, per choice; only a zero one when a choice keeps
+        every input as it is there (nothing is less: the others need not be bounded)."""
+        if any(all(model[m][c][i] == srcs[i][m] for i in range(n_t)) for c in range(len(choices))):
+            return [(False, 0.0, 0.0, 0.0)]
+        return [_total([bound_alone(i, m, dst) for i, dst in enumerate(model[m][c])]) for c in range(len(choices))]
+
+    bound = [dim_alone(m) for m in range(n_dims)]
     # Choices that cost the same in every strategy, whatever the other dims choose, are
     # searched once (their lowest index stands for all) and fanned out when priced:
     # non-shard targets on a mesh dim of size 1 (DTensor skips the dim), and Replicate /
@@ -225,32 +256,41 @@ def cheapest_first(
         lo = [min(b[j] for b in bound[m]) for j in range(4)]
         rest[m] = (lo[0] or rest[m + 1][0], *(lo[j] + rest[m + 1][j] for j in (1, 2, 3)))
 
-    slack = 1 - 1e-9  # float sums in another order must not lift a bound above the exact
-    known: dict[tuple[int, tuple], CostBound] = {}  # (tensor, known targets): its bound
+    # float sums in another order must not lift a bound above the exact (their error is
+    # ~1e-14 relative); bytes keep 10 digits (bytes_key), so a tight bound still ties
+    slack, bytes_slack = 1 - 1e-9, 1 - 1e-12
+    known: dict[tuple[int, tuple], CostBound] = {}  # (tensor, known target ids): its bound
 
     def prefix_key(order: tuple[int, ...]) -> tuple:
         """The bound of the chosen dims, knowing each other (see redistribute_lower_bound),
         plus the least each unchosen dim can add."""
         k, parts = len(order), []
         for i in range(n_t):
-            dst = tuple(model[m][c][i] for m, c in enumerate(order)) + unknown[k:]
-            b = known.get((i, dst))
+            ids = tuple(tid[m][c][i] for m, c in enumerate(order))
+            b = known.get((i, ids))
             if b is None:
-                b = known[(i, dst)] = redistribute_lower_bound(shapes[i], sizes[i], srcs[i], dst, mesh, topology)
+                dst = tuple(model[m][c][i] for m, c in enumerate(order)) + unknown[i][k:]
+                b = known[(i, ids)] = lower_bound_model(
+                    shapes[i], sizes[i], srcs[i], dst, mesh, topology,
+                    [row(i, m, ids[m] if m < k else -1) for m in range(n_dims)])
             parts.append(b)
         acc, r = _total(parts), rest[k]
-        return (acc[0] or r[0], round((acc[1] + r[1]) * slack, 9), (acc[2] + r[2]) * slack,
-                (acc[3] + r[3]) * slack, order)
+        # a count of collectives is whole: a bound of 0.999... (float sums of fused
+        # shares) is a bound of 1, and must be, or every prefix would come before the
+        # strategies that tie with it on time and count
+        return (acc[0] or r[0], round((acc[1] + r[1]) * slack, 9), math.ceil(acc[2] + r[2] - 1e-6),
+                bytes_key((acc[3] + r[3]) * bytes_slack), order)
 
-    exact: dict[tuple[int, tuple], Cost] = {}  # (tensor, target placements): its cost
+    exact: dict[tuple[int, tuple], Cost] = {}  # (tensor, target ids): its cost
 
     def price(order: tuple[int, ...]) -> Cost:
         cost = Cost()
         for i, src in enumerate(srcs):
-            dst = tuple(model[m][c][i] for m, c in enumerate(order))
-            one = exact.get((i, dst))
+            ids = tuple(tid[m][c][i] for m, c in enumerate(order))
+            one = exact.get((i, ids))
             if one is None:
-                one = exact[(i, dst)] = redistribute_cost(shapes[i], sizes[i], src, dst, mesh, topology)
+                dst = tuple(model[m][c][i] for m, c in enumerate(order))
+                one = exact[(i, ids)] = redistribute_cost(shapes[i], sizes[i], src, dst, mesh, topology)
             cost = cost + one
         return cost
 
@@ -271,12 +311,18 @@ def cheapest_first(
                 heapq.heappush(heap, (prefix_key(order + (c,)), order + (c,), None))
         elif state is None:  # reached on its bound: price it, back in at its cost
             cost = price(order)
-            heapq.heappush(heap, (candidate_key(cost, order), order, ("class", cost)))
-        elif state[0] == "class":  # its equivalents cost the same: each at its own order
-            for one in itertools.product(*(members[m][c] for m, c in enumerate(order))):
-                heapq.heappush(heap, (candidate_key(state[1], one), one, ("one", state[1])))
+            key = candidate_key(cost, ())[:-1]
+            # its equivalents cost the same; they come in rule order (the product of
+            # ascending member lists, the first being this one), so each is pushed when
+            # the one before it is yielded, not all at once (8**3 on 2x2x2x2 for addmv)
+            same = itertools.product(*(members[m][c] for m, c in enumerate(order)))
+            heapq.heappush(heap, (key + (next(same),), order, (cost, key, same)))
         else:
-            yield payload(order, state[1])
+            cost, key, same = state
+            yield payload(order, cost)
+            one = next(same, None)
+            if one is not None:
+                heapq.heappush(heap, (key + (one,), one, state))
 
 
 def _free(target, src, mesh: MeshShape, m: int) -> bool:

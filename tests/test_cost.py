@@ -345,11 +345,20 @@ def test_per_mesh_dim_lower_bounds_add_up_to_at_most_the_exact_cost():
                 src[m], dst[m] = a, b
         topo = rng.choice([H100, A100, dataclasses.replace(H100, devices_per_node=4)])
         exact = redistribute_cost(shape, 4, src, dst, mesh, topo)
-        # some targets known, the rest bounded one mesh dim at a time (as lift's search)
-        known = [d if rng.random() < 0.6 else None for d in dst]
+        # some targets known, the rest bounded one mesh dim at a time (as lift's search);
+        # an unknown target is anything (None) or one of a few placements, the real one
+        # among them (lift lists what the rules allow on that mesh dim)
+        def unknown(d):
+            if rng.random() < 0.3:
+                return None
+            others = [_random_placement(rng, ndim) for _ in range(rng.randint(0, 3))] + [R]
+            return tuple(rng.sample(others, rng.randint(0, len(others)))) + (d,)
+
+        known = [d if rng.random() < 0.5 else unknown(d) for d in dst]
+        loose = [k if k is None or isinstance(k, tuple) else unknown(k) for k in known]
         bounds = [redistribute_lower_bound(shape, 4, src, known, mesh, topo)] + [
-            redistribute_lower_bound(shape, 4, src, [d if j == m else None for j in range(len(sizes))], mesh, topo)
-            for m, d in enumerate(dst) if known[m] is None]
+            redistribute_lower_bound(shape, 4, src, [d if j == m else loose[j] for j in range(len(sizes))], mesh, topo)
+            for m, d in enumerate(dst) if known[m] is None or isinstance(known[m], tuple)]
         assert any(b.unsupported for b in bounds) == (not exact.dtensor_supported), (shape, src, dst, sizes)
         slack = 1 + 1e-9
         assert sum(b.seconds for b in bounds) <= exact.total_seconds * slack + 1e-15, (shape, src, known, dst, sizes)

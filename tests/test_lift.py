@@ -278,3 +278,36 @@ def test_choice_equals_full_enumeration_first_valid_on_random_cases():
         assert best.rules == tuple(checked) and best.input_placements == ins, (op, current, mesh)
         assert best.cost.sort_key() == cost.sort_key()
         done += 1
+
+
+def test_best_first_equals_full_enumeration_on_near_ties():
+    # rot90-like cases: tiny tensors on 4-D meshes of 2s (inter-node dim 0), sharded on
+    # mesh dim 0 and Replicate elsewhere, where dozens of strategies cost the same to
+    # 1 ns and the order is decided by bytes, then by rule order. The bounds are tight
+    # there (they tie with the exact keys), so the tie-breaks are what is tested.
+    from decompshard.cost import MeshShape
+    from decompshard.derive import derive_rules
+
+    cases = [
+        (aten.rot90.default, (torch.randn(16, 6), 1, [1, 0]), [S0]),
+        (aten.rot90.default, (torch.randn(8, 8), 1, [0, 1]), [S1]),
+        (aten.addr.default, (torch.randn(16, 6), torch.randn(16), torch.randn(6)), [S0, S0, R]),
+        (aten.pixel_shuffle.default, (torch.randn(8, 16, 3, 3), 2), [S0]),
+    ]
+    for op, args, pl in cases:
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        derived = derive_rules(op, *args)
+        choices = lift.candidate_rules(derived, len(tensors))
+        for sizes in ((2, 2, 2, 2), (2, 2, 2), (4, 2)):
+            if len(choices) ** len(sizes) > 6000:
+                continue
+            mesh = MeshShape(sizes)
+            current = [(p,) + (R,) * (len(sizes) - 1) for p in pl]
+            want = _enumerate_sorted(choices, tensors, current, mesh)
+            got = list(itertools.islice(lift.cheapest_first(choices, tensors, current, mesh), 300))
+            for g, w in zip(got, want):
+                assert g[0] == w[0] and g[1] == w[1], (op, sizes)
+                assert (g[3].dtensor_supported, g[3].sort_key()) == (w[3].dtensor_supported, w[3].sort_key())
+            ties = sum(w[3].sort_key() == want[0][3].sort_key() for w in want)
+            if op is aten.rot90.default and sizes == (2, 2, 2, 2) and pl == [S0]:
+                assert ties > 20  # the case this test is about: many exact ties on top
