@@ -384,10 +384,17 @@ def _invalid_reason(op, args, kwargs, combo, ins, outs, tensors, mesh: tuple[int
         if not rule.even_only:
             continue
         for t, pl in zip(tensors, ins):
-            before = local_shape_nd(t.shape, pl[:m] + (TorchReplicate(),) * (len(mesh) - m), mesh, (0,) * len(mesh))
             p = pl[m]
-            if isinstance(p, (TorchShard, TorchStridedShard)) and before[p.dim] % mesh[m]:
-                return f"rule {rule} on mesh dim {m} needs even shards; dim {p.dim} of size {before[p.dim]} does not split over {mesh[m]}"
+            if not isinstance(p, (TorchShard, TorchStridedShard)):
+                continue
+            # every rank's piece before mesh dim m: earlier uneven shards differ per rank
+            # (7 rows over 2 are 4 and 3; over 4 more, 4 splits evenly and 3 does not)
+            earlier = pl[:m] + (TorchReplicate(),) * (len(mesh) - m)
+            for coord in itertools.product(*(range(k) for k in mesh[:m])):
+                before = local_shape_nd(t.shape, earlier, mesh, coord + (0,) * (len(mesh) - m))
+                if before[p.dim] % mesh[m]:
+                    return (f"rule {rule} on mesh dim {m} needs even shards; dim {p.dim} of size "
+                            f"{before[p.dim]} does not split over {mesh[m]}")
     return _meta_check(op, args, kwargs, ins, outs, tensors, mesh)
 
 

@@ -311,3 +311,24 @@ def test_best_first_equals_full_enumeration_on_near_ties():
             ties = sum(w[3].sort_key() == want[0][3].sort_key() for w in want)
             if op is aten.rot90.default and sizes == (2, 2, 2, 2) and pl == [S0]:
                 assert ties > 20  # the case this test is about: many exact ties on top
+
+
+def test_even_rule_is_checked_on_every_ranks_piece():
+    """7 rows over 2 ranks are pieces of 4 and 3: an [even] rule on the next mesh dim (4)
+    splits rank 0's piece evenly and not rank 1's, so the strategy is refused (the check
+    used to look at rank 0 only)."""
+    import torch as _torch
+
+    from decompshard import lift as _lift
+    from decompshard._compat import TorchShard as _S
+    from decompshard.placements import P as _P, S as _Sd, SingleDimRule as _Rule
+
+    x = _torch.randn(7, 3)
+    combo = [_Rule((_Sd(0),), (_P("avg"),)), _Rule((_Sd(0),), (_P("avg"),), even_only=True)]
+    ins = [(_S(0), _S(0))]
+    outs = [(Partial("avg"), Partial("avg"))]
+    reason = _lift._invalid_reason(_torch.ops.aten.sum.default, (x,), {}, combo, ins, outs, [x], (2, 4))
+    assert "needs even shards" in reason and "size 3" in reason, reason
+    x8 = _torch.randn(8, 3)  # 4 and 4: both split over 4
+    reason8 = _lift._invalid_reason(_torch.ops.aten.sum.default, (x8,), {}, combo, ins, outs, [x8], (2, 4))
+    assert reason8 == ""
