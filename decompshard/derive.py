@@ -96,6 +96,18 @@ class DerivedRules:
             return rule if rule.is_trivial() else None
         return self._validate(key)
 
+    def surely_even(self, rule: SingleDimRule) -> bool:
+        """Whether `validated(rule)` is certain to be [even] or refused, without running
+        the local-shape check: every path propagation found for it is [even] already
+        (the check only ever adds the condition). The lift uses it to drop strategies
+        that put such a rule on a dim that cannot split evenly before checking them."""
+        key = (rule.inputs, rule.outputs)
+        if key in self._verdicts:
+            verdict = self._verdicts[key]
+            return verdict is None or verdict.even_only
+        survivors = self._survivors.get(key)
+        return bool(survivors) and all(c.even_only for c in survivors)
+
     def _validate(self, key: tuple) -> SingleDimRule | None:
         if key in self._verdicts:
             return self._verdicts[key]

@@ -128,7 +128,8 @@ def _first_runnable(op, args, kwargs, mesh_shape, current, n_args):
         return cost.dtensor_supported and all(
             tuple(p) == tuple(c) for p, c in zip(ins[n_args:], current[n_args:]))
 
-    return next((s for s in ranked(op, args, kwargs, mesh_shape, current, accept=runnable) if s.valid), None)
+    return next((s for s in ranked(op, args, kwargs, mesh_shape, current, accept=runnable,
+                                valid_only=True) if s.valid), None)
 
 
 def _replicated(op_schema, specs, mesh) -> OpStrategy:

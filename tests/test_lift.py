@@ -332,3 +332,27 @@ def test_even_rule_is_checked_on_every_ranks_piece():
     x8 = _torch.randn(8, 3)  # 4 and 4: both split over 4
     reason8 = _lift._invalid_reason(_torch.ops.aten.sum.default, (x8,), {}, combo, ins, outs, [x8], (2, 4))
     assert reason8 == ""
+
+
+@pytest.mark.parametrize("mesh,take", [((2, 3), None), ((3, 2), None), ((4, 4, 4), 3)])
+def test_valid_only_search_yields_the_same_valid_strategies(mesh, take):
+    """`ranked(valid_only=True)` drops surely-[even] rules on dims that cannot split
+    evenly before pricing them; what is left must be exactly the valid strategies of the
+    full search, in the same order (rot90 of [16, 6] and an uneven mean loss)."""
+    cases = [
+        (aten.rot90.default, (torch.randn(16, 6), 1, [1, 0]), [(Shard(0),) + (Replicate(),) * (len(mesh) - 1)]),
+        (aten.mse_loss.default, (torch.randn(7, 6), torch.randn(7, 6)),
+         [(Shard(1),) + (Replicate(),) * (len(mesh) - 1)] * 2),
+    ]
+    for op, args, current in cases:
+        full = (s for s in ranked(op, args, {}, mesh, current) if s.valid)
+        pruned = (s for s in ranked(op, args, {}, mesh, current, valid_only=True) if s.valid)
+        a = list(itertools.islice(full, take))
+        b = list(itertools.islice(pruned, take))
+        assert [(s.rules, s.input_placements, s.output_placements) for s in a] == [(s.rules, s.input_placements, s.output_placements) for s in b], op
+        assert a, op
+    if mesh == (4, 4, 4):  # and it does drop some: rot90 meets dozens before its first valid one
+        op, args, current = cases[0]
+        seen = [sum(1 for _ in itertools.takewhile(lambda s: not s.valid, ranked(op, args, {}, mesh, current, **kw)))
+                for kw in ({}, {"valid_only": True})]
+        assert seen[1] < seen[0], seen
