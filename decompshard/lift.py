@@ -316,14 +316,9 @@ def cheapest_first(
         if not all(even[x] for x in members[m][c]):
             return False
         for i in range(n_t):
-            p = cols[m][c][0][i]
-            if not isinstance(p, (TorchShard, TorchStridedShard)):
-                continue
-            earlier = tuple(cols[j][order[j]][0][i] for j in range(m)) + (TorchReplicate(),) * (n_dims - m)
-            for coord in itertools.product(*(range(k) for k in mesh.sizes[:m])):
-                before = local_shape_nd(shapes[i], earlier, mesh.sizes, coord + (0,) * (n_dims - m))
-                if before[p.dim] % mesh.sizes[m]:
-                    return True
+            placements = tuple(cols[j][order[j]][0][i] for j in range(m + 1))
+            if _uneven_piece(shapes[i], placements, mesh.sizes) is not None:
+                return True
         return False
 
     heap: list = [(prefix_key(()), (), None)]
@@ -409,18 +404,28 @@ def _invalid_reason(op, args, kwargs, combo, ins, outs, tensors, mesh: tuple[int
         if not rule.even_only:
             continue
         for t, pl in zip(tensors, ins):
-            p = pl[m]
-            if not isinstance(p, (TorchShard, TorchStridedShard)):
-                continue
-            # every rank's piece before mesh dim m: earlier uneven shards differ per rank
-            # (7 rows over 2 are 4 and 3; over 4 more, 4 splits evenly and 3 does not)
-            earlier = pl[:m] + (TorchReplicate(),) * (len(mesh) - m)
-            for coord in itertools.product(*(range(k) for k in mesh[:m])):
-                before = local_shape_nd(t.shape, earlier, mesh, coord + (0,) * (len(mesh) - m))
-                if before[p.dim] % mesh[m]:
-                    return (f"rule {rule} on mesh dim {m} needs even shards; dim {p.dim} of size "
-                            f"{before[p.dim]} does not split over {mesh[m]}")
+            size = _uneven_piece(t.shape, pl[:m + 1], mesh)
+            if size is not None:
+                return (f"rule {rule} on mesh dim {m} needs even shards; dim {pl[m].dim} of size "
+                        f"{size} does not split over {mesh[m]}")
     return _meta_check(op, args, kwargs, ins, outs, tensors, mesh)
+
+
+def _uneven_piece(shape: Sequence[int], placements: Sequence[TorchPlacement], mesh: Sequence[int]) -> int | None:
+    """For a tensor placed `placements` on mesh dims 0..m: if the last one shards it, the
+    size of the first rank's piece (before mesh dim m) that does not split evenly over
+    mesh dim m, else None. Every rank's piece: earlier uneven shards differ per rank (7
+    rows over 2 are 4 and 3; over 4 more, 4 splits evenly and 3 does not)."""
+    m = len(placements) - 1
+    p = placements[m]
+    if not isinstance(p, (TorchShard, TorchStridedShard)):
+        return None
+    earlier = tuple(placements[:m]) + (TorchReplicate(),) * (len(mesh) - m)
+    for coord in itertools.product(*(range(k) for k in mesh[:m])):
+        before = local_shape_nd(shape, earlier, mesh, coord + (0,) * (len(mesh) - m))
+        if before[p.dim] % mesh[m]:
+            return before[p.dim]
+    return None
 
 
 def _mixed_partials(ins, outs) -> str:
