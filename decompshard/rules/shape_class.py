@@ -49,22 +49,14 @@ def _int_args(op: torch._ops.OpOverload) -> tuple[tuple[str, bool], ...]:
 def _layout(meta: TensorMeta) -> Any:
     """'C' for contiguous (strides of size-1 dims ignored, as torch does), the memory
     order of a dense permuted layout, or None (expanded, overlapping or gappy)."""
-    shape, stride = meta.shape, meta.stride
-    dims = [d for d in range(len(shape)) if shape[d] != 1]
-    expected = 1
-    for d in reversed(dims):
-        if stride[d] != expected:
-            break
-        expected *= shape[d]
-    else:
-        return "C"
-    order = sorted(dims, key=lambda d: (-stride[d], d))
+    dims = [d for d in range(len(meta.shape)) if meta.shape[d] != 1]
+    order = sorted(dims, key=lambda d: (-meta.stride[d], d))  # outermost in memory first
     expected = 1
     for d in reversed(order):
-        if stride[d] != expected:
+        if meta.stride[d] != expected:
             return None
-        expected *= shape[d]
-    return tuple(order)
+        expected *= meta.shape[d]
+    return "C" if order == dims else tuple(order)
 
 
 class _NoClass(Exception):
