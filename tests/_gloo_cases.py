@@ -81,17 +81,49 @@ def compile_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def spawn(fn, args: tuple, nprocs: int, deadline: float = 420.0) -> None:
-    """torch.multiprocessing.spawn with a deadline: a hung collective fails the test
-    instead of hanging CI. Kills the processes when the deadline passes."""
+def spawn(fn, args: tuple, nprocs: int, deadline: float = 420.0, hash_seeds: list[int] | None = None) -> None:
+    """Start `fn(rank, *args)` in `nprocs` fresh interpreters and wait, with a deadline: a
+    hung collective fails the test instead of hanging CI.
+
+    `hash_seeds` gives each process its own PYTHONHASHSEED (the default: Python picks a
+    random one per process, as on a real cluster). Pinning them equal hides a strategy
+    choice that depends on set iteration order; making them differ on purpose exposes
+    one, because ranks that choose differently run mismatched collectives (gloo aborts
+    with "Received data size doesn't match expected size")."""
+    import multiprocessing
+    import multiprocessing.connection
+    import os
     import time
 
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    ctx = multiprocessing.get_context("spawn")
+    procs = []
+    saved = os.environ.get("PYTHONHASHSEED")
+    try:
+        for rank in range(nprocs):
+            if hash_seeds is not None:
+                os.environ["PYTHONHASHSEED"] = str(hash_seeds[rank])
+            p = ctx.Process(target=fn, args=(rank, *args), daemon=True)
+            p.start()  # the child's environment is copied here, seed included
+            procs.append(p)
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONHASHSEED", None)
+        else:
+            os.environ["PYTHONHASHSEED"] = saved
     end = time.monotonic() + deadline
-    while not ctx.join(timeout=5):
-        if time.monotonic() > end:
-            for p in ctx.processes:
+    try:
+        while any(p.is_alive() for p in procs):
+            failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if failed:
+                raise RuntimeError(f"gloo process(es) {failed} exited abnormally (rank, exit code)")
+            if time.monotonic() > end:
+                raise TimeoutError(f"gloo processes still running after {deadline:.0f} s (a hung collective?)")
+            multiprocessing.connection.wait([p.sentinel for p in procs if p.is_alive()], timeout=5)
+        failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+        if failed:
+            raise RuntimeError(f"gloo process(es) {failed} exited abnormally (rank, exit code)")
+    finally:
+        for p in procs:
+            if p.is_alive():
                 p.kill()
-            raise TimeoutError(f"gloo processes still running after {deadline:.0f} s (a hung collective?)")
+            p.join()

@@ -288,3 +288,33 @@ def test_whole_decomp_only_set(decomp_samples):
             assert res.rules == []
     # torch 2.13: about a third of the set is rejected outright by the fallback.
     assert supported > 30 and unsupported > 10
+
+
+# ----------------------------------------------------------------------------- rank agreement
+
+
+def test_torch_fallback_choice_depends_on_the_hash_seed_and_ours_does_not():
+    """Every rank of a job must pick the same strategy, or ranks run mismatched
+    collectives: gloo aborts ("Received data size doesn't match expected size"), NCCL
+    hangs, or shapes line up and the numbers are silently wrong. Each rank is its own
+    Python process with its own PYTHONHASHSEED. torch's fallback iterates a set of
+    placements (DecompShardingStrategy._get_candidate_placements) and Partial hashes its
+    reduce-op string, so among same-cost strategies which one wins depends on the seed.
+    Seeds 1 and 8 were found to disagree on huber_loss with CPython 3.11 string hashing."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("_hash_seed_choice.py")
+    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              text=True, env={**os.environ, "PYTHONHASHSEED": seed}) for seed in ("1", "8")]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    picks = [dict(line.split(": ", 1) for line in out.splitlines() if line.startswith(("torch ", "decompshard ")))
+             for out in outs]
+    assert len(picks[0]) == 6 and picks[0].keys() == picks[1].keys(), outs
+    ours = [k for k in picks[0] if k.startswith("decompshard ")]
+    assert [picks[0][k] for k in ours] == [picks[1][k] for k in ours], outs
+    huber = "torch aten.huber_loss.default"
+    assert picks[0][huber] != picks[1][huber], outs  # torch's bug; if this fails, torch fixed it
