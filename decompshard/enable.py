@@ -61,7 +61,8 @@ class DerivedStrategy:
             info.needs_pytree = True  # so args_spec sees the tensors inside lists
 
     def propagate_strategy(self, op_schema: Any) -> OpStrategy | None:
-        from .errors import UnsupportedOp
+        from .errors import Indeterminate, UnsupportedOp
+        from .localcheck import strict_checks
 
         op = op_schema.op
         _see_into_lists(op_schema, self.sharding_prop)
@@ -77,7 +78,7 @@ class DerivedStrategy:
             return _replicated(op_schema, specs, mesh)
         current = [tuple(s.placements) for s in specs]
         try:
-            with clean_dispatch_state():
+            with clean_dispatch_state(), strict_checks():
                 # plain meta tensors: made here, not under the caller's modes (under
                 # LocalTensorMode a factory call would return a LocalTensor)
                 meta_flat = [
@@ -87,6 +88,9 @@ class DerivedStrategy:
                 ]
                 args, kwargs = tree_unflatten(meta_flat, spec)
                 best = _first_runnable(op, args, kwargs, tuple(mesh.shape), current, len(op_schema.args_spec))
+        except Indeterminate as e:  # every rank must choose alike: never choose alone
+            raise Indeterminate(f"decompshard: {e}. Stopping rather than letting this rank choose a strategy "
+                                "alone: the other ranks may choose differently and run other collectives") from None
         except UnsupportedOp as e:  # pragma: no cover - derive reports, lift raises only on misuse
             _warn_once(f"uns:{op}", f"decompshard: {op}: {e.reason}; running replicated")
             best = None

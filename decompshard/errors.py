@@ -15,3 +15,10 @@ class UnsupportedOp(DecompShardError):
 
 class DataDependent(UnsupportedOp):
     """The decomposition reads tensor values to decide what to do next."""
+
+
+class Indeterminate(DecompShardError):
+    """A check gave no answer that follows from the op and its shapes alone (a kernel run
+    that timed out). Tools report it as a refusal; under `enable()` it stops the program,
+    because a rank that decided alone could choose differently from the others, and ranks
+    that choose differently run mismatched collectives (a hang, an abort, wrong numbers)."""

@@ -8,8 +8,11 @@ more than the whole rest of the derivation for ops like permute_copy or pixel_sh
 
 So one sandbox process is forked on first need and reused. Requests (a module-level
 function, pickled by reference, and its arguments) and answers go over two pipes as
-pickles. Every answer is ('ok', the result), ('error', the exception's first line, or
-"no answer within N s" for a hung run) or ('crash', the signal's name).
+pickles. Every answer is ('ok', the result), ('error', the exception's first line),
+('crash', the signal's name) or ('timeout', "no answer within N s") for a hung run. A
+timeout is kept apart because it is the one answer that says nothing about the op: a
+loaded machine or a fork that inherited a held lock gives it, and another rank of the
+same job may get a real answer (see localcheck.strict_checks).
 
 - A crash or a hang kills only the child; the next request forks a fresh one.
 - The child dies with its parent: it exits on EOF of its request pipe. It also exits
@@ -56,7 +59,7 @@ __all__ = ["TIMEOUT_S", "IDLE_EXIT_S", "Answer", "run", "isolated", "output_shap
 TIMEOUT_S = 30.0  # a run without an answer by then is killed and reported as an error
 IDLE_EXIT_S = 5.0  # the sandbox exits after this long without a request
 
-Answer = tuple[str, Any]  # ('ok', result) | ('error', one line) | ('crash', signal name)
+Answer = tuple[str, Any]  # ('ok', result) | ('error', one line) | ('crash', signal name) | ('timeout', one line)
 
 _IDLE_EXIT_CODE = 75  # the child left idle with no request read: one that raced it is retried
 _HEADER = struct.Struct("<Q")  # a frame: payload length, then the pickle
@@ -80,8 +83,8 @@ def run(fn: Callable[..., Any], *args: Any, timeout: float = TIMEOUT_S) -> Answe
 
 def isolated(fn: Callable[[], Any], timeout: float = TIMEOUT_S) -> Answer:
     """`fn()` in a freshly forked child (any closure; ~23 ms with torch loaded): ('ok', its
-    picklable result), ('error', the exception's first line) or ('crash', the signal's
-    name). In-process where the platform has no fork."""
+    picklable result), ('error', the exception's first line), ('crash', the signal's
+    name) or ('timeout', ...). In-process where the platform has no fork."""
     if not hasattr(os, "fork"):
         return _call(fn, ())
     rd, wr = os.pipe()
@@ -464,7 +467,7 @@ def _death(status: int | None) -> Answer:
 
 
 def _timed_out(timeout: float) -> Answer:
-    return "error", f"no answer within {timeout:g} s (the run was killed)"
+    return "timeout", f"no answer within {timeout:g} s (the run was killed)"
 
 
 def _first_line(e: BaseException) -> str:

@@ -21,16 +21,18 @@ decompositions legitimately take short-cuts on empty tensors.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from . import caches, kernel_sandbox
 from .dispatch_modes.graph import PrimGraph, freeze, map_leaves
 from .dispatch_modes.substitute import SubstitutedGraph, substitute
-from .errors import UnsupportedOp
+from .errors import Indeterminate, UnsupportedOp
 from .kernel_sandbox import isolated  # noqa: F401  (re-exported: a crash-isolated run)
 from .placements import P, Partial, is_shard, local_shape
 from .propagate import Survivor
@@ -268,9 +270,14 @@ def _real_kernel_on_empty_shard(g: PrimGraph, cand: Survivor, args, kwargs, shap
         key, hit = None, None
     if hit is None:
         hit = kernel_sandbox.output_shapes_on_zeros(g.op, meta_args, meta_kwargs)
-        if key is not None:
+        if key is not None and hit[0] != "timeout":  # a timeout says nothing about the op
             _EMPTY_RUNS.put(key, hit)
     status, got = hit
+    if status == "timeout":
+        why = f"the op's kernel gave no answer on an empty shard ({got})"
+        if _STRICT.get():
+            raise Indeterminate(f"{g.op}: {why}")
+        return f"{why}; refused"
     if status == "crash":
         return f"the op's kernel crashes on an empty shard ({got})"
     if status == "error":
@@ -282,6 +289,23 @@ def _real_kernel_on_empty_shard(g: PrimGraph, cand: Survivor, args, kwargs, shap
         if shape != want:
             return f"on an empty shard the op returns shape {list(shape)}, {p} needs {list(want)}"
     return ""
+
+
+# Set while enable() chooses a strategy for DTensor: see strict_checks.
+_STRICT: contextvars.ContextVar[bool] = contextvars.ContextVar("decompshard_strict_checks", default=False)
+
+
+@contextlib.contextmanager
+def strict_checks() -> Iterator[None]:
+    """Within: a check that cannot answer from the op and its shapes alone raises
+    `Indeterminate` instead of refusing the candidate. Every rank of a job decides its
+    strategy on its own, from the same global shapes and placements; a refusal that one
+    rank's timeout caused would make that rank's choice differ from the others'."""
+    token = _STRICT.set(True)
+    try:
+        yield
+    finally:
+        _STRICT.reset(token)
 
 
 def clear_empty_shard_runs() -> None:

@@ -416,3 +416,47 @@ def test_compile_dynamic_shapes_run_replicated_with_a_warning(mesh4):
     assert eager[0].placements == (S0,)  # eager (static shapes) keeps the derived strategy
     assert compiled[0].placements == (R,) and compiled[0].shape == eager[0].shape
     assert compiled[1].placements == (R,) and compiled[1].shape == eager[1].shape
+
+
+# ------------------------------------------------------------- every rank decides alike
+
+
+def test_a_kernel_run_that_times_out_stops_the_program_rather_than_one_rank_choosing_alone(mesh4, monkeypatch):
+    """Every rank chooses its strategy alone from the same global shapes; the choice must
+    not hang on anything one rank can see differently. A timed-out empty-shard kernel run
+    (a loaded machine, a fork that inherited a held lock) is such a thing: outside
+    enable() it refuses the candidate, under enable() it raises, and it is never cached."""
+    import decompshard.kernel_sandbox as ks
+    from decompshard._compat import clear_dtensor_caches
+    from decompshard.errors import Indeterminate
+
+    runs = []
+    monkeypatch.setattr(ks, "output_shapes_on_zeros",
+                        lambda op, *a, **k: runs.append(op) or ("timeout", "no answer within 30 s (the run was killed)"))
+    x = torch.randn(2, 5)  # S(0) over 3 ranks leaves rank 2 an empty shard: the kernel must run
+    decompshard.clear_caches()
+    derived = decompshard.derive_rules(aten.permute_copy.default, x, [1, 0])
+    rule = next(r for r in derived.rules if r.inputs == (decompshard.placements.S(0),))
+    assert rule.even_only and "no answer on an empty shard" in rule.source  # held at W=2, refused at W=3
+    assert runs
+
+    decompshard.clear_caches()
+    clear_dtensor_caches()
+    runs.clear()
+    # DTensor turns any error of its decomposition fallback into "does not have a sharding
+    # strategy registered", raised from ours: the traceback shows both
+    with decompshard.enabled(), pytest.raises(NotImplementedError) as stopped:
+        _run(lambda t: aten.permute_copy.default(t, [1, 0]), [x], [[S0]], mesh4)
+    cause = stopped.value.__cause__
+    assert isinstance(cause, Indeterminate), stopped.value
+    assert "permute_copy" in str(cause) and "no answer on an empty shard" in str(cause)
+    assert "this rank choose a strategy alone" in str(cause)
+    assert runs
+
+    monkeypatch.undo()  # a real answer now: the timeout was not remembered
+    decompshard.derive._DERIVED.clear()  # the rule sets only; the kernel runs' cache stays
+    assert "S(0) -> S(1)" in decompshard.derive_rules(aten.permute_copy.default, x, [1, 0]).as_strings()
+    clear_dtensor_caches()
+    with decompshard.enabled():
+        out, placements, _ = _run(lambda t: aten.permute_copy.default(t, [1, 0]), [x], [[S0]], mesh4)
+    torch.testing.assert_close(out, x.t())

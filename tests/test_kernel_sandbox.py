@@ -1,7 +1,7 @@
-"""The kernel sandbox: a reused process where crashes and hangs stay, with today's
-answers ('ok' / 'error' / 'crash', signal name), fresh children after each death, the
-fallbacks for what a forked snapshot cannot resolve, and no leftovers (zombies, fds,
-orphans)."""
+"""The kernel sandbox: a reused process where crashes and hangs stay, with its answers
+('ok' / 'error' / 'crash', signal name / 'timeout'), fresh children after each death,
+the fallbacks for what a forked snapshot cannot resolve, and no leftovers (zombies,
+fds, orphans)."""
 
 from __future__ import annotations
 
@@ -87,13 +87,13 @@ def test_a_crash_kills_only_the_sandbox_and_the_next_request_gets_a_fresh_one(fn
 
 
 @needs_fork
-def test_a_hung_run_is_killed_at_the_timeout_and_reported_as_an_error():
+def test_a_hung_run_is_killed_at_the_timeout_and_reported_as_a_timeout():
     ks.run(divmod, 1, 1)
     before = ks.sandbox_pid()
     t = time.monotonic()
     status, why = ks.run(_hang, 60, timeout=0.5)
     assert time.monotonic() - t < 10
-    assert status == "error" and "no answer within 0.5 s" in why
+    assert status == "timeout" and "no answer within 0.5 s" in why
     assert _gone(before)
     assert ks.run(_hang, 0, timeout=10) == ("ok", "woke")
 
