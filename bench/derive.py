@@ -42,6 +42,8 @@ import sys
 import time
 import warnings
 
+from _clock import RuleTableClock  # bench/ is on sys.path when a bench runs
+
 warnings.filterwarnings("ignore")
 
 
@@ -69,94 +71,80 @@ def main(argv: list[str] | None = None) -> int:
     from decompshard.derive import _TRACES
     from decompshard.dispatch_modes.graph import map_leaves
     from decompshard.dispatch_modes.tracing import find_decomposition, to_meta
-    from decompshard.rules import registry
-
     class DoNothing(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             return func(*args, **(kwargs or {}))
 
-    table_seconds = [0.0]
-    compute_rules = registry._compute_rules
+    with RuleTableClock() as clock:
+        rows, full_ratios, first_ratios = [], [], []
+        ceilings: dict[str, list[float]] = {"ceiling": [], "mode": [], "tables": []}
+        for op in ops:
+            s = max(samples[op], key=lambda s: sum(t.numel() for t in s.tensors()))
 
-    def timed_compute_rules(node):
-        t = time.perf_counter()
-        try:
-            return compute_rules(node)
-        finally:
-            table_seconds[0] += time.perf_counter() - t
+            ours_tables = {}  # ours_full's time -> its rule-table seconds
 
-    registry._compute_rules = timed_compute_rules
+            def ours_full() -> float:
+                decompshard.clear_caches()
+                clock.seconds = 0.0
+                t = time.perf_counter()
+                decompshard.derive_rules(op, *s.args, **s.kwargs).rules  # forces every local check
+                took = time.perf_counter() - t
+                ours_tables[took] = clock.seconds
+                return took
 
-    rows, full_ratios, first_ratios = [], [], []
-    ceilings: dict[str, list[float]] = {"ceiling": [], "mode": [], "tables": []}
-    for op in ops:
-        s = max(samples[op], key=lambda s: sum(t.numel() for t in s.tensors()))
+            def torch_full() -> float:
+                _clear_torch_caches()  # cold, like ours: inner-op strategies are recomputed
+                t = time.perf_counter()
+                torch_fallback_rules(op, s.args, s.kwargs)
+                return time.perf_counter() - t
 
-        ours_tables = {}  # ours_full's time -> its rule-table seconds
-
-        def ours_full() -> float:
-            decompshard.clear_caches()
-            table_seconds[0] = 0.0
-            t = time.perf_counter()
-            decompshard.derive_rules(op, *s.args, **s.kwargs).rules  # forces every local check
-            took = time.perf_counter() - t
-            ours_tables[took] = table_seconds[0]
-            return took
-
-        def torch_full() -> float:
-            _clear_torch_caches()  # cold, like ours: inner-op strategies are recomputed
-            t = time.perf_counter()
-            torch_fallback_rules(op, s.args, s.kwargs)
-            return time.perf_counter() - t
-
-        def torch_first() -> float:
-            decompshard.disable()
-            return torch_fallback_first_call_details(op, s.args, s.kwargs).seconds
-
-        def ours_first() -> float:
-            decompshard.enable()
-            decompshard.clear_caches()
-            try:
-                return torch_fallback_first_call_details(op, s.args, s.kwargs).seconds
-            finally:
+            def torch_first() -> float:
                 decompshard.disable()
+                return torch_fallback_first_call_details(op, s.args, s.kwargs).seconds
 
-        def floor(mode=None) -> float:
-            margs, mkwargs = map_leaves(to_meta, (s.args, s.kwargs))
-            t = time.perf_counter()
-            try:
-                if mode is None:
-                    find_decomposition(op)(*margs, **mkwargs)
-                else:
-                    with mode:
+            def ours_first() -> float:
+                decompshard.enable()
+                decompshard.clear_caches()
+                try:
+                    return torch_fallback_first_call_details(op, s.args, s.kwargs).seconds
+                finally:
+                    decompshard.disable()
+
+            def floor(mode=None) -> float:
+                margs, mkwargs = map_leaves(to_meta, (s.args, s.kwargs))
+                t = time.perf_counter()
+                try:
+                    if mode is None:
                         find_decomposition(op)(*margs, **mkwargs)
-            except Exception:
-                pass
-            return time.perf_counter() - t
+                    else:
+                        with mode:
+                            find_decomposition(op)(*margs, **mkwargs)
+                except Exception:
+                    pass
+                return time.perf_counter() - t
 
-        supported = torch_fallback_rules(op, s.args, s.kwargs).unsupported_reason is None
-        o_full, t_full = _best(ours_full, args.repeat), _best(torch_full, args.repeat)
-        tables = ours_tables[o_full]
-        n_local = max(len(_TRACES) - 1, 0)  # after ours_full: the global trace + local ones
-        t_first, o_first = _best(torch_first, args.repeat), _best(ours_first, args.repeat)
-        f = _best(floor, args.repeat)
-        m = _best(lambda: floor(DoNothing()), args.repeat)
-        ceiling = t_full / ((1 + n_local) * f)
-        mode_ceiling = t_full / ((1 + n_local) * m)
-        tables_ceiling = t_full / ((1 + n_local) * m + tables)
-        if supported:  # where torch aborts at once, its time measures no derivation
-            full_ratios.append(t_full / o_full)
-            first_ratios.append(t_first / o_first)
-            ceilings["ceiling"].append(ceiling)
-            ceilings["mode"].append(mode_ceiling)
-            ceilings["tables"].append(tables_ceiling)
-        rows.append((str(op) + ("" if supported else " (torch: unsupported)"), t_full * 1e3, o_full * 1e3, t_full / o_full,
-                     n_local, f * 1e3, m * 1e3, tables * 1e3, ceiling, mode_ceiling, tables_ceiling,
-                     t_first * 1e3, o_first * 1e3, t_first / o_first))
-        print(f"{rows[-1][0]:48s} full {t_full * 1e3:8.1f} / {o_full * 1e3:6.1f} ms = {t_full / o_full:6.1f}x"
-              f" (ceilings {ceiling:6.1f} {mode_ceiling:6.1f} {tables_ceiling:6.1f}x)"
-              f"   first {t_first * 1e3:7.1f} / {o_first * 1e3:6.1f} ms = {t_first / o_first:5.1f}x", file=sys.stderr)
-    registry._compute_rules = compute_rules
+            supported = torch_fallback_rules(op, s.args, s.kwargs).unsupported_reason is None
+            o_full, t_full = _best(ours_full, args.repeat), _best(torch_full, args.repeat)
+            tables = ours_tables[o_full]
+            n_local = max(len(_TRACES) - 1, 0)  # after ours_full: the global trace + local ones
+            t_first, o_first = _best(torch_first, args.repeat), _best(ours_first, args.repeat)
+            f = _best(floor, args.repeat)
+            m = _best(lambda: floor(DoNothing()), args.repeat)
+            ceiling = t_full / ((1 + n_local) * f)
+            mode_ceiling = t_full / ((1 + n_local) * m)
+            tables_ceiling = t_full / ((1 + n_local) * m + tables)
+            if supported:  # where torch aborts at once, its time measures no derivation
+                full_ratios.append(t_full / o_full)
+                first_ratios.append(t_first / o_first)
+                ceilings["ceiling"].append(ceiling)
+                ceilings["mode"].append(mode_ceiling)
+                ceilings["tables"].append(tables_ceiling)
+            rows.append((str(op) + ("" if supported else " (torch: unsupported)"), t_full * 1e3, o_full * 1e3, t_full / o_full,
+                         n_local, f * 1e3, m * 1e3, tables * 1e3, ceiling, mode_ceiling, tables_ceiling,
+                         t_first * 1e3, o_first * 1e3, t_first / o_first))
+            print(f"{rows[-1][0]:48s} full {t_full * 1e3:8.1f} / {o_full * 1e3:6.1f} ms = {t_full / o_full:6.1f}x"
+                  f" (ceilings {ceiling:6.1f} {mode_ceiling:6.1f} {tables_ceiling:6.1f}x)"
+                  f"   first {t_first * 1e3:7.1f} / {o_first * 1e3:6.1f} ms = {t_first / o_first:5.1f}x", file=sys.stderr)
 
     from tabulate import tabulate
 

@@ -25,6 +25,8 @@ import sys
 import time
 import warnings
 
+from _clock import RuleTableClock  # bench/ is on sys.path when a bench runs
+
 warnings.filterwarnings("ignore")
 
 TARGET = 10.0
@@ -39,26 +41,14 @@ def main(argv: list[str] | None = None) -> int:
     from tabulate import tabulate
 
     import decompshard
-    from decompshard.rules import registry
 
     aten = torch.ops.aten
     cases = [
         (aten.block_diag.default, (3, 4), (2, 3, 4, 5, 6, 8)),
         (aten.cartesian_prod.default, (3,), (2, 3, 4, 5)),
     ]
-    table_seconds = [0.0]
-    compute_rules = registry._compute_rules
-
-    def timed_compute_rules(node):
-        t = time.perf_counter()
-        try:
-            return compute_rules(node)
-        finally:
-            table_seconds[0] += time.perf_counter() - t
-
-    registry._compute_rules = timed_compute_rules
     rows, verdicts = [], []
-    try:
+    with RuleTableClock() as clock:
         for op, shape, counts in cases:
             base = None
             for n in counts:
@@ -66,22 +56,20 @@ def main(argv: list[str] | None = None) -> int:
                 best = (float("inf"), 0.0, 0.0, 0)
                 for _ in range(args.repeat):
                     decompshard.clear_caches()
-                    table_seconds[0] = 0.0
+                    clock.seconds = 0.0
                     t0 = time.perf_counter()
                     derived = decompshard.derive_rules(op, inputs)
                     t1 = time.perf_counter()
                     n_rules = len(derived.rules)  # forces every local-shape check
                     t2 = time.perf_counter()
                     if t2 - t0 < best[0]:
-                        best = (t2 - t0, t1 - t0 - table_seconds[0], t2 - t1, n_rules, table_seconds[0])
+                        best = (t2 - t0, t1 - t0 - clock.seconds, t2 - t1, n_rules, clock.seconds)
                 total, solve, check, n_rules, tables = best
                 base = base or (total, n_rules)
                 rows.append((str(op), n, n_rules, total * 1e3, tables * 1e3, solve * 1e3, check * 1e3,
                              total / base[0], n_rules / base[1]))
                 print(f"{op} x{n}: {total * 1e3:.1f} ms, {n_rules} rules", file=sys.stderr)
             verdicts.append((str(op), counts[-1], rows[-1][7]))
-    finally:
-        registry._compute_rules = compute_rules
 
     print(tabulate(rows, headers=["op", "inputs", "rules", "total ms", "rule tables ms",
                                   "trace+solve ms", "local check ms", "time / 2 inputs", "rules / 2 inputs"],
