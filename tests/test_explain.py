@@ -249,8 +249,13 @@ def test_notebook_view_is_a_table_with_the_verdict_and_the_blocking_node():
     cells = [r.findall("td")[5] for r in tables["inputs"].find("tbody").findall("tr")]
     assert [c.text for c in cells] == ["R", "S(1)", "S(0)"]
     assert cells[0].get("style") != cells[1].get("style") == cells[2].get("style")  # R, then two S
+    # what arrived, with the rule that placed it: the text trace's own wording
+    arriving = [[td.text for td in r.findall("td")] for r in tables["arriving"].find("tbody").findall("tr")]
+    assert [r[3] for r in arriving] == ["P(sum)", "R"]
+    assert arriving[0][4].startswith("node 5 mul.Tensor: P(sum) -> P(sum)")
     # the text trace is there too, folded
-    assert "blocked at node 7" in root.find("details").find("pre").text
+    text = root.find("details").find("pre").text
+    assert "blocked at node 7" in text and all(r[4] in text for r in arriving)
 
 
 def test_notebook_view_of_an_accepted_and_of_an_unsupported_call():

@@ -20,6 +20,7 @@ from .render import (
     INPUT_HEAD,
     NODE_HEAD,
     _dtype,
+    came_from,
     display_env,
     input_rows,
     node_rows,
@@ -112,7 +113,7 @@ def _blocked(ex: Analysis) -> list[str]:
     arriving = []
     for k, (v, p) in enumerate(zip(b.node.inputs, b.arriving)):
         arriving.append((k, f"%{v}", "[" + ",".join(map(str, g.meta(v).shape)) + "]",
-                         "?" if p is None else str(p), _origin(ex, v, prod)))
+                         "?" if p is None else str(p), came_from(ex, v, prod, b.path)))
     out.append(_table(["arg", "value", "shape", "placement", "came from"], arriving, cls="arriving",
                       placement_cols={3}))
     out.append(_heading(f"nearest of its {b.table_size} rules (fewest arguments differ)"))
@@ -122,17 +123,6 @@ def _blocked(ex: Analysis) -> list[str]:
         near.append((format_rule(nr.rule), nr.rule.source, what or "matches"))
     out.append(_table(["rule", "from", "differs"], near, cls="nearest", mono_cols={0}))
     return out
-
-
-def _origin(ex: Analysis, v: int, prod: dict) -> str:
-    g = ex.graph
-    if v in g.inputs:
-        i = g.inputs.index(v)
-        return f"op input {i} ({ex.input_names[i]})"
-    if v in prod:
-        n = g.nodes[prod[v]]
-        return f"node {n.index} ({str(n.op).removeprefix('aten.')})" + (" constant" if n.constant else "")
-    return "constant made outside the trace"
 
 
 def _suggestions(ex: Analysis) -> list[str]:

@@ -24,7 +24,7 @@ from ..propagate import input_alphabet
 from ..rules import rules_for
 from .analysis import Analysis
 
-__all__ = ["DEFAULT_WIDTH", "decomposition_lines", "display_env", "display_path", "input_rows",
+__all__ = ["DEFAULT_WIDTH", "came_from", "decomposition_lines", "display_env", "display_path", "input_rows",
            "node_rows", "render_lines", "verdict_line"]
 
 DEFAULT_WIDTH = 120  # str(explanation); the CLI passes the terminal's width
@@ -300,7 +300,7 @@ def _blocked_section(ex: Analysis, tabulate) -> list[str]:
     prod = g.producer()
     rows = []
     for k, (v, p) in enumerate(zip(n.inputs, b.arriving)):
-        rows.append([k, f"%{v}", _shape(g.meta(v).shape), _p(p), _origin(ex, v, prod, b.path)])
+        rows.append([k, f"%{v}", _shape(g.meta(v).shape), _p(p), came_from(ex, v, prod, b.path)])
     head = ["arg", "value", "shape", "placement", "came from"]
     fixed = tabulate([r[:4] for r in rows], headers=head[:4], tablefmt="simple").splitlines()
     room = _WIDTH.get() - 4 - 2 - max(len(line) for line in fixed)
@@ -319,7 +319,9 @@ def _blocked_section(ex: Analysis, tabulate) -> list[str]:
     return out
 
 
-def _origin(ex: Analysis, v: int, prod: dict, path: tuple) -> str:
+def came_from(ex: Analysis, v: int, prod: dict, path: tuple) -> str:
+    """Where a value arriving at the blocking node came from, and the rule that placed
+    it: one wording for the terminal and the notebook."""
     g = ex.graph
     if v in g.inputs:
         i = g.inputs.index(v)
