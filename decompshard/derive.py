@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import caches
+from . import caches, localcheck
 from ._compat import has_native_strategy, is_dispatchable, op_strategy_func, single_dim_strategy_info
 from .dispatch_modes import trace
 from .dispatch_modes.clean import clean_dispatch_state
@@ -66,6 +66,9 @@ class DerivedRules:
     _verdicts: dict[tuple, SingleDimRule | None] = field(default_factory=dict, repr=False)
     _rules: list[SingleDimRule] | None = field(default=None, repr=False)
     _context: tuple | None = field(default=None, repr=False)
+    # a local check timed out (localcheck.timeouts): a verdict that says nothing about the
+    # op, so the next derive_rules call derives again instead of reusing this result
+    indeterminate: bool = field(default=False, repr=False)
 
     @property
     def rules(self) -> list[SingleDimRule]:
@@ -112,6 +115,7 @@ class DerivedRules:
         if key in self._verdicts:
             return self._verdicts[key]
         meta_args, meta_kwargs, value_checked = self._context
+        timeouts = localcheck.timeouts()
         trace_at = lambda a, k: traced(self.op, a, k)  # noqa: E731
         best = None
         for cand in self._survivors[key]:  # same rule reached through different paths
@@ -128,6 +132,7 @@ class DerivedRules:
             rule = SingleDimRule(cand.inputs, verdict.outputs, verdict.even_only, verdict.reason or "derived")
             if best is None or (best.even_only and not rule.even_only):
                 best = rule
+        self.indeterminate |= localcheck.timeouts() != timeouts
         self._verdicts[key] = best
         return best
 
@@ -259,7 +264,7 @@ def derive_rules(op: OpOverload | str, *args: Any, **kwargs: Any) -> DerivedRule
     except UnsupportedOp as e:  # a tensor with no metadata to key a cache on: say so, each time
         return DerivedRules(op, unsupported_reason=e.reason, native=native_source(op), _rules=[])
     hit = _DERIVED.get(key)
-    if hit is not None:
+    if hit is not None and not hit.indeterminate:
         return hit
     start = time.perf_counter()
     result = DerivedRules(op, native=native_source(op))

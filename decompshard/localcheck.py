@@ -274,6 +274,8 @@ def _real_kernel_on_empty_shard(g: PrimGraph, cand: Survivor, args, kwargs, shap
             _EMPTY_RUNS.put(key, hit)
     status, got = hit
     if status == "timeout":
+        global _TIMEOUTS
+        _TIMEOUTS += 1
         why = f"the op's kernel gave no answer on an empty shard ({got})"
         if _STRICT.get():
             raise Indeterminate(f"{g.op}: {why}")
@@ -289,6 +291,14 @@ def _real_kernel_on_empty_shard(g: PrimGraph, cand: Survivor, args, kwargs, shap
         if shape != want:
             return f"on an empty shard the op returns shape {list(shape)}, {p} needs {list(want)}"
     return ""
+
+
+_TIMEOUTS = 0  # kernel runs that timed out, ever: a verdict reached past one is not kept
+
+
+def timeouts() -> int:
+    """How many empty-shard kernel runs have timed out in this process so far."""
+    return _TIMEOUTS
 
 
 # Set while enable() chooses a strategy for DTensor: see strict_checks.
