@@ -56,7 +56,7 @@ from .dispatch_modes.graph import leaves, map_leaves
 
 __all__ = ["TIMEOUT_S", "IDLE_EXIT_S", "Answer", "run", "isolated", "output_shapes_on_zeros", "shutdown", "sandbox_pid"]
 
-TIMEOUT_S = 30.0  # a run without an answer by then is killed and reported as an error
+TIMEOUT_S = 30.0  # a run without an answer by then is killed and reported as a timeout
 IDLE_EXIT_S = 5.0  # the sandbox exits after this long without a request
 
 Answer = tuple[str, Any]  # ('ok', result) | ('error', one line) | ('crash', signal name) | ('timeout', one line)
