@@ -300,7 +300,8 @@ def test_torch_fallback_choice_depends_on_the_hash_seed_and_ours_does_not():
     Python process with its own PYTHONHASHSEED. torch's fallback iterates a set of
     placements (DecompShardingStrategy._get_candidate_placements) and Partial hashes its
     reduce-op string, so among same-cost strategies which one wins depends on the seed.
-    Seeds 1 and 8 were found to disagree on huber_loss with CPython 3.11 string hashing."""
+    Seeds 1 and 8 were found to disagree on huber_loss with CPython 3.11's string hashing
+    (SipHash-1-3, also 3.12 and 3.13)."""
     import os
     import subprocess
     import sys
@@ -317,4 +318,5 @@ def test_torch_fallback_choice_depends_on_the_hash_seed_and_ours_does_not():
     ours = [k for k in picks[0] if k.startswith("decompshard ")]
     assert [picks[0][k] for k in ours] == [picks[1][k] for k in ours], outs
     huber = "torch aten.huber_loss.default"
-    assert picks[0][huber] != picks[1][huber], outs  # torch's bug; if this fails, torch fixed it
+    if sys.version_info >= (3, 11):  # 3.10 hashes strings with SipHash-2-4: other seeds differ there
+        assert picks[0][huber] != picks[1][huber], outs  # torch's bug; if this fails, torch fixed it
