@@ -102,7 +102,7 @@ def spawn(fn, args: tuple, nprocs: int, deadline: float = 420.0, hash_seeds: lis
         for rank in range(nprocs):
             if hash_seeds is not None:
                 os.environ["PYTHONHASHSEED"] = str(hash_seeds[rank])
-            p = ctx.Process(target=fn, args=(rank, *args), daemon=True)
+            p = ctx.Process(target=fn, args=(rank, *args))
             p.start()  # the child's environment is copied here, seed included
             procs.append(p)
     finally:
@@ -112,16 +112,16 @@ def spawn(fn, args: tuple, nprocs: int, deadline: float = 420.0, hash_seeds: lis
             os.environ["PYTHONHASHSEED"] = saved
     end = time.monotonic() + deadline
     try:
-        while any(p.is_alive() for p in procs):
+        while True:
             failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
             if failed:
                 raise RuntimeError(f"gloo process(es) {failed} exited abnormally (rank, exit code)")
+            running = [p.sentinel for p in procs if p.is_alive()]
+            if not running:
+                return
             if time.monotonic() > end:
                 raise TimeoutError(f"gloo processes still running after {deadline:.0f} s (a hung collective?)")
-            multiprocessing.connection.wait([p.sentinel for p in procs if p.is_alive()], timeout=5)
-        failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
-        if failed:
-            raise RuntimeError(f"gloo process(es) {failed} exited abnormally (rank, exit code)")
+            multiprocessing.connection.wait(running, timeout=5)
     finally:
         for p in procs:
             if p.is_alive():
