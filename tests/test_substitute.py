@@ -61,8 +61,22 @@ def test_no_substitution_on_empty_shards_or_unknown_primitives():
     x = torch.randn(2, 6, 4, 4)
     g = _trace(aten.hardswish.default, x)
     assert substitute(g, (x,), {}, [(0, 6, 4, 4)]) is None
-    g = _trace(aten.sum.default, x, decomp=lambda t: t.view(2, 96).sum())  # a view: strides matter
+    # a view whose fixed size no longer fits the shard fails in the kernel: re-trace
+    g = _trace(aten.sum.default, x, decomp=lambda t: t.view(2, 96).sum())
     assert g.reads == {} and substitute(g, (x,), {}, [(1, 6, 4, 4)]) is None
+
+
+def test_views_splits_and_unbinds_follow_the_local_shape():
+    x = torch.randn(4, 6, 5)
+    flat = _trace(aten.sum.default, x, decomp=lambda t: t.view(-1, 5).sum())
+    sub = substitute(flat, (x,), {}, [(2, 6, 5)])
+    assert sub.meta(flat.nodes[0].outputs[0]).shape == (12, 5)
+    pieces = _trace(aten.sum.default, x, decomp=lambda t: sum(p.sum() for p in torch.split(t, 2, 1)))
+    assert substitute(pieces, (x,), {}, [(2, 6, 5)]) is not None  # still 3 pieces of dim 1
+    assert substitute(pieces, (x,), {}, [(4, 3, 5)]) is None  # 2 pieces: another graph
+    rows = _trace(aten.sum.default, x, decomp=lambda t: sum(r.sum() for r in t.unbind(2)))
+    assert substitute(rows, (x,), {}, [(2, 6, 5)]) is not None
+    assert substitute(rows, (x,), {}, [(4, 6, 2)]) is None
 
 
 CASES = [
@@ -76,6 +90,11 @@ CASES = [
     (aten.permute_copy.default, (torch.randn(3, 5, 4), [2, 0, 1])),
     (aten.norm.ScalarOpt_dim, (torch.randn(5, 6), 2, [1])),
     (aten.aminmax.default, (torch.randn(5, 7),)),
+    (aten.take.default, (torch.randn(6, 5), torch.tensor([[0, 7], [29, 3]]))),
+    (aten.unsafe_split.Tensor, (torch.randn(6, 5), 2)),
+    (aten.unsafe_split.Tensor, (torch.randn(7, 5), 2, 1)),
+    (aten.unbind_copy.int, (torch.randn(4, 5, 3), 1)),
+    (aten.pixel_unshuffle.default, (torch.randn(1, 2, 4, 6), 2)),
 ]
 
 
@@ -98,6 +117,9 @@ def test_substitution_saves_traces():
     decompshard.clear_caches()
     derive_rules(aten.hardswish.default, torch.randn(10, 10)).rules
     assert len(_TRACES) == 1  # the global trace only (7 before substitution)
+    decompshard.clear_caches()
+    derive_rules(aten.unsafe_split.Tensor, torch.randn(6, 5), 2).rules
+    assert len(_TRACES) == 1  # split's pieces follow the shard (4 traces before)
 
 
 def test_a_read_with_the_tracing_mode_switched_off_still_counts():

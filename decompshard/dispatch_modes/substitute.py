@@ -16,7 +16,9 @@ input shapes alone:
 - full reductions to a scalar (`mean(x)`): `()`; reductions over listed dims;
 - ops whose output has their first input's shape (casts, copies, `full_like`, `flip`);
 - dim shuffles with their arguments unchanged (permute, transpose, unsqueeze, squeeze,
-  expand): computed from the input shape the way torch defines them.
+  expand, view with -1 inferred): computed from the input shape the way torch defines
+  them; split and unbind when the local run makes as many pieces as the global one;
+  `x[idx]` with one integer index tensor.
 
 Anything else (another primitive, an in-place op, a read of a size that differs, an
 empty shard, where decompositions and kernels take short-cuts) returns None, and the
@@ -125,7 +127,12 @@ class _Complete(dict):
 
 def _out_shapes(graph: PrimGraph, n, in_shapes: list) -> list | None:
     """Local output shapes of node `n` from its inputs' local shapes, or None."""
-    if _is_mutating(n.op) or len(n.outputs) != 1 or n.outputs[0] is None:
+    if _is_mutating(n.op) or not n.outputs or any(v is None for v in n.outputs):
+        return None
+    multi = _MULTI_SHAPE_FNS.get(n.op)
+    if multi is not None:
+        return _multi_out_shapes(graph, n, in_shapes, multi)
+    if len(n.outputs) != 1:
         return None
     want = tuple(graph.meta(n.outputs[0]).shape)
     if n.op in _SIZED_BY_ARGS:
@@ -153,6 +160,22 @@ def _out_shapes(graph: PrimGraph, n, in_shapes: list) -> list | None:
         except ValueError:  # shapes that do not broadcast: let the real trace say so
             return None
     return None
+
+
+def _multi_out_shapes(graph: PrimGraph, n, in_shapes: list, fn) -> list | None:
+    """Ops with several outputs (split, unbind): the local run makes as many outputs as
+    the global one or it is a different graph (re-trace)."""
+    if len(in_shapes) != 1:
+        return None
+    a = _bound_args(n)
+    want = [tuple(graph.meta(v).shape) for v in n.outputs]
+    try:
+        if fn(tuple(n.input_metas()[0].shape), a) != want:
+            return None
+        out = fn(in_shapes[0], a)
+    except (IndexError, KeyError, TypeError, ValueError):
+        return None
+    return out if out is not None and len(out) == len(want) else None
 
 
 def _broadcast(shapes: list) -> tuple[int, ...]:
@@ -281,7 +304,71 @@ def _dot(ins, a):
     return ()
 
 
+def _view(ins, a):
+    """view/_unsafe_view with its size argument unchanged: -1 takes what is left; a size
+    that does not fit the local element count fails in the kernel (re-trace to say so).
+    Viewability does not need a stride check here: a shard keeps every dim's place in
+    memory order and only shrinks sizes (never a 1 into more), which cannot turn a dim
+    pair that merged globally into one that does not."""
+    x, size = ins[0], list(a["size"])
+    numel = 1
+    for s in x:
+        numel *= s
+    if size.count(-1) > 1 or any(s < -1 for s in size):
+        raise ValueError("bad view size")
+    if -1 in size:
+        known = 1
+        for s in size:
+            if s != -1:
+                known *= s
+        if known == 0 or numel % known:
+            return None
+        size[size.index(-1)] = numel // known
+    else:
+        total = 1
+        for s in size:
+            total *= s
+        if total != numel:
+            return None
+    return tuple(size)
+
+
+def _split(x, a):
+    """split.Tensor(x, split_size, dim): pieces of split_size, the last one shorter."""
+    dim, step = _wrap(a["dim"], len(x)), a["split_size"]
+    if step <= 0:
+        raise ValueError("split_size must be positive")
+    n = x[dim]
+    starts = range(0, n, step) if n else [0]
+    return [x[:dim] + (min(step, n - s),) + x[dim + 1:] for s in starts]
+
+
+def _unbind(x, a):
+    dim = _wrap(a["dim"], len(x))
+    return [x[:dim] + x[dim + 1:]] * x[dim]
+
+
+def _index_first_dim(ins, a):
+    """index.Tensor with one index tensor, on dim 0 (`x[idx]`, take's flat gather): the
+    index's shape, then x's remaining dims. Other advanced-indexing forms re-trace."""
+    indices = a["indices"]
+    if len(ins) != 2 or len(indices) != 1 or indices[0] is None or not ins[0]:
+        raise ValueError("not a single dim-0 index")
+    if indices[0].dtype in (torch.bool, torch.uint8):  # a mask: the shape depends on values
+        raise ValueError("a mask index")
+    return tuple(ins[1]) + tuple(ins[0][1:])
+
+
+# several outputs: fn(input shape, bound args) -> list of output shapes
+_MULTI_SHAPE_FNS = {
+    aten.split.Tensor: _split,
+    aten.unbind.int: _unbind,
+}
+
 _SHAPE_FNS = {
+    aten.view.default: _view,
+    aten._unsafe_view.default: _view,
+    aten.index.Tensor: _index_first_dim,
     **{op: _same for op in _SAME_SHAPE},
     **{op: _reduce for op in _DIM_REDUCTIONS},
     aten.permute.default: _permute,
