@@ -145,13 +145,14 @@ def _check_world_size(graph, cand, args, kwargs, trace_at, W: int) -> tuple[str,
             continue
         seen.add(shapes)
         where = f"rank {r} of {W}"
-        local = substitute(graph, args, kwargs, shapes)
+        empty = any(0 in shp and 0 not in graph.meta(v).shape for v, shp in zip(graph.inputs, shapes))
+        local = substitute(graph, args, kwargs, shapes, empty_ok=empty)
         if local is None:  # the decomposition may behave differently here: run it
             try:
                 local = trace_at(*local_args(args, kwargs, shapes))
             except UnsupportedOp as e:
                 return f"on {where} the decomposition fails: {e.reason}", False
-        if any(0 in shp and 0 not in graph.meta(v).shape for v, shp in zip(graph.inputs, shapes)):
+        if empty:
             reason = _compare_outputs_only(graph, local, cand, W, r)
             reason = reason or _real_kernel_on_empty_shard(graph, cand, args, kwargs, shapes, W, r)
             node_scaled = False

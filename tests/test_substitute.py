@@ -152,3 +152,29 @@ def test_broadcast_matches_torch():
         except ValueError:
             got = "error"
         assert got == want, shapes
+
+
+def test_an_empty_shard_is_substituted_and_the_real_kernel_still_decides(monkeypatch):
+    """Empty shards (2 rows over 3 ranks) need no re-trace when the decomposition read
+    no size, but the op's real kernel is still run on them, and it can refuse."""
+    from decompshard.derive import _TRACES
+
+    x = torch.randn(2, 5)
+    g = _trace(aten.hardswish.default, x)
+    sub = substitute(g, (x,), {}, [(0, 5)], empty_ok=True)
+    assert sub is not None and sub.meta(g.outputs[0]).shape == (0, 5)
+
+    decompshard.clear_caches()
+    rules = derive_rules(aten.permute_copy.default, x, [1, 0]).as_strings()
+    assert "S(0) -> S(1)" in rules and len(_TRACES) == 1  # 2 before: the empty shard was re-traced
+    asked = []
+
+    def refusing(g, cand, args, kwargs, shapes, W, r):
+        asked.append(shapes)
+        return "refused by the real kernel"
+
+    monkeypatch.setattr(localcheck, "_real_kernel_on_empty_shard", refusing)
+    decompshard.clear_caches()
+    rules = derive_rules(aten.permute_copy.default, x, [1, 0]).as_strings()
+    assert ((0, 5),) in asked and "S(0) -> S(1)" not in rules
+    decompshard.clear_caches()

@@ -20,10 +20,12 @@ input shapes alone:
   them; split and unbind when the local run makes as many pieces as the global one;
   `x[idx]` with one integer index tensor.
 
-Anything else (another primitive, an in-place op, a read of a size that differs, an
-empty shard, where decompositions and kernels take short-cuts) returns None, and the
-caller re-traces as before. Every shape function is checked against the global trace
-before it is trusted with local shapes.
+Anything else (another primitive, an in-place op, a read of a size that differs)
+returns None, and the caller re-traces as before. Every shape function is checked
+against the global trace before it is trusted with local shapes. An empty shard is
+substituted only on request: kernels take short-cuts on empty inputs, so the caller
+(localcheck) compares only the outputs there and runs the op's real kernel as well; the
+decomposition itself cannot short-cut on emptiness without reading a size that differs.
 """
 
 from __future__ import annotations
@@ -85,10 +87,15 @@ class SubstitutedGraph:
 
 
 def substitute(graph: PrimGraph, args: tuple, kwargs: dict,
-               shapes: Sequence[tuple[int, ...]]) -> SubstitutedGraph | None:
+               shapes: Sequence[tuple[int, ...]], empty_ok: bool = False) -> SubstitutedGraph | None:
     """The graph a trace at these input shapes (`localcheck.local_args`) would record,
-    or None where that is not provably so."""
-    if any(0 in shp for shp in shapes):
+    or None where that is not provably so.
+
+    An empty shard only with `empty_ok`: then the result is the graph's output shapes
+    as the decomposition's code computes them (it read no size that differs, so it
+    cannot short-cut on emptiness), not a proof that every primitive's meta kernel
+    accepts empty inputs. The caller runs the op's real kernel on the empty shard too."""
+    if not empty_ok and any(0 in shp for shp in shapes):
         return None
     local: dict[int, tuple[int, ...]] = {}
     for v, shp in zip(graph.inputs, shapes):
