@@ -97,27 +97,62 @@ def substitute(graph: PrimGraph, args: tuple, kwargs: dict,
     accepts empty inputs. The caller runs the op's real kernel on the empty shard too."""
     if not empty_ok and any(0 in shp for shp in shapes):
         return None
+    plan = _plan(graph)
+    if plan is None:  # some node has no shape function: no input shapes can help
+        return None
     local: dict[int, tuple[int, ...]] = {}
     for v, shp in zip(graph.inputs, shapes):
         local[v] = tuple(shp)
-    for n in graph.nodes:
-        outs = _out_shapes(graph, n, [_shape(graph, local, v) for v in n.inputs])
-        if outs is None:
+    for v in plan.read_inputs:  # a read input that differs: refuse before any work
+        if local[v] != plan.global_shapes[v]:
             return None
-        for v, shp in zip(n.outputs, outs):
-            if v is not None:
-                local[v] = shp
+    for ins, outs, want, local_fn in plan.steps:
+        in_shapes = [local.get(v, plan.global_shapes[v]) for v in ins]
+        if all(a == plan.global_shapes[v] for a, v in zip(in_shapes, ins)):
+            got = want  # the inputs as in the global trace: so are the outputs
+        else:
+            got = local_fn(in_shapes)
+            if got is None:
+                return None
+        for v, shp in zip(outs, got):
+            local[v] = shp
     for v, bits in graph.reads.items():
-        if _shape(graph, local, v) != tuple(graph.meta(v).shape):
+        if local.get(v, plan.global_shapes[v]) != plan.global_shapes[v]:
             return None
         if bits & READ_LAYOUT and not _same_layout(graph, args, kwargs, shapes, v):
             return None
     return SubstitutedGraph(graph, _Complete(graph, local))
 
 
-def _shape(graph: PrimGraph, local: dict, v: int) -> tuple[int, ...]:
-    shp = local.get(v)
-    return tuple(graph.meta(v).shape) if shp is None else shp
+@dataclass
+class _Plan:
+    """Per graph, what substitute needs for any input shapes: each node's local shape
+    function, already checked against the global trace (so a call only computes)."""
+
+    global_shapes: dict[int, tuple[int, ...]]
+    read_inputs: tuple[int, ...]
+    steps: list[tuple[tuple[int, ...], tuple[int, ...], list, Any]]
+
+
+_NO_PLAN = "no plan"
+
+
+def _plan(graph: PrimGraph) -> _Plan | None:
+    cached = graph.__dict__.get("_substitution_plan")
+    if cached is None:
+        cached = graph.__dict__["_substitution_plan"] = _build_plan(graph) or _NO_PLAN
+    return None if cached is _NO_PLAN else cached
+
+
+def _build_plan(graph: PrimGraph) -> _Plan | None:
+    shapes = {v.id: tuple(v.meta.shape) for v in graph.values}
+    steps = []
+    for n in graph.nodes:
+        fn = _local_shape_fn(graph, n)
+        if fn is None:
+            return None
+        steps.append((n.inputs, n.outputs, [shapes[v] for v in n.outputs], fn))
+    return _Plan(shapes, tuple(v for v in graph.reads if v in graph.inputs), steps)
 
 
 class _Complete(dict):
@@ -132,57 +167,80 @@ class _Complete(dict):
         return tuple(self._graph.meta(v).shape)
 
 
-def _out_shapes(graph: PrimGraph, n, in_shapes: list) -> list | None:
-    """Local output shapes of node `n` from its inputs' local shapes, or None."""
+def _local_shape_fn(graph: PrimGraph, n) -> Any:
+    """Node `n`'s local output shapes as a function of its inputs' local shapes (which
+    returns None where it cannot tell), or None if the node has none. The function is
+    checked here to reproduce the global trace's shapes."""
     if _is_mutating(n.op) or not n.outputs or any(v is None for v in n.outputs):
         return None
     multi = _MULTI_SHAPE_FNS.get(n.op)
     if multi is not None:
-        return _multi_out_shapes(graph, n, in_shapes, multi)
+        return _multi_shape_fn(graph, n, multi)
     if len(n.outputs) != 1:
         return None
     want = tuple(graph.meta(n.outputs[0]).shape)
     if n.op in _SIZED_BY_ARGS:
-        return [want]
+        return lambda in_shapes: [want]
     if n.op in _FULL_REDUCTIONS:
-        return [()] if want == () else None
+        return (lambda in_shapes: [()]) if want == () else None
+    global_in = [tuple(m.shape) for m in n.input_metas()]
     fn = _SHAPE_FNS.get(n.op)
     if fn is not None:
-        if not in_shapes:
+        if not n.inputs:
             return None
         a = _bound_args(n)
         try:
-            if fn([tuple(m.shape) for m in n.input_metas()], a) != want:
+            if fn(global_in, a) != want:
                 return None  # the shape function does not reproduce the global trace
-            out = fn(in_shapes, a)
         except (IndexError, KeyError, TypeError, ValueError):
             return None
-        return None if out is None else [out]
-    if torch.Tag.pointwise in n.op.tags and in_shapes:
-        global_in = [tuple(m.shape) for m in n.input_metas()]
+
+        def local(in_shapes):
+            try:
+                out = fn(in_shapes, a)
+            except (IndexError, KeyError, TypeError, ValueError):
+                return None
+            return None if out is None else [out]
+
+        return local
+    if torch.Tag.pointwise in n.op.tags and n.inputs:
         try:
             if _broadcast(global_in) != want:
                 return None  # not the plain broadcast this shape function assumes
-            return [_broadcast(in_shapes)]
-        except ValueError:  # shapes that do not broadcast: let the real trace say so
+        except ValueError:
             return None
+
+        def local_broadcast(in_shapes):
+            try:
+                return [_broadcast(in_shapes)]
+            except ValueError:  # shapes that do not broadcast: let the real trace say so
+                return None
+
+        return local_broadcast
     return None
 
 
-def _multi_out_shapes(graph: PrimGraph, n, in_shapes: list, fn) -> list | None:
+def _multi_shape_fn(graph: PrimGraph, n, fn) -> Any:
     """Ops with several outputs (split, unbind): the local run makes as many outputs as
     the global one or it is a different graph (re-trace)."""
-    if len(in_shapes) != 1:
+    if len(n.inputs) != 1:
         return None
     a = _bound_args(n)
     want = [tuple(graph.meta(v).shape) for v in n.outputs]
     try:
         if fn(tuple(n.input_metas()[0].shape), a) != want:
             return None
-        out = fn(in_shapes[0], a)
     except (IndexError, KeyError, TypeError, ValueError):
         return None
-    return out if out is not None and len(out) == len(want) else None
+
+    def local(in_shapes):
+        try:
+            out = fn(in_shapes[0], a)
+        except (IndexError, KeyError, TypeError, ValueError):
+            return None
+        return out if out is not None and len(out) == len(want) else None
+
+    return local
 
 
 def _broadcast(shapes: list) -> tuple[int, ...]:
