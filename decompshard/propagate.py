@@ -128,7 +128,7 @@ def propagate(
     return result
 
 
-@dataclass
+@dataclass(slots=True)
 class _Entry:
     """One way a factor's values can be placed: every placement it made, whether some
     rule on the way holds for even shards only, and the rule matched at each node.
@@ -156,7 +156,7 @@ def _steps(path: tuple, out: dict[int, int]) -> dict[int, int]:
     return out
 
 
-@dataclass
+@dataclass(slots=True)
 class _Factor:
     """Values whose placements depend on each other (some node read them together),
     and the ways they can be placed. Values in different factors are independent until
@@ -166,7 +166,7 @@ class _Factor:
     entries: list[_Entry]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Joined:
     entries: list[_Entry]
     matched: set[tuple[int, ...]]  # combinations of the touched factors' entries some rule took

@@ -15,7 +15,7 @@ import torch
 
 from .. import caches
 from ..dispatch_modes.graph import PrimNode, freeze
-from ..placements import P, R, SingleDimRule, is_partial, is_shard, is_strided
+from ..placements import P, Partial, R, ShardPlaceholder, SingleDimRule, StridedShard, is_partial, is_shard, is_strided
 from . import project_rules, strided, torch_op_strategy, torch_single_dim, torch_tables
 
 SOURCES = (torch_single_dim, torch_op_strategy, project_rules)
@@ -70,20 +70,63 @@ def _compute_rules(node: PrimNode) -> tuple[SingleDimRule, ...]:
     # view strategy keeps a flattened shard plain S(d), which is right for even shards
     # only, and the solver keeps the first of two paths that meet again.
     exact = strided.view_rules(node)
-    found = [r for r in exact if any(is_strided(p) for p in r.outputs)] + found + exact
+    if exact:
+        found = [r for r in exact if any(is_strided(p) for p in r.outputs)] + found + exact
+    fits = _Fit(in_metas, node)
     seen = {trivial.key()}
     table = [trivial]
     for rule in found:
-        if not _partials_fit_dtypes(rule, node) or not _shards_fit_ranks(rule, in_metas, node):
+        if len(rule.inputs) != n_in or len(rule.outputs) != n_out or not fits(rule):
             continue
-        if len(rule.inputs) == n_in and len(rule.outputs) == n_out and rule.key() not in seen:
-            seen.add(rule.key())
+        key = (rule.inputs, rule.outputs)
+        if key not in seen:
+            seen.add(key)
             table.append(rule)
     for rule in strided.kind_rules(node, table):  # last: the plain rules keep their indices
         if rule.key() not in seen:
             seen.add(rule.key())
             table.append(rule)
     return tuple(table)
+
+
+class _Fit:
+    """`_partials_fit_dtypes` and `_shards_fit_ranks` at once, with the node's ranks and
+    the Partials its output dtypes refuse worked out once per table, not per rule."""
+
+    def __init__(self, in_metas: list, node: PrimNode) -> None:
+        self.in_ranks = [len(m.shape) for m in in_metas]
+        self.out_ranks = [None if m is None else len(m.shape) for m in node.out_metas]
+        self.refused = [_refused_partials(m) for m in node.out_metas]
+
+    def __call__(self, rule: SingleDimRule) -> bool:
+        for p, nd in zip(rule.inputs, self.in_ranks):
+            if isinstance(p, _SHARDS) and p.dim >= nd:
+                return False
+        for p, nd, refused in zip(rule.outputs, self.out_ranks, self.refused):
+            if isinstance(p, _SHARDS):
+                if nd is None or p.dim >= nd:
+                    return False
+            elif refused and isinstance(p, Partial) and p.reduce_op in refused:
+                return False
+        return True
+
+
+_SHARDS = (ShardPlaceholder, StridedShard)
+
+
+def _refused_partials(meta) -> frozenset[str]:
+    """The Partial reduce ops an output of this dtype cannot hold (see _partials_fit_dtypes)."""
+    if meta is None:
+        return frozenset()
+    dt = meta.dtype
+    out = set()
+    if dt == torch.bool:
+        out |= {"sum", "avg"}
+    if not (dt.is_floating_point or dt.is_complex):
+        out.add("avg")
+    if dt.is_complex:
+        out |= {"max", "min"}
+    return frozenset(out)
 
 
 def _even_if_averaging_shards(rule: SingleDimRule) -> SingleDimRule:
