@@ -195,34 +195,54 @@ def _join(node: PrimNode, table, touched: list[_Factor], owner: dict, allowed: d
             g.setdefault(tuple([env[v] for v in vals]), []).append(i)
         groups.append(g)
     is_float = [v in floating for v in inputs]
+    every = tuple(range(n_in))
+    float_at = [[is_float[i] for i in pos] for pos in positions]
+    whole = [pos == every for pos in positions]  # the factor placed every input: wants = rule.inputs
+    no_fresh = [({}, False)] if all(v in owner for v in inputs) else None
     fresh_memo: dict[tuple, list] = {}
     found: list[tuple[tuple, int, int, dict, bool]] = []
     matched: set[tuple[int, ...]] = set()
+    n_f = len(touched)
     for ri, rule in enumerate(table):
         wants_all = rule.inputs
-        m = len(wants_all)
+        short = len(wants_all) < n_in
         per_factor = []
-        for k, pos in enumerate(positions):
-            if m < n_in:  # a rule shorter than the node's inputs constrains only its own
-                pos = tuple(i for i in pos if i < m)
-            fits = _fits(groups[k], tuple([wants_all[i] for i in pos]), [is_float[i] for i in pos])
+        for k in range(n_f):
+            if short:  # a rule shorter than the node's inputs constrains only its own
+                pos = tuple(i for i in positions[k] if i < len(wants_all))
+                fits = _fits(groups[k], tuple([wants_all[i] for i in pos]), [is_float[i] for i in pos])
+            elif whole[k]:
+                fits = _fits(groups[k], wants_all, float_at[k])
+            else:
+                fits = _fits(groups[k], tuple([wants_all[i] for i in positions[k]]), float_at[k])
             if not fits:
                 break
             per_factor.append(fits)
         else:
-            fresh = fresh_memo.get(wants_all)
+            fresh = no_fresh
             if fresh is None:
-                fresh = fresh_memo[wants_all] = [
-                    (a, any(is_shard(p) for p in a.values()))
-                    for a in _fresh_assignments(rule, node, owner, allowed, floating)
-                ]
-            if not fresh:
+                fresh = fresh_memo.get(wants_all)
+                if fresh is None:
+                    fresh = fresh_memo[wants_all] = [
+                        (a, any(is_shard(p) for p in a.values()))
+                        for a in _fresh_assignments(rule, node, owner, allowed, floating)
+                    ]
+                if not fresh:
+                    continue
+            if n_f == 1:
+                for i in per_factor[0]:
+                    combo = (i,)
+                    matched.add(combo)
+                    for k, (assigned, fresh_sharded) in enumerate(fresh):
+                        found.append((combo, ri, k, assigned, fresh_sharded))
                 continue
             for combo in itertools.product(*per_factor):
                 matched.add(combo)
                 for k, (assigned, fresh_sharded) in enumerate(fresh):
                     found.append((combo, ri, k, assigned, fresh_sharded))
-    found.sort(key=lambda t: t[:3])  # entry-major, then rule order: as a per-state scan visits them
+    # entry-major, then rule order: as a per-state scan visits them. (combo, rule, k) is
+    # unique, so the tuples compare on those alone and never reach the dicts.
+    found.sort()
     entries = []
     outputs = node.outputs
     out_pairs_memo: dict[int, tuple] = {}
@@ -251,7 +271,8 @@ def _join(node: PrimNode, table, touched: list[_Factor], owner: dict, allowed: d
             paths = tuple(e.path for e in parts)
             even = rule.even_only or any(e.even for e in parts)
             sharded = any(e.sharded for e in parts) or fresh_sharded or out_sharded
-        env.update(assigned)
+        if assigned:
+            env.update(assigned)
         for v, p in out_pairs:
             env[v] = p
         entries.append(_Entry(env, even, (index, ri, paths), sharded))
@@ -406,9 +427,10 @@ def _undominated(states: dict[tuple, "_Entry"], live: tuple[int, ...], inputs: f
     promotable = [i for i, v in enumerate(live) if v not in inputs and v in floating]
     if not promotable:
         return list(states.values())
+    every = len(promotable) == len(live)
     out = []
     for (placements, even), st in states.items():
-        if any(placements[i] in _R_SATISFIES for i in promotable):
+        if not _R_SATISFIES.isdisjoint(placements if every else [placements[i] for i in promotable]):
             promoted = list(placements)
             for i in promotable:
                 if promoted[i] in _R_SATISFIES:
