@@ -116,7 +116,8 @@ def propagate(
         live = tuple(v for v in live_after[node.index] if v in factor.values)
         merged: dict[tuple, _Entry] = {}
         for entry in joined.entries:
-            merged.setdefault((tuple(entry.env.get(v) for v in live), entry.even), entry)
+            env = entry.env
+            merged.setdefault((tuple([env.get(v) for v in live]), entry.even), entry)
         factor.entries = _undominated(merged, live, input_ids, floating)
         if not factor.entries:
             return result
@@ -127,18 +128,35 @@ def propagate(
     return result
 
 
-@dataclass
+@dataclass(slots=True)
 class _Entry:
     """One way a factor's values can be placed: every placement it made, whether some
-    rule on the way holds for even shards only, and the rule matched at each node."""
+    rule on the way holds for even shards only, and the rule matched at each node.
+
+    `path` is persistent, (node index, rule index, the parts' paths), so that building
+    an entry does not copy every earlier node's choice; `_steps` flattens it."""
 
     env: dict[int, MaybePlacement]
     even: bool
-    path: dict[int, int]
+    path: tuple
     sharded: bool = False  # some value it placed is sharded (else no local shape differs)
 
 
-@dataclass
+_NO_PATH: tuple = ()
+
+
+def _steps(path: tuple, out: dict[int, int]) -> dict[int, int]:
+    """The rule index matched at every node a (persistent) entry path went through."""
+    stack = [path]
+    while stack:
+        p = stack.pop()
+        if p:
+            out[p[0]] = p[1]
+            stack.extend(p[2])
+    return out
+
+
+@dataclass(slots=True)
 class _Factor:
     """Values whose placements depend on each other (some node read them together),
     and the ways they can be placed. Values in different factors are independent until
@@ -148,7 +166,7 @@ class _Factor:
     entries: list[_Entry]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Joined:
     entries: list[_Entry]
     matched: set[tuple[int, ...]]  # combinations of the touched factors' entries some rule took
@@ -158,42 +176,134 @@ def _join(node: PrimNode, table, touched: list[_Factor], owner: dict, allowed: d
     """Every (entry of each touched factor, rule, placement of values read for the first
     time) that fits the node. Each rule filters each factor on its own, so only the
     combinations that match are ever built: independent inputs cost the rule set's size,
-    not the product of every factor's entries."""
-    found: list[tuple[tuple, int, int, dict]] = []
+    not the product of every factor's entries.
+
+    A factor's entries are grouped by the placements they give the node's inputs, and
+    rules wanting the same placements share one filtering: the work per rule is a dict
+    look-up, not a `_reads` per (entry, input)."""
+    inputs = node.inputs
+    n_in = len(inputs)
+    # per touched factor: the node's input positions it placed, and its entries grouped
+    # by the placements they hold there
+    positions = [tuple(i for i, v in enumerate(inputs) if owner.get(v) is f) for f in touched]
+    groups: list[dict[tuple, list[int]]] = []
+    for f, pos in zip(touched, positions):
+        vals = [inputs[i] for i in pos]
+        g: dict[tuple, list[int]] = {}
+        for i, e in enumerate(f.entries):
+            env = e.env
+            g.setdefault(tuple([env[v] for v in vals]), []).append(i)
+        groups.append(g)
+    is_float = [v in floating for v in inputs]
+    every = tuple(range(n_in))
+    float_at = [[is_float[i] for i in pos] for pos in positions]
+    whole = [pos == every for pos in positions]  # the factor placed every input: wants = rule.inputs
+    no_fresh = [({}, False)] if all(v in owner for v in inputs) else None
+    fresh_memo: dict[tuple, list] = {}
+    found: list[tuple[tuple, int, int, dict, bool]] = []
     matched: set[tuple[int, ...]] = set()
+    n_f = len(touched)
     for ri, rule in enumerate(table):
+        wants_all = rule.inputs
+        short = len(wants_all) < n_in
         per_factor = []
-        for f in touched:
-            wants = [(v, w) for v, w in zip(node.inputs, rule.inputs) if owner.get(v) is f]
-            fits = [i for i, e in enumerate(f.entries) if all(_reads(e.env[v], w, v in floating) for v, w in wants)]
+        for k in range(n_f):
+            if short:  # a rule shorter than the node's inputs constrains only its own
+                pos = tuple(i for i in positions[k] if i < len(wants_all))
+                fits = _fits(groups[k], tuple([wants_all[i] for i in pos]), [is_float[i] for i in pos])
+            elif whole[k]:
+                fits = _fits(groups[k], wants_all, float_at[k])
+            else:
+                fits = _fits(groups[k], tuple([wants_all[i] for i in positions[k]]), float_at[k])
             if not fits:
                 break
             per_factor.append(fits)
         else:
-            fresh = _fresh_assignments(rule, node, owner, allowed, floating)
-            if not fresh:
+            fresh = no_fresh
+            if fresh is None:
+                fresh = fresh_memo.get(wants_all)
+                if fresh is None:
+                    fresh = fresh_memo[wants_all] = [
+                        (a, any(is_shard(p) for p in a.values()))
+                        for a in _fresh_assignments(rule, node, owner, allowed, floating)
+                    ]
+                if not fresh:
+                    continue
+            if n_f == 1:
+                for i in per_factor[0]:
+                    combo = (i,)
+                    matched.add(combo)
+                    for k, (assigned, fresh_sharded) in enumerate(fresh):
+                        found.append((combo, ri, k, assigned, fresh_sharded))
                 continue
             for combo in itertools.product(*per_factor):
                 matched.add(combo)
-                for k, assigned in enumerate(fresh):
-                    found.append((combo, ri, k, assigned))
-    found.sort(key=lambda t: t[:3])  # entry-major, then rule order: as a per-state scan visits them
+                for k, (assigned, fresh_sharded) in enumerate(fresh):
+                    found.append((combo, ri, k, assigned, fresh_sharded))
+    # entry-major, then rule order: as a per-state scan visits them. (combo, rule, k) is
+    # unique, so the tuples compare on those alone and never reach the dicts.
+    found.sort()
     entries = []
-    for combo, ri, _, assigned in found:
-        parts = [f.entries[i] for f, i in zip(touched, combo)]
-        env: dict[int, MaybePlacement] = {}
-        path: dict[int, int] = {node.index: ri}
-        for e in parts:
-            env.update(e.env)
-            path.update(e.path)
-        env.update(assigned)
+    outputs = node.outputs
+    out_pairs_memo: dict[int, tuple] = {}
+    index = node.index
+    single = len(touched) == 1
+    for combo, ri, _, assigned, fresh_sharded in found:
         rule = table[ri]
-        for v, p in zip(node.outputs, rule.outputs):
-            if v is not None:
-                env[v] = p
-        sharded = any(e.sharded for e in parts) or any(is_shard(p) for p in (*assigned.values(), *rule.outputs))
-        entries.append(_Entry(env, rule.even_only or any(e.even for e in parts), path, sharded))
+        out_info = out_pairs_memo.get(ri)
+        if out_info is None:
+            out_info = out_pairs_memo[ri] = (
+                [(v, p) for v, p in zip(outputs, rule.outputs) if v is not None],
+                any(is_shard(p) for p in rule.outputs),
+            )
+        out_pairs, out_sharded = out_info
+        if single:
+            e = touched[0].entries[combo[0]]
+            env = e.env.copy()
+            paths = (e.path,)
+            even = rule.even_only or e.even
+            sharded = e.sharded or fresh_sharded or out_sharded
+        else:
+            parts = [f.entries[i] for f, i in zip(touched, combo)]
+            env = {}
+            for e in parts:
+                env.update(e.env)
+            paths = tuple(e.path for e in parts)
+            even = rule.even_only or any(e.even for e in parts)
+            sharded = any(e.sharded for e in parts) or fresh_sharded or out_sharded
+        if assigned:
+            env.update(assigned)
+        for v, p in out_pairs:
+            env[v] = p
+        entries.append(_Entry(env, even, (index, ri, paths), sharded))
     return _Joined(entries, matched)
+
+
+def _fits(groups: dict[tuple, list[int]], wants: tuple, is_float: list[bool]) -> list[int]:
+    """Indices (ascending) of the entries whose placements at a factor's positions fit
+    `wants` (each exactly, or R where a floating value is wanted as P(avg|max|min)),
+    looked up in the entries grouped by those placements."""
+    options = None
+    for j, (w, fl) in enumerate(zip(wants, is_float)):
+        if fl and w in _R_SATISFIES:
+            if options is None:
+                options = [(x,) for x in wants]
+            options[j] = (w, R)
+    if options is None:
+        return groups.get(wants, _NONE)
+    out: list[int] = []
+    hits = 0
+    for haves in itertools.product(*options):
+        idx = groups.get(haves)
+        if idx:
+            out += idx
+            hits += 1
+    if hits > 1:
+        out.sort()
+    return out
+
+
+_NONE: list[int] = []
 
 
 def _reads(have: MaybePlacement, want: MaybePlacement, is_float: bool) -> bool:
@@ -236,15 +346,20 @@ def _record_deaths(result: Propagation, graph: PrimGraph, node: PrimNode, touche
     if len(result.rejections) >= MAX_REJECTIONS:
         return
     wanted = tuple(dict.fromkeys((*graph.inputs, *node.inputs)))  # only these are recorded
-    seen = [[{v: e.env[v] for v in wanted if v in e.env} for e in f.entries] for f in touched]
+    seen: list[list] = [[None] * n for n in sizes]  # filled on first use
+    g_inputs, n_inputs, index = graph.inputs, node.inputs, node.index
     for combo in itertools.product(*(range(n) for n in sizes)):
         if combo in matched:
             continue
         env: dict[int, MaybePlacement] = {}
-        for part, i in zip(seen, combo):
-            env.update(part[i])
+        for k, i in enumerate(combo):
+            part = seen[k][i]
+            if part is None:
+                e_env = touched[k].entries[i].env
+                part = seen[k][i] = {v: e_env[v] for v in wanted if v in e_env}
+            env.update(part)
         result.rejections.append(
-            Rejection(tuple(env.get(v) for v in graph.inputs), node.index, tuple(env.get(v) for v in node.inputs))
+            Rejection(tuple([env.get(v) for v in g_inputs]), index, tuple([env.get(v) for v in n_inputs]))
         )
         if len(result.rejections) >= MAX_REJECTIONS:
             return
@@ -258,24 +373,26 @@ def _collect_survivors(result: Propagation, graph: PrimGraph, owner: dict, allow
     seen: set[tuple] = set()
     n = len(graph.nodes)
     producer = graph.producer()
+    unread_choices = [sorted(allowed[v], key=_order) for v in unread]
+    g_inputs, g_outputs = graph.inputs, graph.outputs
     for parts in itertools.product(*(f.entries for f in factors)):
         base: dict[int, MaybePlacement] = {}
         steps: dict[int, int] = {}
         for e in parts:
             base.update(e.env)
-            steps.update(e.path)
+            _steps(e.path, steps)
         even = any(e.even for e in parts)
         sharded = any(e.sharded for e in parts)
-        path = tuple(steps.get(i, 0) for i in range(n))
-        for combo in itertools.product(*(sorted(allowed[v], key=_order) for v in unread)):
+        path = tuple([steps.get(i, 0) for i in range(n)])
+        for combo in itertools.product(*unread_choices):
             env = {**base, **dict(zip(unread, combo))}
-            ins = tuple(env[v] for v in graph.inputs)
-            outs = tuple(None if v is None else env.get(v, R) for v in graph.outputs)
+            ins = tuple([env[v] for v in g_inputs])
+            outs = tuple([None if v is None else env.get(v, R) for v in g_outputs])
             key = (ins, outs, even)
             if key in seen:
                 continue
             seen.add(key)
-            strided = [(v, p) for v, p in zip(graph.outputs, outs) if is_strided(p)]
+            strided = [(v, p) for v, p in zip(g_outputs, outs) if is_strided(p)]
             if strided:  # a layout inside the graph only: an op's rule says S(d), R or P
                 _record_strided_output(result, graph, producer, env, ins, strided[0])
                 continue
@@ -307,14 +424,20 @@ def _undominated(states: dict[tuple, "_Entry"], live: tuple[int, ...], inputs: f
     Every rule that accepts the P value accepts R too, and both have full local shapes,
     so the R state reaches everything the P state does, and its rules dominate (see
     derive._drop_implied). Graph inputs are never promoted: they name the candidate."""
-    promotable = [v not in inputs and v in floating for v in live]
+    promotable = [i for i, v in enumerate(live) if v not in inputs and v in floating]
+    if not promotable:
+        return list(states.values())
+    every = len(promotable) == len(live)
     out = []
     for (placements, even), st in states.items():
-        promoted = tuple(
-            R if can and p in _R_SATISFIES else p for can, p in zip(promotable, placements)
-        )
-        if promoted != placements and ((promoted, False) in states or (even and (promoted, True) in states)):
-            continue
+        if not _R_SATISFIES.isdisjoint(placements if every else [placements[i] for i in promotable]):
+            promoted = list(placements)
+            for i in promotable:
+                if promoted[i] in _R_SATISFIES:
+                    promoted[i] = R
+            promoted = tuple(promoted)
+            if (promoted, False) in states or (even and (promoted, True) in states):
+                continue
         out.append(st)
     return out
 

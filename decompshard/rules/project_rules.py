@@ -91,7 +91,9 @@ def extra_rules(node: PrimNode) -> list[SingleDimRule]:
     Only the first tensor input may be Partial; every other tensor input (an index,
     say) must be Replicate, and every output gets the same Partial.
     """
-    if node.op in _SHIFT | _SCALE | _FLIP and len(node.inputs) == 1:
+    if node.op not in _SPECIAL:  # the common case: one look-up, not the chain below
+        return _passthrough_rules(node)
+    if node.op in _SCALAR_OPS and len(node.inputs) == 1:
         return _scalar_rules(node)
     if node.op is aten.mul.Tensor and len(node.inputs) == 2:
         return _signed_factor_rules(node)
@@ -307,3 +309,12 @@ def has_rules(op) -> bool:
 def rules(node: PrimNode) -> list[SingleDimRule] | None:
     fn = _RULES.get(node.op)
     return None if fn is None else fn(node)
+
+
+_SCALAR_OPS = _SHIFT | _SCALE | _FLIP
+# every op extra_rules answers other than by _passthrough_rules
+_SPECIAL = frozenset(
+    _SCALAR_OPS | {aten.mul.Tensor, aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor,
+                   aten.index_put.default, aten._unsafe_index_put.default, aten.expand.default}
+    | set(_BINARY_SHIFT) | _BILINEAR | set(_ZERO_FILL_ARG)
+)

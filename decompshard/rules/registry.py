@@ -15,7 +15,7 @@ import torch
 
 from .. import caches
 from ..dispatch_modes.graph import PrimNode, freeze
-from ..placements import P, R, SingleDimRule, is_partial, is_shard, is_strided
+from ..placements import P, Partial, R, ShardPlaceholder, SingleDimRule, StridedShard, is_strided
 from . import project_rules, strided, torch_op_strategy, torch_single_dim, torch_tables
 
 SOURCES = (torch_single_dim, torch_op_strategy, project_rules)
@@ -70,14 +70,17 @@ def _compute_rules(node: PrimNode) -> tuple[SingleDimRule, ...]:
     # view strategy keeps a flattened shard plain S(d), which is right for even shards
     # only, and the solver keeps the first of two paths that meet again.
     exact = strided.view_rules(node)
-    found = [r for r in exact if any(is_strided(p) for p in r.outputs)] + found + exact
+    if exact:
+        found = [r for r in exact if any(is_strided(p) for p in r.outputs)] + found + exact
+    fits = _Fit(in_metas, node)
     seen = {trivial.key()}
     table = [trivial]
     for rule in found:
-        if not _partials_fit_dtypes(rule, node) or not _shards_fit_ranks(rule, in_metas, node):
+        if len(rule.inputs) != n_in or len(rule.outputs) != n_out or not fits(rule):
             continue
-        if len(rule.inputs) == n_in and len(rule.outputs) == n_out and rule.key() not in seen:
-            seen.add(rule.key())
+        key = (rule.inputs, rule.outputs)
+        if key not in seen:
+            seen.add(key)
             table.append(rule)
     for rule in strided.kind_rules(node, table):  # last: the plain rules keep their indices
         if rule.key() not in seen:
@@ -86,40 +89,66 @@ def _compute_rules(node: PrimNode) -> tuple[SingleDimRule, ...]:
     return tuple(table)
 
 
+class _Fit:
+    """Whether a rule fits the node's tensors, with the node's ranks and the Partials its
+    output dtypes refuse worked out once per table, not per rule:
+
+    - S(d) must name a dim the tensor has (a strategy written for another overload or
+      output rank can say otherwise); such a rule is dropped, not trusted.
+    - A bool can't hold a sum (True+True is not True), an integer can't hold an exact
+      average, and complex numbers have no max/min: such Partial outputs are refused."""
+
+    def __init__(self, in_metas: list, node: PrimNode) -> None:
+        self.in_ranks = [len(m.shape) for m in in_metas]
+        self.out_ranks = [None if m is None else len(m.shape) for m in node.out_metas]
+        self.refused = [_refused_partials(m) for m in node.out_metas]
+
+    def __call__(self, rule: SingleDimRule) -> bool:
+        for p, nd in zip(rule.inputs, self.in_ranks):
+            if isinstance(p, _SHARDS) and p.dim >= nd:
+                return False
+        for p, nd, refused in zip(rule.outputs, self.out_ranks, self.refused):
+            if isinstance(p, _SHARDS):
+                if nd is None or p.dim >= nd:
+                    return False
+            elif refused and isinstance(p, Partial) and p.reduce_op in refused:
+                return False
+        return True
+
+
+_SHARDS = (ShardPlaceholder, StridedShard)
+
+
+def _refused_partials(meta) -> frozenset[str]:
+    """The Partial reduce ops an output of this dtype cannot hold (see _Fit)."""
+    if meta is None:
+        return frozenset()
+    dt = meta.dtype
+    out = set()
+    if dt == torch.bool:
+        out |= {"sum", "avg"}
+    if not (dt.is_floating_point or dt.is_complex):
+        out.add("avg")
+    if dt.is_complex:
+        out |= {"max", "min"}
+    return frozenset(out)
+
+
 def _even_if_averaging_shards(rule: SingleDimRule) -> SingleDimRule:
     """A rule that turns a Shard input into a P(avg) output (a mean over a sharded dim)
     averages per-rank means: exact only when every rank holds the same number of
     elements. Torch's strategies state it unconditionally; we attach the condition."""
-    if rule.even_only or any(is_partial(p) for p in rule.inputs):
+    if rule.even_only:
         return rule
-    if any(is_shard(p) for p in rule.inputs) and P("avg") in rule.outputs:
+    sharded = False
+    for p in rule.inputs:
+        if isinstance(p, Partial):
+            return rule
+        if isinstance(p, _SHARDS):
+            sharded = True
+    if sharded and _AVG in rule.outputs:
         return SingleDimRule(rule.inputs, rule.outputs, even_only=True, source=rule.source)
     return rule
-
-
-def _shards_fit_ranks(rule: SingleDimRule, in_metas: list, node: PrimNode) -> bool:
-    """S(d) must name a dim the tensor has (a strategy written for another overload or
-    output rank can say otherwise); such a rule is dropped, not trusted."""
-    pairs = list(zip(rule.inputs, in_metas)) + list(zip(rule.outputs, node.out_metas))
-    return all(
-        not is_shard(p) or (m is not None and p.dim < len(m.shape)) for p, m in pairs
-    )
-
-
-def _partials_fit_dtypes(rule: SingleDimRule, node: PrimNode) -> bool:
-    """A bool can't hold a sum (True+True is not True), an integer can't hold an exact
-    average, and complex numbers have no max/min: such Partial outputs are refused."""
-    for p, meta in zip(rule.outputs, node.out_metas):
-        if meta is None or not is_partial(p):
-            continue
-        dt = meta.dtype
-        if dt == torch.bool and p.reduce_op in ("sum", "avg"):
-            return False
-        if not (dt.is_floating_point or dt.is_complex) and p.reduce_op == "avg":
-            return False
-        if dt.is_complex and p.reduce_op in ("max", "min"):
-            return False
-    return True
 
 
 def _avg_twin(rule: SingleDimRule, metas: list) -> SingleDimRule | None:
@@ -129,19 +158,29 @@ def _avg_twin(rule: SingleDimRule, metas: list) -> SingleDimRule | None:
 
     Only when no input is sharded: in `P(sum), S(1), S(0) -> P(sum)` (addmm) the sharded
     contraction itself makes a sum over ranks, which no reading turns into an average."""
-    if P("sum") not in rule.inputs or any(is_partial(p) and p != P("sum") for p in rule.inputs):
+    has_sum = False
+    for p in rule.inputs:
+        if isinstance(p, Partial):
+            if p.reduce_op != "sum":
+                return None
+            has_sum = True
+        elif isinstance(p, _SHARDS):
+            return None
+    if not has_sum or not rule.outputs:
         return None
-    if any(is_shard(p) for p in rule.inputs):
-        return None
-    if not rule.outputs or any(p not in (P("sum"), None) for p in rule.outputs):
-        return None
+    for p in rule.outputs:
+        if p is not None and not (isinstance(p, Partial) and p.reduce_op == "sum"):
+            return None
     if len(metas) != len(rule.inputs) or any(
         not (m.dtype.is_floating_point or m.dtype.is_complex)
-        for m, p in zip(metas, rule.inputs) if p == P("sum")
+        for m, p in zip(metas, rule.inputs) if p == _SUM
     ):
         return None
-    swap = lambda ps: tuple(P("avg") if p == P("sum") else p for p in ps)  # noqa: E731
+    swap = lambda ps: tuple(_AVG if p == _SUM else p for p in ps)  # noqa: E731
     return SingleDimRule(swap(rule.inputs), swap(rule.outputs), rule.even_only, rule.source + " (avg twin)")
+
+
+_SUM, _AVG = P("sum"), P("avg")
 
 
 def clear_cache() -> None:

@@ -45,6 +45,7 @@ class _Shipped:
         self.loaded = False
         self.verified: frozenset[str] = frozenset()
         self.entries: dict[str, dict[str, Any]] = {}
+        self.decoded: dict[tuple[str, str], tuple[SingleDimRule, ...] | None] = {}  # see _decoded
 
     def load(self) -> None:
         self.loaded = True
@@ -71,9 +72,9 @@ def torch_rules(source: Any, node: PrimNode) -> list[SingleDimRule] | None:
     key = class_key(node)
     if key is None:
         return source.rules(node)
-    shipped = _SHIPPED.entries.get(source.SOURCE, {}).get(key)
+    shipped = _decoded(source.SOURCE, key)
     if shipped is not None:
-        return decode(shipped, source.SOURCE)
+        return list(shipped)
     hit = _CLASS_CACHE.get((source.SOURCE, key), _MISSING)
     if hit is _MISSING:
         hit = _CLASS_CACHE.put((source.SOURCE, key), source.rules(node))
@@ -81,6 +82,21 @@ def torch_rules(source: Any, node: PrimNode) -> list[SingleDimRule] | None:
 
 
 _MISSING = object()
+
+
+def _decoded(source: str, key: str) -> tuple[SingleDimRule, ...] | None:
+    """The shipped rules of a class, decoded (None: not shipped, or torch declined).
+
+    The shipped table is package data that never changes while the process runs (read
+    once, for one torch release), and rules are frozen values, so each entry is decoded
+    once per loaded table: clear_cache (a cold derivation) need not forget these, as
+    they hold nothing computed from a call."""
+    memo = _SHIPPED.decoded
+    hit = memo.get((source, key), _MISSING)
+    if hit is _MISSING:
+        shipped = _SHIPPED.entries.get(source, {}).get(key)
+        hit = memo[(source, key)] = None if shipped is None else tuple(decode(shipped, source))
+    return hit
 
 
 def encode(rules: list[SingleDimRule] | None) -> list | None:
