@@ -444,6 +444,11 @@ def trace(
     )
     if shapes_only:
         return rec.graph
-    from ..rules.strided import annotate  # rules import the graph types: import here
+    return _annotate()(rec.graph)
 
-    return annotate(rec.graph)
+
+@functools.lru_cache(maxsize=None)
+def _annotate() -> Callable[[PrimGraph], PrimGraph]:
+    from ..rules.strided import annotate  # rules import the graph types: import late (once)
+
+    return annotate
