@@ -116,7 +116,7 @@ class DerivedRules:
             return self._verdicts[key]
         meta_args, meta_kwargs, value_checked = self._context
         timeouts = localcheck.timeouts()
-        trace_at = lambda a, k: traced(self.op, a, k)  # noqa: E731
+        trace_at = lambda a, k: traced_for_check(self.op, a, k)  # noqa: E731
         best = None
         for cand in self._survivors[key]:  # same rule reached through different paths
             # traces and kernels run only for a sharded candidate: keep a caller's modes out
@@ -235,6 +235,26 @@ def traced(op: OpOverload, args: tuple, kwargs: dict) -> PrimGraph:
         except UnsupportedOp as e:
             hit = e
         _TRACES.put(key, hit)
+    if isinstance(hit, UnsupportedOp):
+        raise hit
+    return hit
+
+
+def traced_for_check(op: OpOverload, args: tuple, kwargs: dict) -> PrimGraph:
+    """The op's graph at these (local) shapes for the local-shape check: the full trace
+    if one is cached, else a shapes-only one (tracing.trace(shapes_only=True), about
+    half the cost), cached under its own key so it never serves as a global graph."""
+    key = _key(op, args, kwargs)
+    hit = _TRACES.get(key)
+    if hit is None:
+        local_key = ("shapes only", key)
+        hit = _TRACES.get(local_key)
+        if hit is None:
+            try:
+                hit = trace(op, args, kwargs, has_rule, shapes_only=True)
+            except UnsupportedOp as e:
+                hit = e
+            _TRACES.put(local_key, hit)
     if isinstance(hit, UnsupportedOp):
         raise hit
     return hit

@@ -127,6 +127,10 @@ class PrimGraph:
     # value id -> tracing.READ_SIZE | READ_LAYOUT: the decomposition's own code (not a
     # primitive's kernel) read that value's sizes / strides. Empty: it read none.
     reads: dict[int, int] = field(default_factory=dict)
+    # recorded for the local-shape check only (tracing.trace(shapes_only=True)): nodes,
+    # arguments and value shapes as a full trace has them, but no reads, signs or
+    # strided kinds. Never solved on.
+    shapes_only: bool = False
 
     def meta(self, vid: int) -> TensorMeta:
         return self.values[vid].meta

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .._compat import TensorMeta, torch_decomposition
 from ..errors import DataDependent, UnsupportedOp
 from . import signs
-from .graph import CONST, INPUT, NODE, PrimGraph, PrimNode, ValueInfo, leaves, map_leaves
+from .graph import CONST, INPUT, NODE, PrimGraph, PrimNode, ValueInfo, _is_container, leaves, map_leaves
 
 aten = torch.ops.aten
 OpOverload = torch._ops.OpOverload
@@ -152,10 +152,16 @@ def _tag_facts(op: OpOverload) -> tuple[bool, bool, bool]:
 
 class _Recorder:
     """Maps live meta tensors to value ids and appends nodes (SSA: a mutated tensor gets
-    a fresh id)."""
+    a fresh id).
 
-    def __init__(self, op: OpOverload):
-        self.graph = PrimGraph(op=op, inputs=(), outputs=())
+    `watch`: the decomposition sees `_Watched` wrappers, so its reads of sizes and
+    strides are noted (`PrimGraph.reads`), and value signs are recorded. Off, it sees
+    plain meta tensors: the graph has the same nodes, arguments and value shapes, and
+    nothing else (what the local-shape check compares; see `trace`)."""
+
+    def __init__(self, op: OpOverload, watch: bool = True):
+        self.graph = PrimGraph(op=op, inputs=(), outputs=(), shapes_only=not watch)
+        self.watch = watch
         self._vid: dict[int, int] = {}
         self._keep: list[torch.Tensor] = []  # keeps ids stable while the trace runs
         self.viewed: set[int] = set()  # ids of tensors some recorded view aliases
@@ -163,7 +169,9 @@ class _Recorder:
 
     def wrap(self, inner: torch.Tensor) -> torch.Tensor:
         """The wrapper of a plain meta tensor (one wrapper per tensor: identity matters
-        for in-place results and for aliasing)."""
+        for in-place results and for aliasing); the tensor itself when not watching."""
+        if not self.watch:
+            return inner
         w = self._outer.get(id(inner))
         if w is None:
             w = _Watched(inner)
@@ -195,29 +203,101 @@ class _Recorder:
             vid = self.new_value(t, CONST)
         return vid
 
+    def split(self, tree: Any, in_ids: list[int]) -> tuple[Any, Any, bool]:
+        """One walk over a call's argument tree: (the tree as the kernel takes it: plain
+        tensors, a device argument turned meta; the tree as the node records it: tensors
+        as their TensorMeta; whether a device was seen). Appends each tensor's value id
+        to `in_ids` in leaf order; containers come back as `map_leaves` rebuilds them."""
+        t = type(tree)
+        if t is tuple or t is list:
+            items = tree
+        elif t is dict:
+            plain, meta, dev = {}, {}, False
+            for k, x in tree.items():
+                plain[k], meta[k], d = self.split(x, in_ids)
+                dev |= d
+            return plain, meta, dev
+        elif _is_container(tree):  # a tuple subclass (torch.return_types): a list
+            items, t = tree, list
+        elif isinstance(tree, torch.Tensor):
+            vid = self._vid.get(id(tree))
+            if vid is None:
+                vid = self.value_of(tree)
+            in_ids.append(vid)
+            return (tree.inner if type(tree) is _Watched else tree), self.graph.values[vid].meta, False
+        elif type(tree) is torch.device:
+            return _META, _META, True
+        else:
+            return tree, tree, False
+        values = self.graph.values
+        vids = self._vid
+        plain, meta, dev = [], [], False
+        for x in items:
+            tx = type(x)
+            if tx is _Watched or tx is torch.Tensor:  # the common leaves, inline
+                vid = vids.get(id(x))
+                if vid is None:
+                    vid = self.value_of(x)
+                in_ids.append(vid)
+                plain.append(x.inner if tx is _Watched else x)
+                meta.append(values[vid].meta)
+            elif tx is int or tx is float or tx is bool or x is None:
+                plain.append(x)
+                meta.append(x)
+            else:
+                p, m, d = self.split(x, in_ids)
+                plain.append(p)
+                meta.append(m)
+                dev |= d
+        if t is tuple:
+            return tuple(plain), tuple(meta), dev
+        return plain, meta, dev
+
+
+# What the tracing mode does with an op (TracingMode._plan; the same for a whole trace)
+_QUERY, _DIM, _DATA_DEPENDENT, _DECOMPOSE, _RECORD = range(5)
+
 
 class TracingMode(TorchDispatchMode):
     def __init__(self, recorder: _Recorder, is_primitive: Callable[[OpOverload], bool]):
         super().__init__()
         self.rec = recorder
         self.is_primitive = is_primitive
+        # id(op) -> (op, what to do, its argument): schema facts and the is_primitive
+        # answer, looked up once per op and trace instead of once per call
+        self._plans: dict[int, tuple] = {}
+
+    def _plan(self, func) -> tuple:
+        plan = self._plans.get(id(func))
+        if plan is not None and plan[0] is func:
+            return plan
+        data_dependent, random, _ = _tag_facts(func)
+        if func in _QUERY_BIT:
+            plan = (func, _QUERY, None, False)
+        elif func is aten.dim.default:
+            plan = (func, _DIM, None, False)
+        elif data_dependent:
+            plan = (func, _DATA_DEPENDENT, None, False)
+        else:
+            decomp = None if self.is_primitive(func) else find_decomposition(func)
+            plan = (func, _RECORD if decomp is None else _DECOMPOSE, decomp, random)
+        self._plans[id(func)] = plan
+        return plan
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _QUERY_BIT:
-            return _answer_query(func, args, kwargs, self.rec)
-        if func is aten.dim.default:
+        _, what, decomp, random = self._plan(func)
+        if what == _DECOMPOSE:  # (dropout with p=0 decomposes to no random op at all)
+            with self:
+                out = decomp(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        elif what == _QUERY:
+            return _answer_query(func, args, kwargs, self.rec if self.rec.watch else None)
+        elif what == _DIM:
             return _unwrap_leaf(args[0]).dim()
-        data_dependent, random, _ = _tag_facts(func)
-        if data_dependent:
+        elif what == _DATA_DEPENDENT:
             raise DataDependent(f"data-dependent: the decomposition calls {func}")
-        if not self.is_primitive(func):
-            decomp = find_decomposition(func)
-            if decomp is not None:  # (dropout with p=0 decomposes to no random op at all)
-                with self:
-                    out = decomp(*args, **kwargs)
-                if out is not NotImplemented:
-                    return out
         if random:
             raise UnsupportedOp(f"random: {func} draws random numbers")
         return self._record(func, args, kwargs)
@@ -237,12 +317,16 @@ class TracingMode(TorchDispatchMode):
                 raise UnsupportedOp(f"in-place {func} writes through a view; aliasing is not traced")
 
     def _record(self, func, args, kwargs):
-        flat_in = leaves((args, kwargs))
+        rec = self.rec
         self._refuse_writes_through_aliases(func, args, kwargs)
-        in_ids = tuple(self.rec.value_of(x) for x in flat_in if isinstance(x, torch.Tensor))
-        if any(isinstance(x, torch.device) for x in flat_in):
-            args, kwargs = _on_meta((args, kwargs))  # a factory naming a real device: stay on meta
-        args, kwargs = _unwrap((args, kwargs))
+        in_ids: list[int] = []
+        args, meta_args, dev = rec.split(args, in_ids)
+        if kwargs:
+            kwargs, meta_kwargs, kdev = rec.split(kwargs, in_ids)
+            dev |= kdev  # a factory naming a real device was turned to meta: stay on meta
+        else:
+            kwargs, meta_kwargs = {}, {}
+        in_ids = tuple(in_ids)
         try:
             out = func(*args, **kwargs)
         except (DataDependent, UnsupportedOp):
@@ -251,37 +335,40 @@ class TracingMode(TorchDispatchMode):
             if _tag_facts(func)[2]:
                 raise DataDependent(f"data-dependent: {func}'s output shape depends on values") from e
             raise UnsupportedOp(f"{func} failed on meta tensors: {_one_line(e)}") from e
-        constant = all(self.rec.graph.values[v].kind == CONST for v in in_ids)
+        values = rec.graph.values
+        constant = all(values[v].kind == CONST for v in in_ids)
         kind = CONST if constant else NODE
-        flat_out = leaves(out)
+        flat_out = [out] if type(out) is torch.Tensor else leaves(out)
         # results as the decomposition sees them: an in-place op hands back its (wrapped)
         # argument, any new tensor gets a wrapper
-        outer = [self.rec.wrap(t) if isinstance(t, torch.Tensor) else t for t in flat_out]
+        outer = [rec.wrap(t) if isinstance(t, torch.Tensor) else t for t in flat_out]
         for t, w in zip(flat_out, outer):
             if isinstance(t, torch.Tensor) and t._is_view() and t._base is not None:
-                base = self.rec.outer_of(t._base)
-                self.rec.viewed.add(id(base if base is not None else t._base))
-                self.rec.viewed.add(id(w))
-        in_signs = tuple(self.rec.graph.values[v].sign for v in in_ids)
-        sign = (
-            signs.sign_of(func, args, kwargs, in_ids, in_signs, flat_out[0].dtype)
-            if len(flat_out) == 1 and isinstance(flat_out[0], torch.Tensor) else signs.UNKNOWN
-        )
+                base = rec.outer_of(t._base)
+                rec.viewed.add(id(base if base is not None else t._base))
+                rec.viewed.add(id(w))
+        if rec.watch:
+            in_signs = tuple(values[v].sign for v in in_ids)
+            sign = (
+                signs.sign_of(func, args, kwargs, in_ids, in_signs, flat_out[0].dtype)
+                if len(flat_out) == 1 and isinstance(flat_out[0], torch.Tensor) else signs.UNKNOWN
+            )
+        else:
+            in_signs, sign = (), signs.UNKNOWN
         out_ids = tuple(
-            self.rec.new_value(w, kind, sign) if isinstance(w, torch.Tensor) else None
+            rec.new_value(w, kind, sign) if isinstance(w, torch.Tensor) else None
             for w in outer
         )
-        meta_args, meta_kwargs = map_leaves(
-            lambda x: tensor_meta(x) if isinstance(x, torch.Tensor) else x, (args, kwargs)
-        )
-        g = self.rec.graph
+        g = rec.graph
         g.nodes.append(
             PrimNode(
                 len(g.nodes), func, meta_args, meta_kwargs, in_ids, out_ids, constant,
-                tuple(tensor_meta(t) if isinstance(t, torch.Tensor) else None for t in flat_out),
+                tuple(None if v is None else values[v].meta for v in out_ids),
                 in_signs,
             )
         )
+        if type(out) is torch.Tensor:
+            return outer[0]
         return _rebuild(out, iter(outer))
 
 
@@ -317,10 +404,16 @@ def _one_line(e: BaseException) -> str:
 
 def trace(
     op: OpOverload, args: tuple, kwargs: dict, is_primitive: Callable[[OpOverload], bool],
-    decomp: Callable | None = None,
+    decomp: Callable | None = None, *, shapes_only: bool = False,
 ) -> PrimGraph:
     """Record `op`'s decomposition (or `decomp`, any function of the op's arguments) at
     the given (global) shapes.
+
+    `shapes_only`: record only what the local-shape check compares with the global
+    graph (nodes: ops, non-tensor arguments, value ids; values: shapes; outputs), about
+    twice as cheaply: the decomposition runs on plain meta tensors, so no size read is
+    noted (`reads` stays empty), no value gets a sign and no node its strided kinds.
+    Such a graph (`PrimGraph.shapes_only`) is never a global graph.
 
     Raises UnsupportedOp (no decomposition, random op, data-dependent control flow,
     a primitive with no meta kernel) with a one-line reason.
@@ -328,7 +421,7 @@ def trace(
     decomp = decomp or find_decomposition(op)
     if decomp is None:
         raise UnsupportedOp(f"no decomposition: {op} has neither a decomposition nor a strategy")
-    rec = _Recorder(op)
+    rec = _Recorder(op, watch=not shapes_only)
     margs, mkwargs = map_leaves(lambda x: _watched(rec, to_meta(_device_on_meta(x))), (args, kwargs))
     rec.graph.inputs = tuple(
         rec.new_value(x, INPUT) for x in leaves((margs, mkwargs)) if isinstance(x, torch.Tensor)
@@ -349,6 +442,13 @@ def trace(
     rec.graph.outputs = tuple(
         rec.value_of(t) if isinstance(t, torch.Tensor) else None for t in flat_out
     )
-    from ..rules.strided import annotate  # rules import the graph types: import here
+    if shapes_only:
+        return rec.graph
+    return _annotate()(rec.graph)
 
-    return annotate(rec.graph)
+
+@functools.lru_cache(maxsize=None)
+def _annotate() -> Callable[[PrimGraph], PrimGraph]:
+    from ..rules.strided import annotate  # rules import the graph types: import late (once)
+
+    return annotate
