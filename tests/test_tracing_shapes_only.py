@@ -87,3 +87,37 @@ def test_a_shapes_only_trace_never_serves_as_the_global_graph():
         # a cached full graph serves the check as it is
         assert derive.traced_for_check(op, args, {}) is full
     derive.clear_caches()
+
+
+@pytest.mark.parametrize("shapes_only", [False, True])
+def test_a_write_into_a_tensor_that_has_a_view_is_refused(shapes_only):
+    """The graph is SSA: after `y.mul_(2)` the view `v = y.t()` would still name the value
+    from before the write, and a rule derived from that graph would be wrong. Under a
+    dispatch mode a kernel's result is not marked as a view, so aliasing is read from the
+    op's schema (t, split...), and a write into the base or into the view is refused."""
+
+    def write_base(t):
+        y = t.clone()
+        v = y.t()
+        y.mul_(2.0)
+        return v + 1
+
+    def write_view(t):
+        y = t.clone()
+        v = y.t()
+        v.mul_(2.0)
+        return y + 1
+
+    def write_base_of_split(t):
+        y = t.clone()
+        a, _ = y.split(2)
+        y.mul_(2.0)
+        return a + 1
+
+    for decomp in (write_base, write_view, write_base_of_split):
+        with clean_dispatch_state(), pytest.raises(UnsupportedOp, match="writes through a view"):
+            trace(aten.sum.default, (torch.randn(4, 4),), {}, has_rule, decomp=decomp, shapes_only=shapes_only)
+    # a write into a fresh tensor that nothing views stays traceable
+    with clean_dispatch_state():
+        trace(aten.sum.default, (torch.randn(4, 4),), {}, has_rule, shapes_only=shapes_only,
+              decomp=lambda t: t.clone().mul_(2.0).sum())

@@ -140,6 +140,21 @@ def _is_mutating(op: OpOverload) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def _aliased_args(op: OpOverload) -> tuple[tuple[int, str], ...]:
+    """(position, name) of the arguments some result aliases without writing: the base
+    of a view (`t`, `view`, `select`, `split`...). Read from the schema because a kernel's
+    result under a dispatch mode is not marked as a view (`_is_view()` is False)."""
+    # A list result (`Tensor(a)[]`, split) exposes no alias set of its own: any aliasing
+    # result makes every argument annotated as aliased (and not written) a base.
+    if not any(r.alias_info is not None and not r.alias_info.is_write for r in op._schema.returns):
+        return ()
+    return tuple(
+        (i, a.name) for i, a in enumerate(op._schema.arguments)
+        if a.alias_info is not None and not a.alias_info.is_write
+    )
+
+
+@functools.lru_cache(maxsize=None)
 def _tag_facts(op: OpOverload) -> tuple[bool, bool, bool]:
     """(data-dependent, random, dynamic output shape): schema facts, read once per op."""
     tags = op.tags
@@ -319,6 +334,9 @@ class TracingMode(TorchDispatchMode):
     def _record(self, func, args, kwargs):
         rec = self.rec
         self._refuse_writes_through_aliases(func, args, kwargs)
+        aliased = _aliased_args(func)
+        bases = [t for i, name in aliased
+                 if isinstance(t := (args[i] if i < len(args) else kwargs.get(name)), torch.Tensor)]
         in_ids: list[int] = []
         args, meta_args, dev = rec.split(args, in_ids)
         if kwargs:
@@ -342,11 +360,9 @@ class TracingMode(TorchDispatchMode):
         # results as the decomposition sees them: an in-place op hands back its (wrapped)
         # argument, any new tensor gets a wrapper
         outer = [rec.wrap(t) if isinstance(t, torch.Tensor) else t for t in flat_out]
-        for t, w in zip(flat_out, outer):
-            if isinstance(t, torch.Tensor) and t._is_view() and t._base is not None:
-                base = rec.outer_of(t._base)
-                rec.viewed.add(id(base if base is not None else t._base))
-                rec.viewed.add(id(w))
+        if bases:  # a view: a later write into either side would change the other
+            rec.viewed.update(id(b) for b in bases)
+            rec.viewed.update(id(w) for w in outer if isinstance(w, torch.Tensor))
         if rec.watch:
             in_signs = tuple(values[v].sign for v in in_ids)
             sign = (
