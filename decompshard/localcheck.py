@@ -175,25 +175,19 @@ def _compare(g: PrimGraph, l: PrimGraph, cand: Survivor, W: int, r: int, shapes)
     ops count as one: matmul reshapes a non-contiguous operand with clone +
     _unsafe_view and a contiguous one with view, and a shard can be contiguous where the
     global tensor is not (a transposed [B, H, S, hd] with one head per rank)."""
+    if isinstance(l, SubstitutedGraph):
+        # the global nodes with the same arguments (nothing differs but shapes): only
+        # the shapes are compared, and no argument can be a mean's scaling
+        return _compare_shapes(g, l, cand, W, r, g.nodes, l.nodes), False
     g_nodes, l_nodes = _compared_nodes(g), _compared_nodes(l)
     if [_op_class(n.op) for n in g_nodes] != [_op_class(n.op) for n in l_nodes]:
         return "the decomposition takes a different path on local shapes", False
     fraction = _shard_fraction(g, cand, shapes)
     scaled = False
     for gn, ln in zip(g_nodes, l_nodes):
-        for gv, lv in zip(gn.outputs, ln.outputs):
-            if gv is None or lv is None:
-                continue
-            p = cand.env.get(gv)
-            if p is None and not gn.constant:
-                continue
-            want = local_shape(g.meta(gv).shape, p, W, r)
-            got = tuple(l.meta(lv).shape)
-            if got != want:
-                return (
-                    f"node {gn.index} ({gn.op}) makes shape {list(got)} locally, "
-                    f"but {p} of {list(g.meta(gv).shape)} needs {list(want)}"
-                ), False
+        reason = _compare_shapes(g, l, cand, W, r, (gn,), (ln,))
+        if reason:
+            return reason, False
         diffs = [(a, b) for a, b in zip(gn.non_tensor_leaves(), ln.non_tensor_leaves()) if a != b]
         if not diffs or gn.op in SHAPE_ARG_OPS:
             continue
@@ -212,6 +206,26 @@ def _compare(g: PrimGraph, l: PrimGraph, cand: Survivor, W: int, r: int, shapes)
 
 _LAYOUT_COPIES = {aten.clone.default, aten.contiguous.default}
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+
+
+def _compare_shapes(g: PrimGraph, l, cand: Survivor, W: int, r: int, g_nodes, l_nodes) -> str:
+    """'' or the first value whose local shape is not the shard its placement implies."""
+    env = cand.env
+    for gn, ln in zip(g_nodes, l_nodes):
+        for gv, lv in zip(gn.outputs, ln.outputs):
+            if gv is None or lv is None:
+                continue
+            p = env.get(gv)
+            if p is None and not gn.constant:
+                continue
+            want = local_shape(g.meta(gv).shape, p, W, r)
+            got = tuple(l.meta(lv).shape)
+            if got != want:
+                return (
+                    f"node {gn.index} ({gn.op}) makes shape {list(got)} locally, "
+                    f"but {p} of {list(g.meta(gv).shape)} needs {list(want)}"
+                )
+    return ""
 
 
 def _compared_nodes(graph: PrimGraph | SubstitutedGraph) -> list:
