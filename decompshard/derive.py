@@ -228,16 +228,7 @@ def _hashable(x: Any) -> Any:
 def traced(op: OpOverload, args: tuple, kwargs: dict) -> PrimGraph:
     """The op's PrimGraph at these shapes (cached; raises UnsupportedOp)."""
     key = _key(op, args, kwargs)
-    hit = _TRACES.get(key)
-    if hit is None:
-        try:
-            hit = trace(op, args, kwargs, has_rule)
-        except UnsupportedOp as e:
-            hit = e
-        _TRACES.put(key, hit)
-    if isinstance(hit, UnsupportedOp):
-        raise hit
-    return hit
+    return _cached_trace(key, op, args, kwargs, shapes_only=False)
 
 
 def traced_for_check(op: OpOverload, args: tuple, kwargs: dict) -> PrimGraph:
@@ -245,16 +236,24 @@ def traced_for_check(op: OpOverload, args: tuple, kwargs: dict) -> PrimGraph:
     if one is cached, else a shapes-only one (tracing.trace(shapes_only=True), about
     half the cost), cached under its own key so it never serves as a global graph."""
     key = _key(op, args, kwargs)
+    full = _TRACES.get(key)
+    if full is not None:
+        return _or_raise(full)
+    return _cached_trace(("shapes only", key), op, args, kwargs, shapes_only=True)
+
+
+def _cached_trace(key: Any, op: OpOverload, args: tuple, kwargs: dict, shapes_only: bool) -> PrimGraph:
     hit = _TRACES.get(key)
     if hit is None:
-        local_key = ("shapes only", key)
-        hit = _TRACES.get(local_key)
-        if hit is None:
-            try:
-                hit = trace(op, args, kwargs, has_rule, shapes_only=True)
-            except UnsupportedOp as e:
-                hit = e
-            _TRACES.put(local_key, hit)
+        try:
+            hit = trace(op, args, kwargs, has_rule, shapes_only=shapes_only)
+        except UnsupportedOp as e:
+            hit = e
+        _TRACES.put(key, hit)
+    return _or_raise(hit)
+
+
+def _or_raise(hit: PrimGraph | UnsupportedOp) -> PrimGraph:
     if isinstance(hit, UnsupportedOp):
         raise hit
     return hit
