@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -87,6 +88,11 @@ def propagate(
 
     With `fixed_inputs` (one placement per graph input) only that candidate is followed,
     which is what `explain` and the lift's re-check need.
+
+    Inside, every placement is a small int (`_code`) and every rule table is encoded once
+    (`_encoded`): the solver hashes and compares tuples of placements at every node, and
+    int tuples hash in C where placement tuples call a dataclass `__hash__` per item.
+    Survivors and rejections are decoded back to placements at the end.
     """
     result = Propagation()
     allowed = {v: set(input_alphabet(graph, v)) for v in graph.inputs}
@@ -102,41 +108,115 @@ def propagate(
     live_after = _live_after(graph)
     input_ids = frozenset(graph.inputs)
     owner: dict[int, _Factor] = {}  # value id -> the factor that placed it
+    allowed_c = {v: {_code(p) for p in ps} for v, ps in allowed.items()}
 
     for node in graph.nodes:
         if node.constant:  # made locally, identical on every rank: see constant_alphabet
             continue
-        touched = list({id(f): f for v in node.inputs if (f := owner.get(v)) is not None}.values())
-        joined = _join(node, rules_for(node), touched, owner, allowed, floating)
-        _record_deaths(result, graph, node, touched, joined.matched)
-        factor = _Factor(
-            set().union(*(f.values for f in touched), node.inputs, (v for v in node.outputs if v is not None)),
-            [],
-        )
-        live = tuple(v for v in live_after[node.index] if v in factor.values)
+        ins, outs = node.inputs, node.outputs
+        touched = list({id(f): f for v in ins if (f := owner.get(v)) is not None}.values())
+        joined = _join(node, _encoded(rules_for(node)), touched, owner, allowed_c, floating)
+        if len(joined.matched) < math.prod([len(f.entries) for f in touched]):
+            _record_deaths(result, graph, node, touched, joined.matched)
+        if len(touched) == 1 and owner.keys().isdisjoint(outs):
+            # the factor grows by the node's new values: kept, not rebuilt
+            factor = touched[0]
+            values = factor.values
+            for v in (*ins, *outs):
+                if v is not None and v not in values:
+                    values.add(v)
+                    owner[v] = factor
+        else:
+            factor = _Factor(set().union(*(f.values for f in touched), ins, (v for v in outs if v is not None)), [])
+            for v in factor.values:
+                owner[v] = factor
+        values = factor.values
+        live = tuple([v for v in live_after[node.index] if v in values])
         merged: dict[tuple, _Entry] = {}
         for entry in joined.entries:
-            env = entry.env
-            merged.setdefault((tuple([env.get(v) for v in live]), entry.even), entry)
+            merged.setdefault((tuple(map(entry.env.get, live)), entry.even), entry)
         factor.entries = _undominated(merged, live, input_ids, floating)
         if not factor.entries:
             return result
-        for v in factor.values:
-            owner[v] = factor
 
     _collect_survivors(result, graph, owner, allowed)
     return result
 
 
+# Placement <-> small int, shared by every run (the alphabet is small: R, S(d), P(op), and
+# the few strided shards views make). Codes only grow; a new one is published to the
+# decoding side and the class sets before the encoding side, under a lock.
+_ENC: dict = {None: None}
+_DEC: dict = {None: None}
+_SHARD_C: set[int] = set()  # codes of S(d) and strided shards
+_STRIDED_C: set[int] = set()  # codes of strided shards
+_CODE_LOCK = threading.Lock()
+
+
+def _code(p: MaybePlacement) -> int | None:
+    """The int standing for placement `p` inside the solver (None stays None)."""
+    c = _ENC.get(p)
+    if c is None and p is not None:
+        with _CODE_LOCK:
+            c = _ENC.get(p)
+            if c is None:
+                c = len(_DEC) - 1
+                _DEC[c] = p
+                if is_shard(p):
+                    _SHARD_C.add(c)
+                if is_strided(p):
+                    _STRIDED_C.add(c)
+                _ENC[p] = c
+    return c
+
+
+_R_C = _code(R)
+
+
+# A replicated value is also a valid P(avg), P(max) and P(min) (every rank holds the true
+# value, and the average / max / min of identical copies is that value). So a rule that
+# wants one of those accepts R as it is — no data moves.
+_R_SATISFIES = {P("avg"), P("max"), P("min")}
+_RSAT_C = frozenset(_code(P(op)) for op in ("avg", "max", "min"))  # interned in a fixed order
+
+
+# A rule table encoded once: per rule (input codes, output codes, even_only, some output
+# sharded, some input wanted as P(avg|max|min)). Keyed by the table's identity (the
+# registry's cache hands out the same tuple each time); the entry holds the table, so its
+# id cannot be reused while it is here. Lists (tests' own tables) are encoded per call.
+_ENC_TABLES: dict[int, tuple] = {}
+_ENC_TABLES_MAX = 4096
+
+
+def _encoded(table: Sequence[SingleDimRule]) -> tuple:
+    cacheable = type(table) is tuple
+    if cacheable:
+        hit = _ENC_TABLES.get(id(table))
+        if hit is not None and hit[0] is table:
+            return hit[1]
+    enc = []
+    for r in table:
+        outs = tuple([_code(p) for p in r.outputs])
+        ins = tuple([_code(p) for p in r.inputs])
+        enc.append((ins, outs, r.even_only, not _SHARD_C.isdisjoint(outs), not _RSAT_C.isdisjoint(ins)))
+    enc = tuple(enc)
+    if cacheable:
+        if len(_ENC_TABLES) >= _ENC_TABLES_MAX:
+            _ENC_TABLES.clear()
+        _ENC_TABLES[id(table)] = (table, enc)
+    return enc
+
+
 @dataclass(slots=True)
 class _Entry:
-    """One way a factor's values can be placed: every placement it made, whether some
-    rule on the way holds for even shards only, and the rule matched at each node.
+    """One way a factor's values can be placed: every placement it made (as codes),
+    whether some rule on the way holds for even shards only, and the rule matched at
+    each node.
 
     `path` is persistent, (node index, rule index, the parts' paths), so that building
     an entry does not copy every earlier node's choice; `_steps` flattens it."""
 
-    env: dict[int, MaybePlacement]
+    env: dict[int, int | None]
     even: bool
     path: tuple
     sharded: bool = False  # some value it placed is sharded (else no local shape differs)
@@ -172,15 +252,119 @@ class _Joined:
     matched: set[tuple[int, ...]]  # combinations of the touched factors' entries some rule took
 
 
-def _join(node: PrimNode, table, touched: list[_Factor], owner: dict, allowed: dict, floating) -> _Joined:
+def _join(node: PrimNode, table: tuple, touched: list[_Factor], owner: dict, allowed: dict, floating) -> _Joined:
     """Every (entry of each touched factor, rule, placement of values read for the first
     time) that fits the node. Each rule filters each factor on its own, so only the
     combinations that match are ever built: independent inputs cost the rule set's size,
-    not the product of every factor's entries.
+    not the product of every factor's entries. `table` is `_encoded`, `allowed` in codes.
 
     A factor's entries are grouped by the placements they give the node's inputs, and
     rules wanting the same placements share one filtering: the work per rule is a dict
-    look-up, not a `_reads` per (entry, input)."""
+    look-up, not a `_reads` per (entry, input). Entries come out entry-major, then in
+    rule order (as a per-state scan visits them). Most nodes read one factor, or none
+    (only graph inputs and constants): those are built here directly; `_join_many`
+    joins several."""
+    n_f = len(touched)
+    if n_f > 1:
+        return _join_many(node, table, touched, owner, allowed, floating)
+    inputs = node.inputs
+    n_in = len(inputs)
+    outputs = node.outputs
+    index = node.index
+    no_fresh = [({}, False)] if all(v in owner for v in inputs) else None
+    fresh_memo: dict[tuple, list] = {}
+    out_pairs_memo: dict[int, list] = {}
+    entries: list[_Entry] = []
+    if n_f == 0:
+        for ri, (wants, outs, r_even, out_sharded, _) in enumerate(table):
+            fresh = no_fresh
+            if fresh is None:
+                fresh = fresh_memo.get(wants)
+                if fresh is None:
+                    fresh = fresh_memo[wants] = [
+                        (a, not _SHARD_C.isdisjoint(a.values()))
+                        for a in _fresh_assignments(wants, node, owner, allowed, floating)
+                    ]
+                if not fresh:
+                    continue
+            out_pairs = [(v, p) for v, p in zip(outputs, outs) if v is not None]
+            path = (index, ri, ())
+            for assigned, fresh_sharded in fresh:
+                env = dict(assigned)
+                for v, p in out_pairs:
+                    env[v] = p
+                entries.append(_Entry(env, r_even, path, fresh_sharded or out_sharded))
+        return _Joined(entries, {()} if entries else set())
+    f = touched[0]
+    f_entries = f.entries
+    pos = tuple([i for i, v in enumerate(inputs) if owner.get(v) is f])
+    vals = [inputs[i] for i in pos]
+    groups: dict[tuple, list[int]] = {}
+    for i, e in enumerate(f_entries):
+        env = e.env
+        groups.setdefault(tuple([env[v] for v in vals]), []).append(i)
+    is_float = [v in floating for v in inputs]
+    float_at = [is_float[i] for i in pos]
+    whole = len(pos) == n_in  # the factor placed every input: wants = rule.inputs
+    by_entry: list = [None] * len(f_entries)  # per entry: (rule index, fresh) it takes
+    for ri, rule in enumerate(table):
+        wants_all = rule[0]
+        if len(wants_all) < n_in:  # a short rule constrains only its own inputs
+            p2 = tuple([i for i in pos if i < len(wants_all)])
+            fits = _fits(groups, tuple([wants_all[i] for i in p2]), [is_float[i] for i in p2])
+        elif not rule[4]:  # no R-reads-as-P option: one look-up
+            fits = groups.get(wants_all if whole else tuple([wants_all[i] for i in pos]))
+        elif whole:
+            fits = _fits(groups, wants_all, float_at)
+        else:
+            fits = _fits(groups, tuple([wants_all[i] for i in pos]), float_at)
+        if not fits:
+            continue
+        fresh = no_fresh
+        if fresh is None:
+            fresh = fresh_memo.get(wants_all)
+            if fresh is None:
+                fresh = fresh_memo[wants_all] = [
+                    (a, not _SHARD_C.isdisjoint(a.values()))
+                    for a in _fresh_assignments(wants_all, node, owner, allowed, floating)
+                ]
+            if not fresh:
+                continue
+        took = (ri, fresh)
+        for i in fits:
+            b = by_entry[i]
+            if b is None:
+                by_entry[i] = [took]
+            else:
+                b.append(took)
+    matched: set[tuple[int, ...]] = set()
+    for i, b in enumerate(by_entry):
+        if b is None:
+            continue
+        matched.add((i,))
+        e = f_entries[i]
+        e_env, e_even, e_sharded, paths = e.env, e.even, e.sharded, (e.path,)
+        for ri, fresh in b:
+            _, outs, r_even, out_sharded, _ = table[ri]
+            out_pairs = out_pairs_memo.get(ri)
+            if out_pairs is None:
+                out_pairs = out_pairs_memo[ri] = [(v, p) for v, p in zip(outputs, outs) if v is not None]
+            path = (index, ri, paths)
+            even = r_even or e_even
+            for assigned, fresh_sharded in fresh:
+                env = e_env.copy()
+                if assigned:
+                    env.update(assigned)
+                for v, p in out_pairs:
+                    env[v] = p
+                entries.append(_Entry(env, even, path, e_sharded or fresh_sharded or out_sharded))
+    return _Joined(entries, matched)
+
+
+def _join_many(node: PrimNode, table: tuple, touched: list[_Factor], owner: dict, allowed: dict, floating) -> _Joined:
+    """`_join` for a node that reads values of two or more factors: each factor filtered
+    per rule as in `_join`, then the product of the matching entries, sorted entry-major
+    and in rule order."""
     inputs = node.inputs
     n_in = len(inputs)
     # per touched factor: the node's input positions it placed, and its entries grouped
@@ -204,7 +388,7 @@ def _join(node: PrimNode, table, touched: list[_Factor], owner: dict, allowed: d
     matched: set[tuple[int, ...]] = set()
     n_f = len(touched)
     for ri, rule in enumerate(table):
-        wants_all = rule.inputs
+        wants_all = rule[0]
         short = len(wants_all) < n_in
         per_factor = []
         for k in range(n_f):
@@ -224,8 +408,8 @@ def _join(node: PrimNode, table, touched: list[_Factor], owner: dict, allowed: d
                 fresh = fresh_memo.get(wants_all)
                 if fresh is None:
                     fresh = fresh_memo[wants_all] = [
-                        (a, any(is_shard(p) for p in a.values()))
-                        for a in _fresh_assignments(rule, node, owner, allowed, floating)
+                        (a, not _SHARD_C.isdisjoint(a.values()))
+                        for a in _fresh_assignments(wants_all, node, owner, allowed, floating)
                     ]
                 if not fresh:
                     continue
@@ -245,23 +429,19 @@ def _join(node: PrimNode, table, touched: list[_Factor], owner: dict, allowed: d
     found.sort()
     entries = []
     outputs = node.outputs
-    out_pairs_memo: dict[int, tuple] = {}
+    out_pairs_memo: dict[int, list] = {}
     index = node.index
     single = len(touched) == 1
     for combo, ri, _, assigned, fresh_sharded in found:
-        rule = table[ri]
-        out_info = out_pairs_memo.get(ri)
-        if out_info is None:
-            out_info = out_pairs_memo[ri] = (
-                [(v, p) for v, p in zip(outputs, rule.outputs) if v is not None],
-                any(is_shard(p) for p in rule.outputs),
-            )
-        out_pairs, out_sharded = out_info
+        _, rule_outs, rule_even, out_sharded, _ = table[ri]
+        out_pairs = out_pairs_memo.get(ri)
+        if out_pairs is None:
+            out_pairs = out_pairs_memo[ri] = [(v, p) for v, p in zip(outputs, rule_outs) if v is not None]
         if single:
             e = touched[0].entries[combo[0]]
             env = e.env.copy()
             paths = (e.path,)
-            even = rule.even_only or e.even
+            even = rule_even or e.even
             sharded = e.sharded or fresh_sharded or out_sharded
         else:
             parts = [f.entries[i] for f, i in zip(touched, combo)]
@@ -269,7 +449,7 @@ def _join(node: PrimNode, table, touched: list[_Factor], owner: dict, allowed: d
             for e in parts:
                 env.update(e.env)
             paths = tuple(e.path for e in parts)
-            even = rule.even_only or any(e.even for e in parts)
+            even = rule_even or any(e.even for e in parts)
             sharded = any(e.sharded for e in parts) or fresh_sharded or out_sharded
         if assigned:
             env.update(assigned)
@@ -282,13 +462,14 @@ def _join(node: PrimNode, table, touched: list[_Factor], owner: dict, allowed: d
 def _fits(groups: dict[tuple, list[int]], wants: tuple, is_float: list[bool]) -> list[int]:
     """Indices (ascending) of the entries whose placements at a factor's positions fit
     `wants` (each exactly, or R where a floating value is wanted as P(avg|max|min)),
-    looked up in the entries grouped by those placements."""
+    looked up in the entries grouped by those placements (all codes)."""
     options = None
-    for j, (w, fl) in enumerate(zip(wants, is_float)):
-        if fl and w in _R_SATISFIES:
-            if options is None:
-                options = [(x,) for x in wants]
-            options[j] = (w, R)
+    if not _RSAT_C.isdisjoint(wants):
+        for j, (w, fl) in enumerate(zip(wants, is_float)):
+            if fl and w in _RSAT_C:
+                if options is None:
+                    options = [(x,) for x in wants]
+                options[j] = (w, _R_C)
     if options is None:
         return groups.get(wants, _NONE)
     out: list[int] = []
@@ -311,23 +492,25 @@ def _reads(have: MaybePlacement, want: MaybePlacement, is_float: bool) -> bool:
     return have == want or (have == R and want in _R_SATISFIES and is_float)
 
 
-def _fresh_assignments(rule: SingleDimRule, node: PrimNode, owner: dict, allowed: dict, floating) -> list[dict]:
-    """Placements for the graph inputs and constants this node reads for the first time
-    that fit `rule` (a wanted P(avg|max|min) may also be met by R)."""
+def _fresh_assignments(wants: tuple, node: PrimNode, owner: dict, allowed: dict, floating) -> list[dict]:
+    """Placements (codes) for the graph inputs and constants this node reads for the
+    first time that fit a rule wanting `wants` (codes; a wanted P(avg|max|min) may also
+    be met by R)."""
     envs: list[dict] = [{}]
-    for v, want in zip(node.inputs, rule.inputs):
+    for v, want in zip(node.inputs, wants):
         if v in owner:
             continue
         nxt = []
         for e in envs:
             if v in e:
-                if _reads(e[v], want, v in floating):
+                have = e[v]
+                if have == want or (have == _R_C and want in _RSAT_C and v in floating):
                     nxt.append(e)
                 continue
             if v in allowed and want in allowed[v]:
                 nxt.append({**e, v: want})
-            if want in _R_SATISFIES and v in floating and R in allowed.get(v, ()):
-                nxt.append({**e, v: R})
+            if want in _RSAT_C and v in floating and _R_C in allowed.get(v, ()):
+                nxt.append({**e, v: _R_C})
         envs = nxt
         if not envs:
             return []
@@ -348,6 +531,7 @@ def _record_deaths(result: Propagation, graph: PrimGraph, node: PrimNode, touche
     wanted = tuple(dict.fromkeys((*graph.inputs, *node.inputs)))  # only these are recorded
     seen: list[list] = [[None] * n for n in sizes]  # filled on first use
     g_inputs, n_inputs, index = graph.inputs, node.inputs, node.index
+    dec = _DEC
     for combo in itertools.product(*(range(n) for n in sizes)):
         if combo in matched:
             continue
@@ -356,7 +540,7 @@ def _record_deaths(result: Propagation, graph: PrimGraph, node: PrimNode, touche
             part = seen[k][i]
             if part is None:
                 e_env = touched[k].entries[i].env
-                part = seen[k][i] = {v: e_env[v] for v in wanted if v in e_env}
+                part = seen[k][i] = {v: dec[e_env[v]] for v in wanted if v in e_env}
             env.update(part)
         result.rejections.append(
             Rejection(tuple([env.get(v) for v in g_inputs]), index, tuple([env.get(v) for v in n_inputs]))
@@ -367,16 +551,18 @@ def _record_deaths(result: Propagation, graph: PrimGraph, node: PrimNode, touche
 
 def _collect_survivors(result: Propagation, graph: PrimGraph, owner: dict, allowed: dict) -> None:
     """The product of the independent factors left at the end, with every input no node
-    read taking each placement it may."""
+    read taking each placement it may (`allowed` in placements; decoded here)."""
     factors = list({id(f): f for f in owner.values()}.values())
     unread = [v for v in dict.fromkeys(graph.inputs) if v not in owner]
     seen: set[tuple] = set()
     n = len(graph.nodes)
     producer = graph.producer()
-    unread_choices = [sorted(allowed[v], key=_order) for v in unread]
+    unread_choices = [[_code(p) for p in sorted(allowed[v], key=_order)] for v in unread]
     g_inputs, g_outputs = graph.inputs, graph.outputs
+    dec = _DEC
+    strided_c = _STRIDED_C
     for parts in itertools.product(*(f.entries for f in factors)):
-        base: dict[int, MaybePlacement] = {}
+        base: dict[int, int | None] = {}
         steps: dict[int, int] = {}
         for e in parts:
             base.update(e.env)
@@ -385,18 +571,21 @@ def _collect_survivors(result: Propagation, graph: PrimGraph, owner: dict, allow
         sharded = any(e.sharded for e in parts)
         path = tuple([steps.get(i, 0) for i in range(n)])
         for combo in itertools.product(*unread_choices):
-            env = {**base, **dict(zip(unread, combo))}
+            env = {**base, **dict(zip(unread, combo))} if unread else base
             ins = tuple([env[v] for v in g_inputs])
-            outs = tuple([None if v is None else env.get(v, R) for v in g_outputs])
+            outs = tuple([None if v is None else env.get(v, _R_C) for v in g_outputs])
             key = (ins, outs, even)
             if key in seen:
                 continue
             seen.add(key)
-            strided = [(v, p) for v, p in zip(g_outputs, outs) if is_strided(p)]
+            strided = [(v, dec[p]) for v, p in zip(g_outputs, outs) if p in strided_c] if strided_c else None
+            env = {v: dec[p] for v, p in env.items()}
+            ins = tuple([dec[p] for p in ins])
             if strided:  # a layout inside the graph only: an op's rule says S(d), R or P
                 _record_strided_output(result, graph, producer, env, ins, strided[0])
                 continue
-            result.survivors.append(Survivor(ins, outs, even, env, path, sharded or any(map(is_shard, combo))))
+            outs = tuple([dec[p] for p in outs])
+            result.survivors.append(Survivor(ins, outs, even, env, path, sharded or not _SHARD_C.isdisjoint(combo)))
 
 
 def _record_strided_output(result: Propagation, graph: PrimGraph, producer: dict, env: dict, ins: tuple, out) -> None:
@@ -411,30 +600,26 @@ def _record_strided_output(result: Propagation, graph: PrimGraph, producer: dict
         "a layout inside a decomposition, not a placement of an op's rule"))
 
 
-# A replicated value is also a valid P(avg), P(max) and P(min) (every rank holds the true
-# value, and the average / max / min of identical copies is that value). So a rule that
-# wants one of those accepts R as it is — no data moves.
-_R_SATISFIES = {P("avg"), P("max"), P("min")}
-
-
 def _undominated(states: dict[tuple, "_Entry"], live: tuple[int, ...], inputs: frozenset, floating: frozenset) -> list["_Entry"]:
     """Drop a state that differs from another only by holding P(avg|max|min) where the
     other holds R on some intermediate or output value (a rule that wants P(avg) on a
     Replicate value makes such copies: unbind_copy's five clones made 4^5 of them).
     Every rule that accepts the P value accepts R too, and both have full local shapes,
     so the R state reaches everything the P state does, and its rules dominate (see
-    derive._drop_implied). Graph inputs are never promoted: they name the candidate."""
+    derive._drop_implied). Graph inputs are never promoted: they name the candidate.
+    Placements are codes here."""
     promotable = [i for i, v in enumerate(live) if v not in inputs and v in floating]
     if not promotable:
         return list(states.values())
     every = len(promotable) == len(live)
+    rsat, r_c = _RSAT_C, _R_C
     out = []
     for (placements, even), st in states.items():
-        if not _R_SATISFIES.isdisjoint(placements if every else [placements[i] for i in promotable]):
+        if not rsat.isdisjoint(placements if every else [placements[i] for i in promotable]):
             promoted = list(placements)
             for i in promotable:
-                if promoted[i] in _R_SATISFIES:
-                    promoted[i] = R
+                if promoted[i] in rsat:
+                    promoted[i] = r_c
             promoted = tuple(promoted)
             if (promoted, False) in states or (even and (promoted, True) in states):
                 continue
