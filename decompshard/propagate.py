@@ -252,6 +252,19 @@ class _Joined:
     matched: set[tuple[int, ...]]  # combinations of the touched factors' entries some rule took
 
 
+def _fresh(memo: dict, wants: tuple, node: PrimNode, owner: dict, allowed: dict, floating) -> list:
+    """The placements a rule wanting `wants` gives the node's values read for the first
+    time (graph inputs, constants), each with whether it shards one: once per distinct
+    `wants` (`memo`, one per join). Callers skip the call when every input already has
+    an owner factor (then there is nothing to choose: `[({}, False)]`)."""
+    fresh = memo.get(wants)
+    if fresh is None:
+        fresh = memo[wants] = [
+            (a, not _SHARD_C.isdisjoint(a.values())) for a in _fresh_assignments(wants, node, owner, allowed, floating)
+        ]
+    return fresh
+
+
 def _join(node: PrimNode, table: tuple, touched: list[_Factor], owner: dict, allowed: dict, floating) -> _Joined:
     """Every (entry of each touched factor, rule, placement of values read for the first
     time) that fits the node. Each rule filters each factor on its own, so only the
@@ -277,16 +290,9 @@ def _join(node: PrimNode, table: tuple, touched: list[_Factor], owner: dict, all
     entries: list[_Entry] = []
     if n_f == 0:
         for ri, (wants, outs, r_even, out_sharded, _) in enumerate(table):
-            fresh = no_fresh
-            if fresh is None:
-                fresh = fresh_memo.get(wants)
-                if fresh is None:
-                    fresh = fresh_memo[wants] = [
-                        (a, not _SHARD_C.isdisjoint(a.values()))
-                        for a in _fresh_assignments(wants, node, owner, allowed, floating)
-                    ]
-                if not fresh:
-                    continue
+            fresh = no_fresh or _fresh(fresh_memo, wants, node, owner, allowed, floating)
+            if not fresh:
+                continue
             out_pairs = [(v, p) for v, p in zip(outputs, outs) if v is not None]
             path = (index, ri, ())
             for assigned, fresh_sharded in fresh:
@@ -320,16 +326,9 @@ def _join(node: PrimNode, table: tuple, touched: list[_Factor], owner: dict, all
             fits = _fits(groups, tuple([wants_all[i] for i in pos]), float_at)
         if not fits:
             continue
-        fresh = no_fresh
-        if fresh is None:
-            fresh = fresh_memo.get(wants_all)
-            if fresh is None:
-                fresh = fresh_memo[wants_all] = [
-                    (a, not _SHARD_C.isdisjoint(a.values()))
-                    for a in _fresh_assignments(wants_all, node, owner, allowed, floating)
-                ]
-            if not fresh:
-                continue
+        fresh = no_fresh or _fresh(fresh_memo, wants_all, node, owner, allowed, floating)
+        if not fresh:
+            continue
         took = (ri, fresh)
         for i in fits:
             b = by_entry[i]
@@ -403,16 +402,9 @@ def _join_many(node: PrimNode, table: tuple, touched: list[_Factor], owner: dict
                 break
             per_factor.append(fits)
         else:
-            fresh = no_fresh
-            if fresh is None:
-                fresh = fresh_memo.get(wants_all)
-                if fresh is None:
-                    fresh = fresh_memo[wants_all] = [
-                        (a, not _SHARD_C.isdisjoint(a.values()))
-                        for a in _fresh_assignments(wants_all, node, owner, allowed, floating)
-                    ]
-                if not fresh:
-                    continue
+            fresh = no_fresh or _fresh(fresh_memo, wants_all, node, owner, allowed, floating)
+            if not fresh:
+                continue
             if n_f == 1:
                 for i in per_factor[0]:
                     combo = (i,)
