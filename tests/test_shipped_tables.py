@@ -59,6 +59,22 @@ def test_the_table_is_used_and_says_the_same_as_a_live_query():
     assert key is not None
 
 
+def test_decoded_entries_are_kept_only_for_what_ships():
+    """The decode memo lives across clear_caches (it holds package data), so a class
+    the table lacks must not be remembered in it: a long job meets unboundedly many."""
+    src = _source(aten.mul.Tensor)
+    shipped = torch_tables.shipped_table()["entries"][src.SOURCE]
+    unshipped = [n for n in (_node(aten.mul.Tensor, _meta(*[2 + i] * 7), _meta(*[2 + i] * 7)) for i in range(3))
+                 if class_key(n) is not None and class_key(n) not in shipped]
+    assert unshipped, "expected rank-7 classes to be absent from the shipped table"
+    before = dict(torch_tables._SHIPPED.decoded)
+    for node in unshipped:
+        assert [r.key() for r in torch_tables.torch_rules(src, node)] == [r.key() for r in src.rules(node)]
+    new = set(torch_tables._SHIPPED.decoded) - set(before)
+    assert all(key in shipped for _, key in new)
+    assert not any(class_key(n) in {k for _, k in torch_tables._SHIPPED.decoded} for n in unshipped)
+
+
 # Broadcasting and size-1 patterns: pairs of input shapes, each a class of its own.
 BROADCASTS = [
     ((5, 7), (5, 7)), ((5, 5), (5, 5)), ((5, 7), (7,)), ((5, 7), (1, 7)), ((5, 7), (5, 1)),

@@ -45,7 +45,7 @@ class _Shipped:
         self.loaded = False
         self.verified: frozenset[str] = frozenset()
         self.entries: dict[str, dict[str, Any]] = {}
-        self.decoded: dict[tuple[str, str], tuple[SingleDimRule, ...] | None] = {}  # see _decoded
+        self.decoded: dict[tuple[str, str], tuple[SingleDimRule, ...]] = {}  # see _decoded
 
     def load(self) -> None:
         self.loaded = True
@@ -90,12 +90,16 @@ def _decoded(source: str, key: str) -> tuple[SingleDimRule, ...] | None:
     The shipped table is package data that never changes while the process runs (read
     once, for one torch release), and rules are frozen values, so each entry is decoded
     once per loaded table: clear_cache (a cold derivation) need not forget these, as
-    they hold nothing computed from a call."""
+    they hold nothing computed from a call. Only shipped entries are memoised (a miss is
+    one dict look-up), so the memo never outgrows the table however many classes a
+    long job meets."""
     memo = _SHIPPED.decoded
-    hit = memo.get((source, key), _MISSING)
-    if hit is _MISSING:
+    hit = memo.get((source, key))
+    if hit is None:
         shipped = _SHIPPED.entries.get(source, {}).get(key)
-        hit = memo[(source, key)] = None if shipped is None else tuple(decode(shipped, source))
+        if shipped is None:
+            return None
+        hit = memo[(source, key)] = tuple(decode(shipped, source))
     return hit
 
 
