@@ -218,20 +218,20 @@ class _Recorder:
             vid = self.new_value(t, CONST)
         return vid
 
-    def split(self, tree: Any, in_ids: list[int]) -> tuple[Any, Any, bool]:
+    def split(self, tree: Any, in_ids: list[int]) -> tuple[Any, Any]:
         """One walk over a call's argument tree: (the tree as the kernel takes it: plain
-        tensors, a device argument turned meta; the tree as the node records it: tensors
-        as their TensorMeta; whether a device was seen). Appends each tensor's value id
-        to `in_ids` in leaf order; containers come back as `map_leaves` rebuilds them."""
+        tensors, a device argument turned meta so a factory naming a real device stays on
+        meta; the tree as the node records it: tensors as their TensorMeta). Appends each
+        tensor's value id to `in_ids` in leaf order; containers come back as `map_leaves`
+        rebuilds them."""
         t = type(tree)
         if t is tuple or t is list:
             items = tree
         elif t is dict:
-            plain, meta, dev = {}, {}, False
+            plain, meta = {}, {}
             for k, x in tree.items():
-                plain[k], meta[k], d = self.split(x, in_ids)
-                dev |= d
-            return plain, meta, dev
+                plain[k], meta[k] = self.split(x, in_ids)
+            return plain, meta
         elif _is_container(tree):  # a tuple subclass (torch.return_types): a list
             items, t = tree, list
         elif isinstance(tree, torch.Tensor):
@@ -239,14 +239,14 @@ class _Recorder:
             if vid is None:
                 vid = self.value_of(tree)
             in_ids.append(vid)
-            return (tree.inner if type(tree) is _Watched else tree), self.graph.values[vid].meta, False
+            return (tree.inner if type(tree) is _Watched else tree), self.graph.values[vid].meta
         elif type(tree) is torch.device:
-            return _META, _META, True
+            return _META, _META
         else:
-            return tree, tree, False
+            return tree, tree
         values = self.graph.values
         vids = self._vid
-        plain, meta, dev = [], [], False
+        plain, meta = [], []
         for x in items:
             tx = type(x)
             if tx is _Watched or tx is torch.Tensor:  # the common leaves, inline
@@ -260,13 +260,12 @@ class _Recorder:
                 plain.append(x)
                 meta.append(x)
             else:
-                p, m, d = self.split(x, in_ids)
+                p, m = self.split(x, in_ids)
                 plain.append(p)
                 meta.append(m)
-                dev |= d
         if t is tuple:
-            return tuple(plain), tuple(meta), dev
-        return plain, meta, dev
+            return tuple(plain), tuple(meta)
+        return plain, meta
 
 
 # What the tracing mode does with an op (TracingMode._plan; the same for a whole trace)
@@ -338,10 +337,9 @@ class TracingMode(TorchDispatchMode):
         bases = [t for i, name in aliased
                  if isinstance(t := (args[i] if i < len(args) else kwargs.get(name)), torch.Tensor)]
         in_ids: list[int] = []
-        args, meta_args, dev = rec.split(args, in_ids)
+        args, meta_args = rec.split(args, in_ids)
         if kwargs:
-            kwargs, meta_kwargs, kdev = rec.split(kwargs, in_ids)
-            dev |= kdev  # a factory naming a real device was turned to meta: stay on meta
+            kwargs, meta_kwargs = rec.split(kwargs, in_ids)
         else:
             kwargs, meta_kwargs = {}, {}
         in_ids = tuple(in_ids)
@@ -407,10 +405,6 @@ def _watched(rec: _Recorder, x: Any) -> Any:
 
 def _device_on_meta(x: Any) -> Any:
     return _META if isinstance(x, torch.device) else x
-
-
-def _on_meta(tree):
-    return map_leaves(_device_on_meta, tree)
 
 
 def _one_line(e: BaseException) -> str:
