@@ -16,6 +16,7 @@ __all__ = [
     "DTensor", "DTensorSpec", "DecompShardingStrategy", "OpSchema", "OpSpec", "OpStrategy",
     "TensorMeta", "TorchPartial", "TorchReplicate", "TorchShard", "TorchStridedShard",
     "TupleStrategy", "_ShardingPlaceholder", "_compute_local_shape_and_global_offset", "clear_dtensor_caches",
+    "dtensor_default_dispatch", "dtensor_local_results", "dtensor_output_spec", "unsharded_dtensor",
     "fake_one_rank_mesh", "from_torch_placement", "has_native_strategy", "is_dispatchable", "op_strategy_func",
     "sharding_propagator", "single_dim_strategy_info", "to_torch_placement",
     "torch_decomposition_table",
@@ -150,3 +151,40 @@ def to_torch_placement(p: Any) -> Any:
     if isinstance(p, Replicate):
         return TorchReplicate()
     raise TypeError(f"not a placement: {p!r}")
+
+
+def dtensor_local_results(op_call: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+    """DTensor's own path for one call, stopped before wrapping: propagate the sharding,
+    redistribute the inputs as the chosen strategy asks, run the local kernel. Returns
+    (local results, output spec). For a custom handler that post-processes the local
+    results (the guard's mean-loss handler)."""
+    dispatcher = DTensor._op_dispatcher
+    op_info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
+    dispatcher.sharding_propagator.propagate(op_info)
+    local = dispatcher._dispatch_get_local_results_slow_path(op_call, args, op_info)
+    return local, op_info.output_sharding.output_spec
+
+
+def dtensor_output_spec(op_call: Any, args: tuple, kwargs: dict) -> Any:
+    """The output spec DTensor's sharding propagation chooses for this call (no run)."""
+    dispatcher = DTensor._op_dispatcher
+    op_info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
+    dispatcher.sharding_propagator.propagate(op_info)
+    return op_info.output_sharding.output_spec
+
+
+def dtensor_default_dispatch(op_call: Any, args: tuple, kwargs: dict) -> Any:
+    """What DTensor does for an op without a custom handler, for a handler that only
+    takes some calls: the local results wrapped in DTensors with the chosen specs."""
+    local, spec = dtensor_local_results(op_call, args, kwargs)
+    return DTensor._op_dispatcher.wrap(local, spec)
+
+
+def unsharded_dtensor(local: torch.Tensor, mesh: Any, placements: Any) -> Any:
+    """A DTensor around a local tensor whose placements shard nothing (Replicate and
+    Partial only: the global shape is the local one). For use inside dispatch (no
+    autograd, no checks)."""
+    if any(isinstance(p, (TorchShard, TorchStridedShard)) for p in placements):
+        raise ValueError(f"unsharded_dtensor: {tuple(placements)} shards the tensor")
+    meta = TensorMeta(local.shape, local.stride(), local.dtype)
+    return DTensor(local, DTensorSpec(mesh, tuple(placements), tensor_meta=meta), requires_grad=False)

@@ -47,7 +47,8 @@ from ._compat import (
     sharding_propagator,
 )
 from .dispatch_modes.graph import freeze, leaves
-from .guard_table import HANDLERS_SKIPPING_REDISTRIBUTION, WRONG_RULES
+from .guard_losses import mean_loss_handler
+from .guard_table import HANDLERS_SKIPPING_REDISTRIBUTION, MEAN_OF_MEANS_LOSSES, WRONG_RULES
 from .placements import SingleDimRule, format_rule
 
 __all__ = ["ENV", "install", "is_installed", "uninstall", "wanted"]
@@ -57,6 +58,7 @@ CHECK_LIMIT = 1 << 18  # input elements up to which a listed rule is checked at 
 
 _lock = threading.RLock()
 _saved: dict[tuple[str, Any], Any] = {}  # (table, op) -> the entry it held before
+_ABSENT = object()  # what `_saved` holds for a handler slot that was empty
 _warned: set[str] = set()
 _verdicts: dict[tuple, frozenset] = {}
 
@@ -100,6 +102,11 @@ def install() -> None:
             if op is not None and op in handlers:
                 _saved[("handler", op)] = handlers[op]
                 handlers[op] = _redistributing_handler(op, handlers[op])
+        for name in MEAN_OF_MEANS_LOSSES:
+            op = _resolve(name)
+            if op is not None:
+                _saved[("handler", op)] = handlers.get(op, _ABSENT)
+                handlers[op] = mean_loss_handler(_warn_mean_of_means)
         for name, rules in WRONG_RULES.items():
             op = _resolve(name)
             if op is None:
@@ -124,7 +131,9 @@ def uninstall() -> None:
         sp = sharding_propagator()
         handlers = DTensor._op_dispatcher._custom_op_handlers
         for (table, op), old in _saved.items():
-            if table == "handler":
+            if table == "handler" and old is _ABSENT:
+                handlers.pop(op, None)
+            elif table == "handler":
                 handlers[op] = old
             elif table == "single-dim":
                 sp.op_single_dim_strategy_funcs[op] = old
@@ -300,6 +309,13 @@ def _replicated(op_schema: Any, strategy: OpStrategy) -> OpSpec:
         out = DTensorSpec(mesh, rep, tensor_meta=sample.tensor_meta)
     return OpSpec(out, input_specs=in_specs,
                   redistribute_cost=[generate_redistribute_costs(s, sp) for s, sp in zip(inputs, in_specs)])
+
+
+def _warn_mean_of_means(op: Any) -> None:
+    _warn_once(f"mean-loss:{op}", (
+        f"decompshard guard: {op}: DTensor's native strategy averages per-rank means (wrong when ranks hold "
+        f"different numbers of counted targets or class weights); summing on each rank and dividing by the "
+        f"all-reduced total weight instead"))
 
 
 def _warn_skip(op: Any, rules: list[str]) -> None:

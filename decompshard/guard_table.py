@@ -25,5 +25,14 @@ WRONG_RULES: dict[str, tuple[str, ...]] = {
     "aten.any.dims": ("P(sum) -> P(sum)",),
     "aten.fill_.Scalar": ("P(sum) -> P(sum)",),
     "aten.threshold.default": ("P(max) -> P(max)", "P(min) -> P(min)"),
-    "aten.nll_loss_forward.default": ("S(0), S(0), R -> P(avg), P(sum)",),  # class weights: not a mean of means
 }
+
+# Mean losses whose native strategy returns Partial(avg) of per-rank means for a
+# batch-sharded target: wrong whenever ranks hold different total weights (ignored
+# targets, class weights; NaN on a rank with no counted target), refused on uneven
+# batches. The guard gives them a handler that all-reduces the sum and the total weight
+# (guard_losses.py). Found by the audit's argument variants (coverage/native_variants.py).
+MEAN_OF_MEANS_LOSSES: tuple[str, ...] = (
+    "aten.nll_loss_forward.default",
+    "aten.nll_loss2d_forward.default",
+)
