@@ -1,0 +1,126 @@
+"""The native guard's mean-loss handler (decompshard/guard_losses.py): nll_loss_forward /
+nll_loss2d_forward with reduction='mean' on a batch-sharded target.
+
+DTensor's native strategy returns Partial(avg) of per-rank means: wrong with ignored
+targets (labels=-100) or class weights, NaN on a rank with no counted target, refused on
+uneven batches. With `enable(guard_native=True)` loss and gradient match one device on
+every rank (float64, simulated ranks), on 1-D and 2x2 meshes, even and uneven batches,
+with no all-gather. Every case is shown wrong (or refused) without the guard.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+import _loss_cases as L
+import decompshard
+from decompshard.dtensor_run import simulated_world
+
+W = 4
+C = 5
+S0, R = Shard(0), Replicate()
+
+
+@pytest.fixture(scope="module")
+def meshes():
+    from torch.distributed.device_mesh import DeviceMesh
+
+    with simulated_world(W):
+        yield {"1d": DeviceMesh("cpu", torch.arange(W)), "2x2": DeviceMesh("cpu", torch.arange(W).view(2, 2))}
+    decompshard.disable()
+
+
+@pytest.fixture()
+def guard_on():
+    decompshard.enable(guard_native=True)
+    yield
+    decompshard.disable()
+
+
+WEIGHT = torch.tensor([0.2, 1.0, 3.0, 0.7, 1.5], dtype=torch.float64)
+
+# (name, loss fn, log_softmax first, batch, ignored rows, kwargs)
+CASES = [
+    # 8 rows on 4 ranks: rank 0 holds rows 0-1, both ignored (NaN without the guard)
+    ("ce ignore_index, a rank with none counted", L.CE, False, 8, [0, 1, 3], {}),
+    ("ce class weights", L.CE, False, 8, [], {"weight": WEIGHT}),
+    ("ce class weights + ignore_index", L.CE, False, 8, [2, 5], {"weight": WEIGHT}),
+    ("ce label_smoothing + ignore_index", L.CE, False, 8, [0, 1, 6], {"label_smoothing": 0.1}),
+    ("ce label_smoothing + weights + ignore_index", L.CE, False, 8, [4], {"label_smoothing": 0.2, "weight": WEIGHT}),
+    ("nll ignore_index", L.NLL, True, 8, [1, 2, 7], {}),
+    ("nll custom ignore_index", L.NLL, True, 8, [], {"ignore_index": 3}),
+    ("ce uneven batch (3, 3, 3, 1) + ignore_index", L.CE, False, 10, [9, 0, 1], {}),
+    ("ce uneven batch (2, 2, 1, 1) + weights", L.CE, False, 6, [0], {"weight": WEIGHT}),
+]
+
+
+def _case(name, fn, log_softmax, n, ignored, kwargs, mesh, x_pl, t_pl, extra=()):
+    x = L.logits(n, C, extra_dims=extra)
+    t = L.targets(n, C, ignored, extra_dims=extra)
+    if "ignore_index" in kwargs:
+        t[t == L.IGNORE] = kwargs["ignore_index"]
+    return L.step(fn, x, t, kwargs, mesh, x_pl, t_pl, log_softmax=log_softmax)
+
+
+LAYOUTS = [("1d", [S0], [S0]), ("2x2", [S0, S0], [S0, S0]), ("2x2", [S0, R], [S0, R])]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["1d-S0", "2x2-S0S0", "2x2-S0R"])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_guarded_mean_loss_matches_one_device(meshes, guard_on, case, layout):
+    mesh_name, x_pl, t_pl = layout
+    got = _case(*case, meshes[mesh_name], x_pl, t_pl)
+    assert got.error == "", got.error
+    assert got.loss_ok, f"loss {got.loss} != {got.want}"
+    assert got.grad_ok
+    assert all(getattr(p, "reduce_op", None) != "avg" for p in got.placements), got.placements
+    # the logits never move: one all-reduce of (sum, total weight) per sharded mesh dim
+    assert "all_gather_into_tensor" not in got.comms and "all_to_all_single" not in got.comms, got.comms
+
+
+def test_without_the_guard_the_same_cases_are_wrong(meshes):
+    decompshard.disable()
+    for case in CASES:
+        for layout in LAYOUTS:
+            got = _case(*case, meshes[layout[0]], layout[1], layout[2])
+            assert not (got.loss_ok and got.grad_ok), (case[0], layout)
+    # and with decompshard's fallback but no guard (what enable() without the guard does)
+    decompshard.enable(guard_native=False)
+    try:
+        got = _case(*CASES[0], meshes["1d"], [S0], [S0])
+    finally:
+        decompshard.disable()
+    assert not got.loss_ok and all(v != v for v in got.loss.values())  # NaN: rank 0 counts nothing
+
+
+def test_nll_loss2d_image_targets(meshes, guard_on):
+    """cross_entropy on [N, C, H, W] logits runs nll_loss2d_forward."""
+    got = _case("2d", L.CE, False, 4, [0], {"weight": WEIGHT}, meshes["1d"], [S0], [S0], extra=(3, 2))
+    assert got.error == "" and got.loss_ok and got.grad_ok, got
+    decompshard.disable()
+    plain = _case("2d", L.CE, False, 4, [0], {"weight": WEIGHT}, meshes["1d"], [S0], [S0], extra=(3, 2))
+    assert not plain.loss_ok
+
+
+def test_collectives_no_more_than_without_the_guard(meshes, guard_on):
+    """Where DTensor alone runs (even batch, no guard): as many collectives. The total
+    weight's all-reduce (DTensor's, in the backward) moves into the forward and carries
+    the loss's sum with it; never an all-gather. (Without the guard the Partial(avg)
+    loss costs one more all-reduce when the user reads it.)"""
+    x, t = L.logits(8, C), L.targets(8, C, [1])
+    guarded = L.step(L.CE, x, t, {}, meshes["1d"], [S0], [S0])
+    decompshard.disable()
+    plain = L.step(L.CE, x, t, {}, meshes["1d"], [S0], [S0])
+    assert plain.error == "" and guarded.error == ""
+    assert guarded.loss_ok and guarded.grad_ok and not plain.loss_ok
+    assert sum(guarded.comms.values()) <= sum(plain.comms.values()), (guarded.comms, plain.comms)
+    assert guarded.comms.get("all_reduce", 0) == 1, guarded.comms
+
+
+def test_sum_and_none_reductions_are_left_to_dtensor(meshes, guard_on):
+    for red in ("sum", "none"):
+        x, t = L.logits(8, C), L.targets(8, C, [0, 1])
+        got = L.step(lambda a, b, **k: L.CE(a, b, **k).sum(), x, t, {"reduction": red}, meshes["1d"], [S0], [S0])
+        assert got.error == "" and got.loss_ok and got.grad_ok, (red, got)
