@@ -10,6 +10,8 @@ with no all-gather. Every case is shown wrong (or refused) without the guard.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -124,3 +126,52 @@ def test_sum_and_none_reductions_are_left_to_dtensor(meshes, guard_on):
         x, t = L.logits(8, C), L.targets(8, C, [0, 1])
         got = L.step(lambda a, b, **k: L.CE(a, b, **k).sum(), x, t, {"reduction": red}, meshes["1d"], [S0], [S0])
         assert got.error == "" and got.loss_ok and got.grad_ok, (red, got)
+
+
+def _linear_cross_entropy_mismatches(mesh) -> tuple[int, int, list]:
+    """PyTorch's own DTensor OpInfo check (test_dtensor_ops: every DTensorConverter layout
+    of each sample, full_tensor() against one device) on linear_cross_entropy's mean
+    samples with class weights or ignore_index, float32 as there."""
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.common_methods_invocations import op_db
+    from torch.testing._internal.distributed._tensor.common_dtensor import DTensorConverter
+
+    op = next(o for o in op_db if o.name == "nn.functional.linear_cross_entropy" and o.variant_test_name == "")
+    bad, total = [], 0
+    for s in op.sample_inputs("cpu", torch.float32, requires_grad=False):
+        args, kwargs = (s.input, *s.args), s.kwargs
+        if kwargs.get("reduction", "mean") != "mean" or not ({"weight", "ignore_index"} & set(kwargs)):
+            continue
+        if args[2].is_floating_point():  # class probabilities: no nll_loss
+            continue
+        want = op(*args, **kwargs)
+        with LocalTensorMode(mesh.size()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for dargs, dkwargs in DTensorConverter(mesh, args, kwargs):
+                total += 1
+                try:
+                    full = op(*dargs, **dkwargs).full_tensor()
+                    values = full._local_tensors.values() if hasattr(full, "_local_tensors") else [full]
+                    ok = all(torch.allclose(v, want, rtol=1.3e-6, atol=1e-5) for v in values)
+                except Exception:  # noqa: BLE001 - counted as a mismatch
+                    ok = False
+                if not ok:
+                    bad.append(([tuple(t.shape) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)],
+                                [tuple(a.placements) for a in (*dargs, *dkwargs.values()) if isinstance(a, DTensor)]))
+    return len(bad), total, bad
+
+
+def test_pytorch_linear_cross_entropy_opinfo_check(meshes):
+    """142 layouts; torch alone: 44 wrong. The guard before its mean-loss handler left 24:
+    ignore_index without class weights (its table rule had the weight), and every sample
+    whose 3-D logits take nll_loss2d_forward (the `[4, 3]` target with class weights)."""
+    decompshard.disable()
+    n_bad, total, bad = _linear_cross_entropy_mismatches(meshes["1d"])
+    assert n_bad > 0 and total > 100, (n_bad, total)  # torch 2.13 alone: wrong mean losses
+    decompshard.enable(guard_native=True)
+    try:
+        n_bad, total, bad = _linear_cross_entropy_mismatches(meshes["1d"])
+    finally:
+        decompshard.disable()
+    assert n_bad == 0, bad[:5]
