@@ -21,6 +21,12 @@ What it guards is the list `guard_table.py` holds, found by `decompshard coverag
   to check quickly, or that the checker cannot build data for, a listed rule is dropped
   unchecked: skipping a right rule costs communication, using a wrong one costs the
   training run.
+* **Mean losses DTensor reduces as a mean of per-rank means** (`nll_loss_forward`,
+  `nll_loss2d_forward`: wrong with ignored targets or class weights). The guard gives
+  them a custom handler (`guard_losses.py`) that sums on each rank and divides by the
+  all-reduced total weight; other reductions go to DTensor unchanged. An op that
+  already has a custom handler (torch's `loss_parallel()` context installs its own) is
+  left alone.
 
 Each guarded op warns once, naming the op and what was skipped.
 """
@@ -104,7 +110,7 @@ def install() -> None:
                 handlers[op] = _redistributing_handler(op, handlers[op])
         for name in MEAN_OF_MEANS_LOSSES:
             op = _resolve(name)
-            if op is not None:
+            if op is not None and op not in handlers:  # someone else's handler (loss_parallel) stays
                 _saved[("handler", op)] = handlers.get(op, _ABSENT)
                 handlers[op] = mean_loss_handler(_warn_mean_of_means)
         for name, rules in WRONG_RULES.items():

@@ -175,3 +175,34 @@ def test_pytorch_linear_cross_entropy_opinfo_check(meshes):
     finally:
         decompshard.disable()
     assert n_bad == 0, bad[:5]
+
+
+def test_warns_once_and_leaves_dtensor_as_it_was(meshes):
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from decompshard._compat import DTensor
+
+    aten = torch.ops.aten
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    decompshard.disable()
+    assert aten.nll_loss_forward.default not in handlers
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.distributed.tensor import distribute_tensor
+
+    decompshard.enable(guard_native=True)
+    try:
+        with warnings.catch_warnings(record=True) as caught, LocalTensorMode(W):
+            warnings.simplefilter("always")
+            for _ in range(2):
+                L.CE(distribute_tensor(L.logits(8, C), meshes["1d"], [S0]),
+                     distribute_tensor(L.targets(8, C, [0]), meshes["1d"], [S0]))
+    finally:
+        decompshard.disable()
+    texts = [str(w.message) for w in caught if "decompshard guard" in str(w.message)]
+    assert sum("nll_loss_forward" in t for t in texts) == 1, texts
+    assert aten.nll_loss_forward.default not in handlers and aten.nll_loss2d_forward.default not in handlers
+    with loss_parallel():  # torch's vocab-parallel loss handlers are not replaced
+        theirs = handlers[aten.nll_loss_forward.default]
+        with decompshard.enabled(guard_native=True):
+            assert handlers[aten.nll_loss_forward.default] is theirs
+        assert handlers[aten.nll_loss_forward.default] is theirs
