@@ -1,7 +1,9 @@
 """`decompshard coverage --verify-native`: audit every native DTensor strategy OpInfo reaches.
 
 For each aten op with a registered strategy, `native_rules.audit_native_op_detailed` runs
-on its two largest OpInfo samples in a worker process (the coverage sweep's pool:
+on its two largest OpInfo samples and on the argument variants OpInfo lacks that reach it
+(`native_variants.py`: ignored targets, class weights, label smoothing, padding masks)
+in a worker process (the coverage sweep's pool:
 `sweep.run_jobs`, one job per op with a deadline, so a crash or a hang costs one op).
 The result is one JSON document, ready to report upstream::
 
@@ -30,6 +32,7 @@ import torch
 from tabulate import tabulate
 
 from .report import Progress, package_version
+from .native_variants import VARIANTS, variant_samples
 from .sweep import Sample, pick_samples, registry_of, run_jobs
 
 SCHEMA = "decompshard-native-audit/1"
@@ -94,18 +97,19 @@ def native_sweep(patterns: str | None = None, *, jobs: int = 1, timeout: float =
         print("native audit: capturing aten calls from torch's OpInfo samples...", file=sys.stderr, flush=True)
     captured = capture_aten_samples(max_samples_per_opinfo=opinfo_samples)
     t_capture = time.perf_counter() - t0
-    ops = [op for op in select_ops(patterns, [op for op in captured if op.namespace == "aten"])
-           if registry_of(op) is not None]
+    variants = variant_samples()
+    reached = [op for op in {**captured, **variants} if op.namespace == "aten"]
+    ops = [op for op in select_ops(patterns, reached) if registry_of(op) is not None]
     records: list[dict[str, Any]] = []
     job_list = []
     for op in ops:
-        best = pick_samples(captured.get(op, []), samples_per_op)
-        if not best:
+        chosen = audit_samples(captured.get(op, []), variants.get(op, []), samples_per_op)
+        if not chosen:
             rec = _record(str(op), registry_of(op))
             rec.update(status="no sample", reason="no sample inputs with a tensor")
             records.append(rec)
             continue
-        job_list.append(_job(str(op), [(s.args, s.kwargs, s.opinfo_name) for s in best]))
+        job_list.append(_job(str(op), [(s.args, s.kwargs, s.opinfo_name) for s in chosen]))
     bar = Progress(len(job_list), enabled=progress)
 
     def done(name: str, rec: dict[str, Any]) -> None:
@@ -121,8 +125,17 @@ def native_sweep(patterns: str | None = None, *, jobs: int = 1, timeout: float =
         print(f"native audit: {len(ops)} native ops in {seconds:.0f} s (OpInfo capture {t_capture:.0f} s)",
               file=sys.stderr, flush=True)
     run = {"jobs": jobs, "timeout": timeout, "samples_per_op": samples_per_op, "opinfo_samples": opinfo_samples,
+           "variants": [v.name for v in VARIANTS],
            "selection": patterns or "default", "capture_seconds": round(t_capture, 1), "seconds": round(seconds, 1)}
     return build_native_report(records, run)
+
+
+def audit_samples(opinfo: Sequence[Any], variants: Sequence[Any], k: int) -> list[Any]:
+    """An op's samples for the audit: its k largest OpInfo samples, then every argument
+    variant that reaches it (native_variants.py: ignored targets, class weights, label
+    smoothing, padding masks; values OpInfo never passes, which is where DTensor's
+    mean-of-means losses go wrong)."""
+    return pick_samples(opinfo, k) + list(variants)
 
 
 def build_native_report(records: Sequence[dict[str, Any]], run: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,62 @@
+"""The native audit's argument variants (decompshard/coverage/native_variants.py): with
+them the audit finds DTensor's mean-of-means nll loss (issue 23), which OpInfo's samples
+never showed (none ignores a target); with the guard's fix it finds nothing there."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decompshard import guard
+from decompshard.coverage.native_audit import audit_samples
+from decompshard.coverage.native_variants import IGNORE, VARIANTS, variant_samples
+from decompshard.native_rules import audit_native_op_detailed
+
+aten = torch.ops.aten
+
+
+@pytest.fixture(scope="module")
+def variants():
+    return variant_samples()
+
+
+def test_variants_reach_the_losses_with_ignored_targets(variants):
+    for op in (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default, aten.nll_loss_backward.default,
+               aten.masked_fill.Scalar, aten.where.self, aten._softmax.default):
+        assert op in variants, op
+    labels = {s.opinfo_name for s in variants[aten.nll_loss_forward.default]}
+    assert "variant: cross_entropy ignore_index" in labels and "variant: cross_entropy class weights" in labels
+    ignored = [s for s in variants[aten.nll_loss_forward.default] if (s.args[1] == IGNORE).any()]
+    assert ignored and all(s.args[4] == IGNORE and s.args[3] == 1 for s in ignored)  # mean, -100
+    assert len(VARIANTS) == len({v.name for v in VARIANTS})
+
+
+def test_audit_samples_keep_every_variant(variants):
+    op = aten.nll_loss_forward.default
+    chosen = audit_samples([], variants[op], 2)
+    assert chosen == variants[op]
+
+
+def _wrong(op, samples, with_fix: bool, monkeypatch) -> list:
+    if not with_fix:
+        monkeypatch.setattr(guard, "MEAN_OF_MEANS_LOSSES", ())
+    guard.install()
+    try:
+        return audit_native_op_detailed(op, samples).wrong
+    finally:
+        guard.uninstall()
+
+
+@pytest.mark.parametrize("op", [aten.nll_loss_forward.default, aten.nll_loss2d_forward.default], ids=str)
+def test_audit_finds_the_mean_of_means_without_the_fix(variants, monkeypatch, op):
+    found = _wrong(op, variants[op], with_fix=False, monkeypatch=monkeypatch)
+    rules = {w.rule for w in found}
+    assert any(r.startswith("S(0), S(0)") and "P(avg)" in r for r in rules), rules
+    if op == aten.nll_loss_forward.default:  # ignored targets, no class weights: what masked LMs pass
+        assert any(w.sample == "variant: cross_entropy ignore_index" for w in found), [w.sample for w in found]
+
+
+@pytest.mark.parametrize("op", [aten.nll_loss_forward.default, aten.nll_loss2d_forward.default,
+                                aten.nll_loss_backward.default, aten.nll_loss2d_backward.default], ids=str)
+def test_audit_is_clean_with_the_fix(variants, monkeypatch, op):
+    assert _wrong(op, variants[op], with_fix=True, monkeypatch=monkeypatch) == []
