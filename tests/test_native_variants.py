@@ -4,12 +4,16 @@ never showed (none ignores a target); with the guard's fix it finds nothing ther
 
 from __future__ import annotations
 
+import contextlib
+import io
+
 import pytest
 import torch
 
 from decompshard import guard
 from decompshard.coverage.native_audit import audit_samples
 from decompshard.coverage.native_variants import IGNORE, VARIANTS, variant_samples
+from decompshard.dtensor_run import simulated_world
 from decompshard.native_rules import audit_native_op_detailed
 
 aten = torch.ops.aten
@@ -60,3 +64,24 @@ def test_audit_finds_the_mean_of_means_without_the_fix(variants, monkeypatch, op
                                 aten.nll_loss_backward.default, aten.nll_loss2d_backward.default], ids=str)
 def test_audit_is_clean_with_the_fix(variants, monkeypatch, op):
     assert _wrong(op, variants[op], with_fix=True, monkeypatch=monkeypatch) == []
+
+
+def test_the_sweep_audits_the_variants(monkeypatch):
+    """`coverage --verify-native` (native_sweep) on DTensor as it is: the variants alone
+    (OpInfo's capture stubbed out) report the nll mean of per-rank means."""
+    from decompshard.coverage import native_audit, opinfo_samples
+
+    monkeypatch.setattr(opinfo_samples, "capture_aten_samples", lambda **kw: {})
+    guard.uninstall()
+    doc = native_audit.native_sweep("aten.nll_loss_forward.default", jobs=0, progress=False)
+    assert [r["op"] for r in doc["ops"]] == ["aten.nll_loss_forward.default"]
+    assert doc["ops"][0]["n_samples"] == 5 and doc["run"]["variants"] == [v.name for v in VARIANTS]
+    found = doc["wrong_rules"]
+    mine = [w for w in found if w["sample"] == "variant: cross_entropy ignore_index"
+            and w["rule"] == "S(0), S(0) -> P(avg), P(sum)"]
+    assert mine, [(w["sample"], w["rule"]) for w in found]
+    for w in found:  # each finding's standalone script reproduces it (the targets' -100s included)
+        ns: dict = {}
+        with simulated_world(4), contextlib.redirect_stdout(io.StringIO()):
+            exec(compile(w["script"], "<reproducer>", "exec"), ns)  # noqa: S102 - generated here
+        assert ns["reproduced"], (w["rule"], w["sample"])
