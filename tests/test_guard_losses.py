@@ -55,6 +55,7 @@ CASES = [
     ("nll custom ignore_index", L.NLL, True, 8, [], {"ignore_index": 3}),
     ("ce uneven batch (3, 3, 3, 1) + ignore_index", L.CE, False, 10, [9, 0, 1], {}),
     ("ce uneven batch (2, 2, 1, 1) + weights", L.CE, False, 6, [0], {"weight": WEIGHT}),
+    ("ce 3 rows on 4 ranks (an empty shard) + ignore_index", L.CE, False, 3, [1], {}),
 ]
 
 
@@ -95,6 +96,20 @@ def test_without_the_guard_the_same_cases_are_wrong(meshes):
     finally:
         decompshard.disable()
     assert not got.loss_ok and all(v != v for v in got.loss.values())  # NaN: rank 0 counts nothing
+
+
+def test_vocab_sharded_logits_on_2x2(meshes, guard_on):
+    """Logits S(0) on DP and S(1) (classes) on TP, targets S(0), R: DTensor gathers the
+    classes over TP itself (its strategy, not the guard's: same collectives as without
+    the guard); the loss is right only with the guard."""
+    x, t = L.logits(8, 4), L.targets(8, 4, [0, 1, 2])
+    got = L.step(L.CE, x, t, {}, meshes["2x2"], [S0, Shard(1)], [S0, R])
+    decompshard.disable()
+    plain = L.step(L.CE, x, t, {}, meshes["2x2"], [S0, Shard(1)], [S0, R])
+    assert got.error == "" and got.loss_ok and got.grad_ok, got
+    assert not plain.loss_ok
+    assert got.comms.get("all_gather_into_tensor") == plain.comms.get("all_gather_into_tensor"), (got.comms,
+                                                                                               plain.comms)
 
 
 def test_nll_loss2d_image_targets(meshes, guard_on):
