@@ -85,3 +85,20 @@ def test_the_sweep_audits_the_variants(monkeypatch):
         with simulated_world(4), contextlib.redirect_stdout(io.StringIO()):
             exec(compile(w["script"], "<reproducer>", "exec"), ns)  # noqa: S102 - generated here
         assert ns["reproduced"], (w["rule"], w["sample"])
+
+
+def test_the_guarded_sweep_finds_nothing_there(monkeypatch):
+    """`coverage --verify-native --guard`: DTensor as enable(guard_native=True) leaves it."""
+    from decompshard.cli import main
+    from decompshard.coverage import native_audit, opinfo_samples
+
+    monkeypatch.setattr(opinfo_samples, "capture_aten_samples", lambda **kw: {})
+    guard.uninstall()
+    doc = native_audit.native_sweep("aten.nll_loss_forward.default,aten.nll_loss2d_forward.default", jobs=0,
+                                    progress=False, guarded=True)
+    assert doc["run"]["guard"] is True and len(doc["ops"]) == 2
+    assert all(r["status"] == "checked" and r["n_samples"] >= 1 for r in doc["ops"]), doc["ops"]
+    assert doc["wrong_rules"] == []
+    assert not guard.is_installed()  # the worker's guard state is put back
+    assert "native guard on" in native_audit.render_native(doc)
+    assert main(["coverage", "--guard"]) == 2  # only with --verify-native

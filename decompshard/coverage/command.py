@@ -80,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="audit DTensor's own strategies instead: check each native op's rules numerically and "
                         "run it through DTensor on 4 simulated ranks; report the wrong ones with reproducers "
                         "(--format json: the machine-readable list)")
+    parser.add_argument("--guard", action="store_true",
+                        help="with --verify-native: audit DTensor with decompshard's native guard installed "
+                        "(as enable(guard_native=True) leaves it): what the guard does not catch")
 
 
 def _check_args(args: argparse.Namespace) -> list[str] | None:
@@ -94,6 +97,8 @@ def _check_args(args: argparse.Namespace) -> list[str] | None:
         raise UsageError("--opinfo-samples must be >= 1")
     if args.input_shapes and not args.model:
         raise UsageError("--input-shapes needs --model")
+    if getattr(args, "guard", False) and not args.verify_native:
+        raise UsageError("--guard needs --verify-native")
     picked = [f for f, v in (("--ops", args.ops is not None), ("--model", args.model), ("--diff", args.diff),
                              ("--from", args.from_json)) if v]
     if len(picked) > 1:
@@ -154,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("--verify-native works on --ops (or every op), not --model/--diff")
         if args.verify_native and doc is None and not args.from_json:
             doc = native_sweep(args.ops, jobs=args.jobs, timeout=args.timeout, samples_per_op=args.samples,
-                               opinfo_samples=args.opinfo_samples, progress=getattr(args, "verbosity", 0) >= 0)
+                               opinfo_samples=args.opinfo_samples, progress=getattr(args, "verbosity", 0) >= 0,
+                               guarded=args.guard)
         if doc is not None:
             _emit(render_native(doc, args.format, width or 120), args.output)
             return 0

@@ -38,14 +38,21 @@ from .sweep import Sample, pick_samples, registry_of, run_jobs
 SCHEMA = "decompshard-native-audit/1"
 
 
-def audit_job(name: str, samples: Sequence[Sample]) -> dict[str, Any]:
-    """One op's record (runs in a worker)."""
+def audit_job(name: str, samples: Sequence[Sample], guarded: bool = False) -> dict[str, Any]:
+    """One op's record (runs in a worker). `guarded`: audit DTensor as the native guard
+    (`enable(guard_native=True)`) leaves it, so what remains is what the guard misses."""
+    from .. import guard
     from ..derive import resolve_op
     from ..native_rules import audit_native_op_detailed
 
     op = resolve_op(name)
     rec = _record(str(op), registry_of(op))
-    audit = audit_native_op_detailed(op, list(samples))
+    was = guard.is_installed()
+    (guard.install if guarded else guard.uninstall)()
+    try:
+        audit = audit_native_op_detailed(op, list(samples))
+    finally:
+        (guard.install if was else guard.uninstall)()
     rec.update(
         status="skipped" if audit.skipped and not audit.n_dispatch_runs else "checked",
         reason=audit.skipped, n_samples=audit.n_samples, n_rules=audit.n_rules,
@@ -55,7 +62,7 @@ def audit_job(name: str, samples: Sequence[Sample]) -> dict[str, Any]:
     return rec
 
 
-def _job(name: str, samples: list[Sample]) -> tuple[str, bytes]:
+def _job(name: str, samples: list[Sample], guarded: bool = False) -> tuple[str, bytes]:
     """A pool job running `audit_job`; samples that cannot be pickled are dropped."""
     kept = []
     for sample in samples:
@@ -64,7 +71,7 @@ def _job(name: str, samples: list[Sample]) -> tuple[str, bytes]:
         except Exception:
             continue
         kept.append(sample)
-    return name, pickle.dumps((audit_job, name, kept))
+    return name, pickle.dumps((audit_job, name, kept, guarded))
 
 
 def _record(op: str, registry: str | None) -> dict[str, Any]:
@@ -85,8 +92,9 @@ def _from_pool(name: str, rec: dict[str, Any]) -> dict[str, Any]:
 
 
 def native_sweep(patterns: str | None = None, *, jobs: int = 1, timeout: float = 60.0, samples_per_op: int = 2,
-                 opinfo_samples: int | None = None, progress: bool = True) -> dict[str, Any]:
-    """Capture OpInfo samples, pick the native ops among the selected ones, audit each."""
+                 opinfo_samples: int | None = None, progress: bool = True, guarded: bool = False) -> dict[str, Any]:
+    """Capture OpInfo samples, pick the native ops among the selected ones, audit each
+    (`guarded`: with the native guard installed in every worker)."""
     from .command import select_ops, validate_patterns
     from .opinfo_samples import capture_aten_samples
 
@@ -109,7 +117,7 @@ def native_sweep(patterns: str | None = None, *, jobs: int = 1, timeout: float =
             rec.update(status="no sample", reason="no sample inputs with a tensor")
             records.append(rec)
             continue
-        job_list.append(_job(str(op), [(s.args, s.kwargs, s.opinfo_name) for s in chosen]))
+        job_list.append(_job(str(op), [(s.args, s.kwargs, s.opinfo_name) for s in chosen], guarded))
     bar = Progress(len(job_list), enabled=progress)
 
     def done(name: str, rec: dict[str, Any]) -> None:
@@ -125,7 +133,7 @@ def native_sweep(patterns: str | None = None, *, jobs: int = 1, timeout: float =
         print(f"native audit: {len(ops)} native ops in {seconds:.0f} s (OpInfo capture {t_capture:.0f} s)",
               file=sys.stderr, flush=True)
     run = {"jobs": jobs, "timeout": timeout, "samples_per_op": samples_per_op, "opinfo_samples": opinfo_samples,
-           "variants": [v.name for v in VARIANTS],
+           "variants": [v.name for v in VARIANTS], "guard": guarded,
            "selection": patterns or "default", "capture_seconds": round(t_capture, 1), "seconds": round(seconds, 1)}
     return build_native_report(records, run)
 
@@ -194,7 +202,8 @@ def render_native(doc: dict[str, Any], fmt: str = "text", width: int = 120) -> s
         return buf.getvalue().rstrip("\n")
     s = doc["summary"]
     lines = [
-        f"native audit (torch {doc['torch_version']}): {s['ops']} native ops, {s['checked']} checked, "
+        f"native audit (torch {doc['torch_version']}"
+        f"{', native guard on' if doc['run'].get('guard') else ''}): {s['ops']} native ops, {s['checked']} checked, "
         f"{s['rules_checked']} rule checks ({s['rules_refuted']} refuted, {s['unconfirmed']} of those "
         f"not reproduced by DTensor), {s['dispatch_runs']} DTensor runs; {doc['run'].get('seconds', '?')} s",
         f"wrong: {s['wrong_rules']} behaviours in {s['ops_with_wrong']} ops "
