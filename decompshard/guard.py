@@ -111,7 +111,7 @@ def install() -> None:
         for name in MEAN_OF_MEANS_LOSSES:
             op = _resolve(name)
             if op is not None and op not in handlers:  # someone else's handler (loss_parallel) stays
-                _saved[("handler", op)] = handlers.get(op, _ABSENT)
+                _saved[("handler", op)] = _ABSENT
                 handlers[op] = mean_loss_handler(_warn_mean_of_means)
         for name, rules in WRONG_RULES.items():
             op = _resolve(name)

@@ -60,7 +60,8 @@ def mean_loss_handler(warn: Callable[[Any], None]) -> Callable:
         out_spec, tw_spec = dtensor_output_spec(op_call, sum_args, {})
         if not any(isinstance(p, TorchPartial) for p in out_spec.placements):
             return dtensor_default_dispatch(op_call, args, kwargs)  # target not sharded: the kernel's mean is global
-        if tuple(tw_spec.placements) != tuple(out_spec.placements):
+        sums = all(p.reduce_op == "sum" for p in out_spec.placements if isinstance(p, TorchPartial))
+        if tuple(tw_spec.placements) != tuple(out_spec.placements) or not sums:
             raise RuntimeError(f"decompshard guard: {op_call}: loss sum placed {out_spec.placements} but its "
                                f"total weight {tw_spec.placements}; cannot form the mean")
         warn(op_call)
