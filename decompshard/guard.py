@@ -27,6 +27,9 @@ What it guards is the list `guard_table.py` holds, found by `decompshard coverag
   all-reduced total weight; other reductions go to DTensor unchanged. An op that
   already has a custom handler (torch's `loss_parallel()` context installs its own) is
   left alone.
+* **Reads of one rank's part** (`_local_scalar_dense`, i.e. `.item()`, which DTensor
+  runs on the local tensor without asking its strategy): a handler redistributes a
+  partial or sharded input to Replicate first.
 
 Each guarded op warns once, naming the op and what was skipped.
 """
@@ -54,7 +57,12 @@ from ._compat import (
 )
 from .dispatch_modes.graph import freeze, leaves
 from .guard_losses import mean_loss_handler
-from .guard_table import HANDLERS_SKIPPING_REDISTRIBUTION, MEAN_OF_MEANS_LOSSES, WRONG_RULES
+from .guard_table import (
+    HANDLERS_SKIPPING_REDISTRIBUTION,
+    MEAN_OF_MEANS_LOSSES,
+    READS_OF_ONE_RANKS_PART,
+    WRONG_RULES,
+)
 from .placements import SingleDimRule, format_rule
 
 __all__ = ["ENV", "install", "is_installed", "uninstall", "wanted"]
@@ -113,6 +121,11 @@ def install() -> None:
             if op is not None and op not in handlers:  # someone else's handler (loss_parallel) stays
                 _saved[("handler", op)] = _ABSENT
                 handlers[op] = mean_loss_handler(_warn_mean_of_means)
+        for name in READS_OF_ONE_RANKS_PART:
+            op = _resolve(name)
+            if op is not None and op not in handlers:
+                _saved[("handler", op)] = _ABSENT
+                handlers[op] = _replicated_read(op)
         for name, rules in WRONG_RULES.items():
             op = _resolve(name)
             if op is None:
@@ -298,6 +311,25 @@ def _filtered_op_strategy(op: Any, fn: Callable, listed: frozenset) -> Callable:
 
     filtered.__wrapped__ = fn  # type: ignore[attr-defined]
     return filtered
+
+
+def _replicated_read(op: Any) -> Callable:
+    """A handler for an op DTensor runs on each rank's local part without asking any
+    strategy (`_local_scalar_dense`: the sharding propagator special-cases it): the
+    input is redistributed to Replicate first, so every rank reads the global value."""
+
+    def handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
+        x = args[0]
+        if isinstance(x, DTensor) and not all(isinstance(p, TorchReplicate) for p in x.placements):
+            _warn_once(f"read:{op}", (
+                f"decompshard guard: {op}: DTensor would read each rank's own part of a "
+                f"{tuple(x.placements)} tensor (`.item()` of a partial or sharded value); "
+                f"redistributing to Replicate first"))
+            x = x.redistribute(x.device_mesh, [TorchReplicate()] * x.device_mesh.ndim)
+        local = x.to_local() if isinstance(x, DTensor) else x
+        return op_call(local, *args[1:], **kwargs)
+
+    return handler
 
 
 def _replicated(op_schema: Any, strategy: OpStrategy) -> OpSpec:

@@ -36,3 +36,12 @@ MEAN_OF_MEANS_LOSSES: tuple[str, ...] = (
     "aten.nll_loss_forward.default",
     "aten.nll_loss2d_forward.default",
 )
+
+# Ops DTensor runs on each rank's local part without consulting any strategy (the
+# sharding propagator special-cases `_local_scalar_dense`, whose registered strategy
+# says Replicate only): `.item()` of a Partial tensor (a P(sum) loss logged every step)
+# returns each rank's own part, of a sharded one its shard (or fails on an empty one).
+# The guard redistributes the input to Replicate first.
+READS_OF_ONE_RANKS_PART: tuple[str, ...] = (
+    "aten._local_scalar_dense.default",
+)

@@ -221,3 +221,46 @@ def test_warns_once_and_leaves_dtensor_as_it_was(meshes):
         with decompshard.enabled(guard_native=True):
             assert handlers[aten.nll_loss_forward.default] is theirs
         assert handlers[aten.nll_loss_forward.default] is theirs
+
+
+def _item(mesh, make) -> float | str:
+    """`.item()` of make()'s DTensor on the simulated ranks (LocalTensorMode returns one
+    number only when every rank read the same), or the error."""
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    with LocalTensorMode(mesh.size()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        d = make()
+        try:
+            return float(d.item())
+        except Exception as e:  # noqa: BLE001 - the verdict names it
+            return f"{type(e).__name__}: {e}"
+
+
+def test_item_of_a_partial_or_sharded_value_reads_the_global_value(meshes):
+    """`.item()` (aten._local_scalar_dense) on a P(sum) loss, as label_smoothing gives,
+    and on a one-element shard: DTensor reads each rank's own part (ranks disagree: under
+    LocalTensorMode an error, on real ranks silently different numbers)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = meshes["1d"]
+    x, t = L.logits(8, C), L.targets(8, C, [0, 1, 5])
+    cases = {
+        "label-smoothed loss (P(sum))": (
+            lambda: L.CE(distribute_tensor(x, mesh, [S0]), distribute_tensor(t, mesh, [S0]), label_smoothing=0.1),
+            L.CE(x, t, label_smoothing=0.1).item()),
+        "sum of a sharded vector (P(sum))": (
+            lambda: distribute_tensor(torch.arange(8, dtype=torch.float64), mesh, [S0]).sum(), 28.0),
+        "one element on S(0) (empty shards)": (
+            lambda: distribute_tensor(torch.tensor([2.5], dtype=torch.float64), mesh, [S0]), 2.5),
+    }
+    decompshard.disable()
+    for name, (make, want) in cases.items():
+        assert isinstance(_item(mesh, make), str), name  # DTensor alone: ranks disagree, or a kernel error
+    decompshard.enable(guard_native=True)
+    try:
+        for name, (make, want) in cases.items():
+            got = _item(mesh, make)
+            assert isinstance(got, float) and abs(got - want) <= 1e-12 * abs(want), (name, got)
+    finally:
+        decompshard.disable()

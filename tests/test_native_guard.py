@@ -20,7 +20,12 @@ import decompshard
 from decompshard import guard
 from decompshard._compat import DTensor, sharding_propagator
 from decompshard.dtensor_run import run_on_dtensor, simulated_world
-from decompshard.guard_table import HANDLERS_SKIPPING_REDISTRIBUTION, MEAN_OF_MEANS_LOSSES, WRONG_RULES
+from decompshard.guard_table import (
+    HANDLERS_SKIPPING_REDISTRIBUTION,
+    MEAN_OF_MEANS_LOSSES,
+    READS_OF_ONE_RANKS_PART,
+    WRONG_RULES,
+)
 from decompshard.placements import P, R, S
 
 aten = torch.ops.aten
@@ -171,7 +176,7 @@ def test_guard_refuses_in_place_rather_than_writing_wrong_values(mesh):
 
 
 def test_table_names_real_ops():
-    for name in (*HANDLERS_SKIPPING_REDISTRIBUTION, *MEAN_OF_MEANS_LOSSES, *WRONG_RULES):
+    for name in (*HANDLERS_SKIPPING_REDISTRIBUTION, *MEAN_OF_MEANS_LOSSES, *READS_OF_ONE_RANKS_PART, *WRONG_RULES):
         assert decompshard.resolve_op(name) is not None
 
 
