@@ -77,3 +77,43 @@ def step(fn: Callable, x: torch.Tensor, t: torch.Tensor, kwargs: dict[str, Any],
 
 
 CE, NLL = F.cross_entropy, F.nll_loss
+
+
+def gloo_worker(rank: int, port: int, out_dir: str) -> None:
+    """One of 4 real processes (gloo): a label-smoothed and a plain mean cross_entropy
+    with ignored targets (rank 0 counts none), batch Shard(0), with the guard; writes
+    loss (`.item()` and full_tensor()) and the logits' gradient verdicts to rank<r>.json."""
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=4)
+    report: dict[str, Any] = {}
+    try:
+        import decompshard
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        warnings.simplefilter("ignore")
+        decompshard.enable(guard_native=True)
+        mesh = init_device_mesh("cpu", (4,))
+        x, t = logits(8, 5), targets(8, 5, [0, 1, 5])
+        for name, kw in (("plain", {}), ("label_smoothing", {"label_smoothing": 0.1})):
+            xr = x.clone().requires_grad_()
+            want = F.cross_entropy(xr, t, **kw)
+            want.backward()
+            dx = distribute_tensor(x, mesh, [Shard(0)]).requires_grad_()
+            loss = F.cross_entropy(dx, distribute_tensor(t, mesh, [Shard(0)]), **kw)
+            item, full = loss.item(), loss.full_tensor().item()
+            loss.backward()
+            report[name] = {"item": item, "full": full, "want": want.item(),
+                            "grad_ok": bool(torch.allclose(dx.grad.full_tensor(), xr.grad, rtol=1e-10, atol=1e-12))}
+        decompshard.disable()
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        report["__error__"] = f"{type(e).__name__}: {e}"
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(report, f)
+        dist.destroy_process_group()

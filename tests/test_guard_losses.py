@@ -264,3 +264,23 @@ def test_item_of_a_partial_or_sharded_value_reads_the_global_value(meshes):
             assert isinstance(got, float) and abs(got - want) <= 1e-12 * abs(want), (name, got)
     finally:
         decompshard.disable()
+
+
+def test_gloo_four_processes(tmp_path):
+    """Real collectives: the mean-loss handler's all-reduce and `.item()`'s redistribution
+    on 4 gloo processes (without the guard each rank logged its own number, NaN on the
+    rank that counts no target)."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from _e2e_model import free_port
+
+    mp.spawn(L.gloo_worker, args=(free_port(), str(tmp_path)), nprocs=W, join=True)
+    for rank in range(W):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert "__error__" not in report, report.get("__error__")
+        for name in ("plain", "label_smoothing"):
+            r = report[name]
+            assert abs(r["item"] - r["want"]) <= 1e-12 and abs(r["full"] - r["want"]) <= 1e-12, (rank, name, r)
+            assert r["grad_ok"], (rank, name)
