@@ -102,3 +102,15 @@ def test_the_guarded_sweep_finds_nothing_there(monkeypatch):
     assert not guard.is_installed()  # the worker's guard state is put back
     assert "native guard on" in native_audit.render_native(doc)
     assert main(["coverage", "--guard"]) == 2  # only with --verify-native
+
+
+def test_item_audit_is_clean_with_the_guard(monkeypatch):
+    """The audit's `_local_scalar_dense` findings (docs/native_audit.json: `.item()` of
+    P(sum) reads each rank's part; of a one-element S(0), an empty shard) are gone with
+    the guard and back without its handler."""
+    op = aten._local_scalar_dense.default
+    samples = [((torch.tensor([1.5], dtype=torch.float64),), {}), ((torch.tensor(2.0, dtype=torch.float64),), {})]
+    assert _wrong(op, samples, with_fix=True, monkeypatch=monkeypatch) == []
+    monkeypatch.setattr(guard, "READS_OF_ONE_RANKS_PART", ())
+    found = {w.rule for w in _wrong(op, samples, with_fix=True, monkeypatch=monkeypatch)}
+    assert "P(sum) -> ranks disagree" in found and "S(0) -> local kernel error" in found, found
