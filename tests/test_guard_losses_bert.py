@@ -44,12 +44,14 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, labels
 
 
-def _step(mesh, guard: bool) -> tuple[float, dict[int, float], bool, list[str]]:
+def _step(mesh, guard: bool, batch: tuple = ()) -> tuple[float, dict[int, float], bool, list[str]]:
     """(one-device loss, loss per rank, every gradient right on every rank, wrong names)."""
     from torch.distributed._local_tensor import LocalTensorMode
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     ids, labels = _batch()
+    batch = batch or (Shard(0),) * mesh.ndim
+    rep = [Replicate()] * mesh.ndim
     ref = _model()
     want = ref(input_ids=ids, labels=labels).loss
     want.backward()
@@ -62,12 +64,12 @@ def _step(mesh, guard: bool) -> tuple[float, dict[int, float], bool, list[str]]:
             for mod in model.modules():
                 for name, p in list(mod.named_parameters(recurse=False)):
                     if id(p) not in made:
-                        made[id(p)] = torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate()]))
+                        made[id(p)] = torch.nn.Parameter(distribute_tensor(p.detach(), mesh, rep))
                     setattr(mod, name, made[id(p)])
                 for name, b in list(mod.named_buffers(recurse=False)):
-                    mod.register_buffer(name, distribute_tensor(b, mesh, [Replicate()]))
-            loss = model(input_ids=distribute_tensor(ids, mesh, [Shard(0)]),
-                         labels=distribute_tensor(labels, mesh, [Shard(0)])).loss
+                    mod.register_buffer(name, distribute_tensor(b, mesh, rep))
+            loss = model(input_ids=distribute_tensor(ids, mesh, batch),
+                         labels=distribute_tensor(labels, mesh, batch)).loss
             loss.backward()
             got = {r: v.item() for r, v in loss.full_tensor()._local_tensors.items()}
             grads = dict(ref.named_parameters())
@@ -83,11 +85,16 @@ def _step(mesh, guard: bool) -> tuple[float, dict[int, float], bool, list[str]]:
 
 
 @pytest.fixture(scope="module")
-def mesh():
+def meshes():
     from torch.distributed.device_mesh import DeviceMesh
 
     with simulated_world(W):
-        yield DeviceMesh("cpu", torch.arange(W))
+        yield {"dp4": DeviceMesh("cpu", torch.arange(W)), "2x2": DeviceMesh("cpu", torch.arange(W).view(2, 2))}
+
+
+@pytest.fixture()
+def mesh(meshes):
+    return meshes["dp4"]
 
 
 def test_bert_masked_lm_loss_and_gradients_match_one_device(mesh):
@@ -100,3 +107,13 @@ def test_bert_masked_lm_is_wrong_without_the_guard(mesh):
     want, got, _, _ = _step(mesh, guard=False)
     errs = [abs(v - want) / abs(want) for v in got.values()]
     assert all(e > 1e-6 for e in errs), (want, got)
+
+
+def test_bert_masked_lm_on_2x2_batch_over_both_dims(meshes):
+    """Batch [Shard(0), Shard(0)] on a 2x2 mesh: the (sum, total weight) pair is reduced
+    over both mesh dims."""
+    want, got, grads_ok, wrong = _step(meshes["2x2"], guard=True)
+    assert all(abs(v - want) <= 1e-12 * abs(want) for v in got.values()), (want, got)
+    assert grads_ok, wrong
+    want, got, _, _ = _step(meshes["2x2"], guard=False)
+    assert all(abs(v - want) > 1e-6 * abs(want) for v in got.values()), (want, got)
