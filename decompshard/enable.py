@@ -28,7 +28,10 @@ from typing import Any, Iterator
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ._compat import DTensorSpec, OpSpec, OpStrategy, TensorMeta, clear_dtensor_caches, sharding_propagator
+from ._compat import (
+    DTensorSpec, OpSpec, OpStrategy, TensorMeta, clear_dtensor_caches, route_kwarg_redistribution,
+    sharding_propagator, stage_kwarg_targets, unroute_kwarg_redistribution,
+)
 from .dispatch_modes.clean import clean_dispatch_state
 from .dispatch_modes.tracing import has_decomposition
 
@@ -77,6 +80,8 @@ class DerivedStrategy:
             _warn_once(f"nodecomp:{op}", f"decompshard: {op} has no sharding strategy and no decomposition; running replicated")
             return _replicated(op_schema, specs, mesh)
         current = [tuple(s.placements) for s in specs]
+        n_args = len(op_schema.args_spec)
+        kwarg_names = _movable_kwargs(op_schema, len(specs) - n_args)
         try:
             with clean_dispatch_state(), strict_checks():
                 # plain meta tensors: made here, not under the caller's modes (under
@@ -87,7 +92,8 @@ class DerivedStrategy:
                     for x in flat
                 ]
                 args, kwargs = tree_unflatten(meta_flat, spec)
-                best = _first_runnable(op, args, kwargs, tuple(mesh.shape), current, len(op_schema.args_spec))
+                best = _first_runnable(op, args, kwargs, tuple(mesh.shape), current,
+                                       n_args if kwarg_names is None else len(specs))
         except Indeterminate as e:  # every rank must choose alike: never choose alone
             raise Indeterminate(f"decompshard: {e}. Stopping rather than letting this rank choose a strategy "
                                 "alone: the other ranks may choose differently and run other collectives") from None
@@ -102,7 +108,8 @@ class DerivedStrategy:
         ins = [DTensorSpec(mesh, tuple(p), tensor_meta=s.tensor_meta) for p, s in zip(best.input_placements, specs)]
         outs = _output_specs(op_schema, specs, ins, [None if o is None else tuple(o) for o in best.output_placements])
         output_specs = outs[0] if len(outs) == 1 else tuple(outs)
-        n_args = len(op_schema.args_spec)
+        if kwarg_names:
+            stage_kwarg_targets(dict(zip(kwarg_names, ins[n_args:])))
         return OpStrategy([OpSpec(output_specs, input_specs=ins[:n_args], redistribute_cost=[[0.0] for _ in ins[:n_args]])])
 
     def _symbolic(self, op_schema: Any, specs: list) -> OpStrategy:
@@ -117,7 +124,23 @@ class DerivedStrategy:
         return _replicated(op_schema, specs, specs[0].mesh)
 
 
+def _movable_kwargs(op_schema: Any, n_kwarg_tensors: int) -> list[str] | None:
+    """The keyword tensor arguments' names in flattening order, if DTensor will move
+    them to the placements the chosen strategy names (`_compat.route_kwarg_redistribution`,
+    installed by `enable()`), else None: then they must keep their placements. Only
+    top-level keyword tensors are routed (a keyword list of tensors is kept in place)."""
+    from ._compat import kwarg_routing_active
+
+    if not n_kwarg_tensors or not kwarg_routing_active():
+        return None
+    names = [k for k, v in op_schema.kwargs_schema.items() if isinstance(v, DTensorSpec)]
+    return names if len(names) == n_kwarg_tensors else None
+
+
 def _first_runnable(op, args, kwargs, mesh_shape, current, n_args):
+    """The cheapest valid strategy DTensor can run: it must be able to redistribute to
+    it, and tensors from index `n_args` on (keyword tensors DTensor will not move) must
+    keep their current placements."""
     from .derive import derive_rules
     from .lift import ranked
 
@@ -127,8 +150,6 @@ def _first_runnable(op, args, kwargs, mesh_shape, current, n_args):
         return None
 
     def runnable(ins, cost) -> bool:
-        # DTensor must be able to redistribute to it, and kwarg tensors cannot be
-        # redistributed through DTensor's schema suggestion at all
         return cost.dtensor_supported and all(
             tuple(p) == tuple(c) for p, c in zip(ins[n_args:], current[n_args:]))
 
@@ -286,6 +307,7 @@ def enable(guard_native: bool | None = None) -> None:
         _saved["has_decomp"] = DecompShardingStrategy.__dict__["has_decomp"]
         sp.decomp_strategy = DerivedStrategy(sp.decomp_strategy)
         DecompShardingStrategy.has_decomp = staticmethod(reaches_decompshard)
+        route_kwarg_redistribution()
         clear_dtensor_caches()
 
 
@@ -300,6 +322,7 @@ def disable() -> None:
             return
         sharding_propagator().decomp_strategy = _saved.pop("decomp_strategy")
         DecompShardingStrategy.has_decomp = _saved.pop("has_decomp")
+        unroute_kwarg_redistribution()
         clear_dtensor_caches()
 
 
