@@ -1,0 +1,141 @@
+"""Keyword tensor arguments are redistributed to the strategy decompshard chose.
+
+SDPA's `attn_mask` is keyword-only in CPU flash attention's schema
+(`_scaled_dot_product_flash_attention_for_cpu(q, k, v, ..., *, attn_mask)`). DTensor
+moves positional tensors only, so decompshard used to keep the mask where it was and
+moved q, k and v instead: on a data-parallel batch with a replicated per-example mask
+(Mistral's sliding window) 3 all-to-alls forward and 3 backward, to head sharding; on a
+2x2 DP x TP mesh with a replicated [B, H, S, S] bias (T5) 6 all-gathers each way. Slicing
+a replicated mask costs nothing, and now that is what runs.
+
+Float64, 4 simulated ranks, outputs and gradients against one device on every rank.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed._local_tensor import LocalTensorMode
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
+
+import decompshard
+from decompshard._compat import sharding_propagator
+from decompshard.verify_dtensor import device_mesh, per_rank_values, simulated_world
+
+B, H, S, D = 4, 4, 8, 4
+
+
+@pytest.fixture(scope="module")
+def world():
+    with simulated_world(4):
+        yield
+    decompshard.disable()
+
+
+def _attention(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _inputs(mask_shape):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, S, D, dtype=torch.float64, generator=g) for _ in range(3))
+    mask = torch.randn(*mask_shape, dtype=torch.float64, generator=g)
+    return q, k, v, mask
+
+
+def _one_device(q, k, v, mask):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = _attention(*leaves, mask)
+    (out * out).sum().backward()
+    return out.detach(), [t.grad for t in leaves]
+
+
+def _assert_every_rank(got: torch.Tensor, want: torch.Tensor) -> None:
+    for rank, value in per_rank_values(got, 4).items():
+        assert value.shape == want.shape, (rank, value.shape)
+        assert torch.allclose(value, want, rtol=0, atol=1e-12), (rank, (value - want).abs().max())
+
+
+def _run(mesh, qkv_placements, mask_placements, q, k, v, mask, steps=2):
+    """Forward and backward `steps` times (the second through DTensor's caches); the
+    collectives of the last step, and the DTensors."""
+    dq, dk, dv = (distribute_tensor(t, mesh, qkv_placements).requires_grad_() for t in (q, k, v))
+    dm = distribute_tensor(mask, mesh, mask_placements)
+    for _ in range(steps):
+        for t in (dq, dk, dv):
+            t.grad = None
+        with CommDebugMode() as fwd:
+            out = _attention(dq, dk, dv, dm)
+        with CommDebugMode() as bwd:
+            (out * out).sum().backward()
+    return out, (dq, dk, dv), fwd.get_total_counts(), bwd.get_total_counts()
+
+
+@pytest.mark.parametrize("shape, qkv, mask_on", [
+    ((4,), (Shard(0),), (Replicate(),)),                                # DP, Mistral-like mask
+    ((2, 2), (Shard(0), Shard(1)), (Replicate(), Replicate())),         # DP x TP heads, T5-like bias
+], ids=["dp4", "dp2xtp2"])
+def test_replicated_keyword_mask_is_sliced_not_qkv_moved(world, shape, qkv, mask_on):
+    mask_shape = (B, 1, S, S) if len(shape) == 1 else (B, H, S, S)
+    q, k, v, mask = _inputs(mask_shape)
+    want_out, want_grads = _one_device(q, k, v, mask)
+    mesh = device_mesh(shape)
+    with LocalTensorMode(4), decompshard.enabled():
+        out, leaves, n_fwd, n_bwd = _run(mesh, qkv, mask_on, q, k, v, mask)
+        assert tuple(out.placements) == qkv  # the output stays where q was
+        _assert_every_rank(out.full_tensor(), want_out)
+        for t, g in zip(leaves, want_grads):
+            _assert_every_rank(t.grad.full_tensor(), g)
+    # old code: 3 + 3 all-to-alls (dp4), 6 + 6 all-gathers (dp2xtp2)
+    assert (n_fwd, n_bwd) == (0, 0)
+
+
+def test_the_op_is_cpu_flash_attention_with_a_keyword_mask(world):
+    """What these tests exercise is CPU flash attention and its backward (torch's own
+    DTensor has no strategy for either), whose local kernels get each rank's slice of
+    the keyword mask."""
+    from torch.utils._debug_mode import DebugMode
+
+    q, k, v, mask = _inputs((B, 1, S, S))
+    with LocalTensorMode(4), decompshard.enabled(), DebugMode() as log:
+        _run(device_mesh((4,)), (Shard(0),), (Replicate(),), q, k, v, mask, steps=1)
+    calls = [line.strip() for line in log.debug_string().splitlines() if "flash_attention_for_cpu" in line]
+    local = "t: f64[1, 4, 8, 4], t: f64[1, 4, 8, 4], t: f64[1, 4, 8, 4]"  # each rank's example
+    sliced = "attn_mask=t: f64[1, 1, 8, 8]"  # each rank's row of the replicated mask
+    assert any(c.startswith("aten::_scaled_dot_product_flash_attention_for_cpu(" + local) and sliced in c
+               for c in calls), calls
+    assert any(c.startswith("aten::_scaled_dot_product_flash_attention_for_cpu_backward(") and sliced in c
+               for c in calls), calls
+
+
+def test_mask_placement_is_part_of_the_cached_decision(world):
+    """DTensor caches a decision per (op, specs); the keyword move recorded in it must be
+    the one for this call's mask placement: R (sliced) then S(0) (already in place), then
+    R again, each matching one device."""
+    q, k, v, mask = _inputs((B, 1, S, S))
+    want_out, want_grads = _one_device(q, k, v, mask)
+    mesh = device_mesh((4,))
+    with LocalTensorMode(4), decompshard.enabled():
+        for mask_on in ((Replicate(),), (Shard(0),), (Replicate(),)):
+            out, leaves, n_fwd, n_bwd = _run(mesh, (Shard(0),), mask_on, q, k, v, mask, steps=1)
+            _assert_every_rank(out.full_tensor(), want_out)
+            for t, g in zip(leaves, want_grads):
+                _assert_every_rank(t.grad.full_tensor(), g)
+            assert (n_fwd, n_bwd) == (0, 0), mask_on
+
+
+def test_disable_restores_dtensor_dispatch(world):
+    decompshard.disable()
+    sp = sharding_propagator()
+    before = sp.propagate_op_sharding
+    decompshard.enable()
+    assert sp.propagate_op_sharding is not before
+    assert "redistribute_local_args" in vars(DTensor._op_dispatcher)
+    decompshard.disable()
+    assert sp.propagate_op_sharding is before
+    assert "propagate_op_sharding_non_cached" not in vars(sp)
+    assert "redistribute_local_args" not in vars(DTensor._op_dispatcher)
