@@ -81,7 +81,7 @@ class DerivedStrategy:
             return _replicated(op_schema, specs, mesh)
         current = [tuple(s.placements) for s in specs]
         n_args = len(op_schema.args_spec)
-        kwarg_names = _movable_kwargs(op_schema, len(specs) - n_args)
+        movable, pinned = _kwarg_tensors(op_schema, n_args, len(specs))
         try:
             with clean_dispatch_state(), strict_checks():
                 # plain meta tensors: made here, not under the caller's modes (under
@@ -92,8 +92,7 @@ class DerivedStrategy:
                     for x in flat
                 ]
                 args, kwargs = tree_unflatten(meta_flat, spec)
-                best = _first_runnable(op, args, kwargs, tuple(mesh.shape), current,
-                                       n_args if kwarg_names is None else len(specs))
+                best = _first_runnable(op, args, kwargs, tuple(mesh.shape), current, pinned)
         except Indeterminate as e:  # every rank must choose alike: never choose alone
             raise Indeterminate(f"decompshard: {e}. Stopping rather than letting this rank choose a strategy "
                                 "alone: the other ranks may choose differently and run other collectives") from None
@@ -108,8 +107,8 @@ class DerivedStrategy:
         ins = [DTensorSpec(mesh, tuple(p), tensor_meta=s.tensor_meta) for p, s in zip(best.input_placements, specs)]
         outs = _output_specs(op_schema, specs, ins, [None if o is None else tuple(o) for o in best.output_placements])
         output_specs = outs[0] if len(outs) == 1 else tuple(outs)
-        if kwarg_names:
-            stage_kwarg_targets(dict(zip(kwarg_names, ins[n_args:])))
+        if movable:
+            stage_kwarg_targets({name: ins[i] for name, i in movable.items()})
         return OpStrategy([OpSpec(output_specs, input_specs=ins[:n_args], redistribute_cost=[[0.0] for _ in ins[:n_args]])])
 
     def _symbolic(self, op_schema: Any, specs: list) -> OpStrategy:
@@ -124,23 +123,28 @@ class DerivedStrategy:
         return _replicated(op_schema, specs, specs[0].mesh)
 
 
-def _movable_kwargs(op_schema: Any, n_kwarg_tensors: int) -> list[str] | None:
-    """The keyword tensor arguments' names in flattening order, if DTensor will move
-    them to the placements the chosen strategy names (`_compat.route_kwarg_redistribution`,
-    installed by `enable()`), else None: then they must keep their placements. Only
-    top-level keyword tensors are routed (a keyword list of tensors is kept in place)."""
+def _kwarg_tensors(op_schema: Any, n_args: int, n_specs: int) -> tuple[dict[str, int], frozenset[int]]:
+    """({keyword: its index among the op's tensors} for the keyword tensors DTensor will
+    move to the chosen strategy's placements, indices of the tensors that must keep
+    theirs). Keyword tensors move through `_compat.route_kwarg_redistribution`
+    (installed by `enable()`); without it, or inside a keyword list, they stay. An `out=`
+    or otherwise written keyword argument always stays: the op must write into the
+    caller's tensor, not into a redistributed copy of it."""
     from ._compat import kwarg_routing_active
 
-    if not n_kwarg_tensors or not kwarg_routing_active():
-        return None
+    kwarg_idx = range(n_args, n_specs)
     names = [k for k, v in op_schema.kwargs_schema.items() if isinstance(v, DTensorSpec)]
-    return names if len(names) == n_kwarg_tensors else None
+    if not kwarg_routing_active() or len(names) != len(kwarg_idx):
+        return {}, frozenset(kwarg_idx)
+    written = {a.name for a in op_schema.op._schema.arguments
+               if a.is_out or (a.alias_info is not None and a.alias_info.is_write)}
+    movable = {name: i for name, i in zip(names, kwarg_idx) if name not in written}
+    return movable, frozenset(i for name, i in zip(names, kwarg_idx) if name in written)
 
 
-def _first_runnable(op, args, kwargs, mesh_shape, current, n_args):
+def _first_runnable(op, args, kwargs, mesh_shape, current, pinned: frozenset[int] = frozenset()):
     """The cheapest valid strategy DTensor can run: it must be able to redistribute to
-    it, and tensors from index `n_args` on (keyword tensors DTensor will not move) must
-    keep their current placements."""
+    it, and the tensors at the `pinned` indices must keep their current placements."""
     from .derive import derive_rules
     from .lift import ranked
 
@@ -150,8 +154,7 @@ def _first_runnable(op, args, kwargs, mesh_shape, current, n_args):
         return None
 
     def runnable(ins, cost) -> bool:
-        return cost.dtensor_supported and all(
-            tuple(p) == tuple(c) for p, c in zip(ins[n_args:], current[n_args:]))
+        return cost.dtensor_supported and all(tuple(ins[i]) == tuple(current[i]) for i in pinned)
 
     return next((s for s in ranked(op, args, kwargs, mesh_shape, current, accept=runnable,
                                 valid_only=True) if s.valid), None)

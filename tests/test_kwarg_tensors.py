@@ -193,3 +193,20 @@ def test_mistral_data_parallel_step_runs_attention_without_collectives(world):
             _assert_every_rank(p.grad.full_tensor(), want[name])
     counts = {str(k): v for k, v in comm.get_comm_counts().items()}
     assert counts == {"c10d_functional.all_reduce": 1}, counts
+
+
+@pytest.mark.parametrize("out_on", [(Replicate(),), (Shard(1),)], ids=["R", "S1"])
+def test_out_keyword_is_written_in_place_not_moved(world, out_on):
+    """`out=` is a keyword tensor too, but the op must write into the caller's tensor: it
+    keeps its placement (moving it, the kernel wrote into a redistributed copy and
+    DTensor failed on its size). hardswish.out has no DTensor strategy and reaches
+    decompshard."""
+    x = torch.randn(8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    want = F.hardswish(x)
+    mesh = device_mesh((4,))
+    with LocalTensorMode(4), decompshard.enabled():
+        dx = distribute_tensor(x, mesh, [Shard(0)])
+        out = distribute_tensor(torch.zeros(8, 6, dtype=torch.float64), mesh, out_on)
+        got = torch.ops.aten.hardswish.out(dx, out=out)
+        assert got is out and tuple(out.placements) == out_on
+        _assert_every_rank(out.full_tensor(), want)
