@@ -5,6 +5,10 @@ object, `sharding_propagator.decomp_strategy` (torch 2.13: DecompShardingStrateg
 swap in `DerivedStrategy`, which answers with the one strategy `lift.choose` picked
 (so DTensor's own cost model never overrides ours), and widen `has_decomp` to the
 decompositions decompshard registers itself. Ops with native strategies never reach it.
+DTensor moves only positional tensors; `enable()` also routes keyword tensors (SDPA's
+keyword-only `attn_mask`) to the placements our strategy names
+(`_compat.route_kwarg_redistribution`), so slicing a replicated mask, which is free,
+wins over moving q, k and v. `out=` and other written keyword tensors stay put.
 
 If the op cannot be derived (data-dependent, random, no meta kernel), or has no
 decomposition at all (many backward ops), it runs fully replicated — always correct —
