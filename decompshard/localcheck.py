@@ -327,16 +327,20 @@ REAL_KERNEL_SHAPE_CHECKED = frozenset({
 })
 
 
+REAL_KERNEL_PROBE_LIMIT = 1 << 16  # elements: beyond, probe at small sizes (the check runs per candidate)
+
+
 def real_kernel_refusal(op, meta_args: tuple, meta_kwargs: dict) -> str:
     """'' or why `op`'s real CPU kernel refuses these local shapes (meta tensors), for
-    the ops in REAL_KERNEL_SHAPE_CHECKED (others: ''). Shapes too large to run on zeros
-    are probed at small sizes with the same equalities (each distinct size above 1
+    the ops in REAL_KERNEL_SHAPE_CHECKED (others: ''). Shapes larger than
+    REAL_KERNEL_PROBE_LIMIT (attention on zeros is not free, and it runs for every
+    candidate checked) are probed at small sizes with the same equalities (each distinct size above 1
     renumbered 2, 3, ... in order; 0 and 1 kept): these kernels check that sizes agree
     and broadcast, which the renumbering keeps."""
     if op not in REAL_KERNEL_SHAPE_CHECKED:
         return ""
     tensors = _tensor_leaves((meta_args, meta_kwargs))
-    if sum(math.prod(t.shape) for t in tensors) > EMPTY_SHARD_REAL_RUN_LIMIT:
+    if sum(math.prod(t.shape) for t in tensors) > REAL_KERNEL_PROBE_LIMIT:
         sizes = sorted({d for t in tensors for d in t.shape if d > 1})
         small = {d: i + 2 for i, d in enumerate(sizes)}
         meta_args, meta_kwargs = map_leaves(

@@ -88,10 +88,10 @@ def test_the_rule_the_kernel_rejects_is_refused_with_the_kernels_reason():
 
 
 def test_large_local_shapes_are_probed_at_small_sizes(monkeypatch):
-    """Beyond the size a zero-filled run may allocate, the kernel runs on shapes with the
-    same size equalities, which still refuse the rule."""
+    """Beyond REAL_KERNEL_PROBE_LIMIT elements the kernel runs on shapes with the same
+    size equalities, which still refuse the rule."""
     localcheck.clear_empty_shard_runs()
-    monkeypatch.setattr(localcheck, "EMPTY_SHARD_REAL_RUN_LIMIT", 16)
+    monkeypatch.setattr(localcheck, "REAL_KERNEL_PROBE_LIMIT", 16)
     probed = []
     real = localcheck.kernel_sandbox.output_shapes_on_zeros
     monkeypatch.setattr(localcheck.kernel_sandbox, "output_shapes_on_zeros",
