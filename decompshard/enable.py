@@ -140,10 +140,14 @@ def _kwarg_tensors(op_schema: Any, n_args: int, n_specs: int) -> tuple[dict[str,
     names = [k for k, v in op_schema.kwargs_schema.items() if isinstance(v, DTensorSpec)]
     if not kwarg_routing_active() or len(names) != len(kwarg_idx):
         return {}, frozenset(kwarg_idx)
-    written = {a.name for a in op_schema.op._schema.arguments
-               if a.is_out or (a.alias_info is not None and a.alias_info.is_write)}
+    written = _written_args(op_schema.op)
     movable = {name: i for name, i in zip(names, kwarg_idx) if name not in written}
     return movable, frozenset(i for name, i in zip(names, kwarg_idx) if name in written)
+
+
+def _written_args(op) -> set[str]:
+    """The op's `out=` and other written (`Tensor(a!)`) arguments."""
+    return {a.name for a in op._schema.arguments if a.is_out or (a.alias_info is not None and a.alias_info.is_write)}
 
 
 def _first_runnable(op, args, kwargs, mesh_shape, current, pinned: frozenset[int] = frozenset()):
@@ -165,13 +169,34 @@ def _first_runnable(op, args, kwargs, mesh_shape, current, pinned: frozenset[int
 
 
 def _replicated(op_schema, specs, mesh) -> OpStrategy:
+    """Every tensor replicated, keyword ones included: a keyword tensor left sharded
+    reaches the kernel as one rank's piece beside whole positional tensors, and an
+    attention mask of one example broadcasts over the whole batch (a wrong result that
+    claims Replicate). A keyword tensor DTensor cannot move here raises instead; an
+    `out=` tensor keeps its placement (the kernel writes the whole result into it)."""
     from ._compat import TorchReplicate
 
     rep = tuple(TorchReplicate() for _ in range(mesh.ndim))
     n_args = len(op_schema.args_spec)
     ins = [DTensorSpec(mesh, rep, tensor_meta=s.tensor_meta) for s in specs[:n_args]]
+    movable, pinned = _kwarg_tensors(op_schema, n_args, len(specs))
+    written = _written_args(op_schema.op)
+    names = [k for k, v in op_schema.kwargs_schema.items() if isinstance(v, DTensorSpec)]
+    kw_ins = []
+    for i, spec in enumerate(specs[n_args:], start=n_args):
+        if i not in pinned:
+            kw_ins.append(DTensorSpec(mesh, rep, tensor_meta=spec.tensor_meta))
+            continue
+        name = names[i - n_args] if len(names) == len(specs) - n_args else None
+        if name not in written and any(not isinstance(p, TorchReplicate) for p in spec.placements):
+            raise RuntimeError(
+                f"decompshard: {op_schema.op} must run replicated, and its keyword tensor argument "
+                f"{name or i - n_args} is {tuple(spec.placements)}, which DTensor does not redistribute here")
+        kw_ins.append(spec)
+    if movable:
+        stage_kwarg_targets({name: kw_ins[i - n_args] for name, i in movable.items()})
     n_out = sum(1 for r in op_schema.op._schema.returns if "Tensor" in str(r.type))
-    outs = _output_specs(op_schema, specs, ins + specs[n_args:], [rep] * max(n_out, 1))
+    outs = _output_specs(op_schema, specs, ins + kw_ins, [rep] * max(n_out, 1))
     return OpStrategy([OpSpec(outs[0] if n_out <= 1 else tuple(outs), input_specs=ins, redistribute_cost=[[0.0] for _ in ins])])
 
 

@@ -210,3 +210,25 @@ def test_out_keyword_is_written_in_place_not_moved(world, out_on):
         got = torch.ops.aten.hardswish.out(dx, out=out)
         assert got is out and tuple(out.placements) == out_on
         _assert_every_rank(out.full_tensor(), want)
+
+
+def test_replicated_fallback_replicates_keyword_tensors_too(world, monkeypatch):
+    """When decompshard runs an op replicated (no derivable strategy, no decomposition,
+    symbolic shapes, an internal error), keyword tensors are replicated too. They used to
+    keep their placement: each rank's kernel got the whole q, k, v beside its one-example
+    slice of a Shard(0) mask, broadcast it over the batch and returned a wrong result
+    claiming Replicate (max error 1.8 here)."""
+    import importlib
+
+    enable_module = importlib.import_module("decompshard.enable")
+    monkeypatch.setattr(enable_module, "_first_runnable", lambda *args, **kwargs: None)
+    q, k, v, mask = _inputs((B, 1, S, S))
+    want_out, want_grads = _one_device(q, k, v, mask)
+    mesh = device_mesh((4,))
+    decompshard.disable()  # enabling again clears DTensor's cached decisions
+    with LocalTensorMode(4), decompshard.enabled():
+        out, leaves, _, _ = _run(mesh, (Shard(0),), (Shard(0),), q, k, v, mask, steps=1)
+        assert tuple(out.placements) == (Replicate(),)
+        _assert_every_rank(out.full_tensor(), want_out)
+        for t, g in zip(leaves, want_grads):
+            _assert_every_rank(t.grad.full_tensor(), g)
