@@ -8,6 +8,7 @@ message instead of deep inside a sweep.
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any
 
 import torch
@@ -165,9 +166,7 @@ def to_torch_placement(p: Any) -> Any:
 # gets a redistribution schema naming the moves, and the dispatcher's
 # redistribute_local_args performs them after the positional ones.
 
-import threading as _threading
-
-_staged = _threading.local()
+_staged = threading.local()
 _routing: dict[str, Any] = {}
 
 
