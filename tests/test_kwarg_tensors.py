@@ -232,3 +232,48 @@ def test_replicated_fallback_replicates_keyword_tensors_too(world, monkeypatch):
         _assert_every_rank(out.full_tensor(), want_out)
         for t, g in zip(leaves, want_grads):
             _assert_every_rank(t.grad.full_tensor(), g)
+
+
+def _gloo_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """One of 4 real processes (gloo): the DP attention with a replicated keyword mask;
+    writes this rank's largest error against its slice of one device's result, and the
+    collective counts."""
+    import json
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+    report: dict = {}
+    try:
+        q, k, v, mask = _inputs((B, 1, S, S))
+        want_out, want_grads = _one_device(q, k, v, mask)
+        with decompshard.enabled():
+            out, leaves, n_fwd, n_bwd = _run(init_device_mesh("cpu", (world,)), (Shard(0),), (Replicate(),), q, k, v, mask)
+        pairs = [(out, want_out)] + [(t.grad, g) for t, g in zip(leaves, want_grads)]
+        report = {"err": max(float((got.to_local() - want.chunk(world)[rank]).abs().max()) for got, want in pairs),
+                  "counts": [n_fwd, n_bwd]}
+    except Exception as e:  # reported, so the parent's assertion says what broke
+        report["__error__"] = f"{type(e).__name__}: {e}"
+    finally:
+        with open(f"{out_dir}/rank{rank}.json", "w") as f:
+            json.dump(report, f)
+        dist.destroy_process_group()
+
+
+def test_gloo_four_processes(tmp_path):
+    """The keyword mask is moved by real collectives code too (here: sliced locally)."""
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_gloo_worker, args=(4, port, str(tmp_path)), nprocs=4, join=True)
+    for rank in range(4):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert "__error__" not in report, f"rank {rank}: {report.get('__error__')}"
+        assert report["err"] < 1e-12 and report["counts"] == [0, 0], (rank, report)
