@@ -236,8 +236,8 @@ def test_replicated_fallback_replicates_keyword_tensors_too(world, monkeypatch):
 
 def _gloo_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     """One of 4 real processes (gloo): the DP attention with a replicated keyword mask;
-    writes this rank's largest error against its slice of one device's result, and the
-    collective counts."""
+    writes the largest error of this rank's full_tensor() values against one device's,
+    and the collective counts of the last step."""
     import json
 
     import torch.distributed as dist
@@ -252,7 +252,7 @@ def _gloo_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         with decompshard.enabled():
             out, leaves, n_fwd, n_bwd = _run(init_device_mesh("cpu", (world,)), (Shard(0),), (Replicate(),), q, k, v, mask)
         pairs = [(out, want_out)] + [(t.grad, g) for t, g in zip(leaves, want_grads)]
-        report = {"err": max(float((got.to_local() - want.chunk(world)[rank]).abs().max()) for got, want in pairs),
+        report = {"err": max(float((got.full_tensor() - want).abs().max()) for got, want in pairs),
                   "counts": [n_fwd, n_bwd]}
     except Exception as e:  # reported, so the parent's assertion says what broke
         report["__error__"] = f"{type(e).__name__}: {e}"
