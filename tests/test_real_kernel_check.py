@@ -44,15 +44,22 @@ def _backward_inputs():
     return (grad_out, q, k, v, out, lse), mask
 
 
-def test_backward_with_head_dim_sharded_v_matches_one_device(world):
-    """Called with the placements that make the rejected rule free (nothing to move),
-    the op used to raise "Q/K/V should have the same head size" on every rank; now
-    DTensor runs a strategy the kernel accepts and every rank holds one device's grads."""
+# T5 with fewer heads than TP ranks: the row-wise out projection's gradient, viewed back
+# to [B, H, S, D], arrives sharded on D while q, k, v and out are replicated; slicing v
+# and out is free, so the rejected rule was the cheapest
+GRAD_ON_HEAD_DIM = [(Shard(3),)] + [(Replicate(),)] * 6
+
+
+@pytest.mark.parametrize("placements", [HEAD_DIM_OF_V, GRAD_ON_HEAD_DIM], ids=["rule-in-place", "t5-few-heads"])
+def test_backward_with_head_dim_sharded_v_matches_one_device(world, placements):
+    """Called with placements that make the rejected rule the cheapest, the op used to
+    raise "Q/K/V should have the same head size" on every rank; now DTensor runs a
+    strategy the kernel accepts and every rank holds one device's grads."""
     tensors, mask = _backward_inputs()
     want = BACKWARD(*tensors, 0.0, False, attn_mask=mask)
     mesh = device_mesh((4,))
     with LocalTensorMode(4), decompshard.enabled():
-        dts = [distribute_tensor(t, mesh, p) for t, p in zip(tensors, HEAD_DIM_OF_V)]
+        dts = [distribute_tensor(t, mesh, p) for t, p in zip(tensors, placements)]
         dmask = distribute_tensor(mask, mesh, [Replicate()])
         got = BACKWARD(*dts, 0.0, False, attn_mask=dmask)
         for g, w in zip(got, want):
