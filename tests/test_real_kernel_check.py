@@ -143,9 +143,10 @@ def test_t5_tensor_parallel_step_matches_one_device(world, monkeypatch):
     """A tiny T5ForConditionalGeneration (SDPA; self-attention's learned relative bias and
     cross-attention's zero bias reach attention as its keyword mask), Megatron TP on 4
     ranks (q, k, v, wi column-wise, o, wo row-wise, every other parameter replicated),
-    one step: loss and every gradient equal one device's on every rank. (This size does
-    not reach the rule the kernel rejects, whatever the issue's T5 did: the direct call
-    above is the regression test for that.)"""
+    one step: loss and every gradient equal one device's on every rank. (With 4 heads on
+    4 ranks the rule the kernel rejects is not the cheapest; with fewer heads than ranks
+    T5 stops earlier today, at "Cannot unflatten unevenly sharded tensor" after q's
+    projection, and the `t5-few-heads` case above is the backward call it would reach.)"""
     pytest.importorskip("transformers")
     from decompshard.check.ecosystem import import_torchvision
 
