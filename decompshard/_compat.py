@@ -8,6 +8,7 @@ message instead of deep inside a sweep.
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any
 
 import torch
@@ -17,7 +18,8 @@ __all__ = [
     "TensorMeta", "TorchPartial", "TorchReplicate", "TorchShard", "TorchStridedShard",
     "TupleStrategy", "_ShardingPlaceholder", "_compute_local_shape_and_global_offset", "clear_dtensor_caches",
     "dtensor_default_dispatch", "dtensor_local_results", "dtensor_output_spec", "unsharded_dtensor",
-    "fake_one_rank_mesh", "from_torch_placement", "has_native_strategy", "is_dispatchable", "op_strategy_func",
+    "fake_one_rank_mesh", "from_torch_placement", "has_native_strategy", "is_dispatchable", "kwarg_routing_active",
+    "op_strategy_func", "route_kwarg_redistribution", "stage_kwarg_targets", "unroute_kwarg_redistribution",
     "sharding_propagator", "single_dim_strategy_info", "to_torch_placement",
     "torch_decomposition_table",
 ]
@@ -188,3 +190,105 @@ def unsharded_dtensor(local: torch.Tensor, mesh: Any, placements: Any) -> Any:
         raise ValueError(f"unsharded_dtensor: {tuple(placements)} shards the tensor")
     meta = TensorMeta(local.shape, local.stride(), local.dtype)
     return DTensor(local, DTensorSpec(mesh, tuple(placements), tensor_meta=meta), requires_grad=False)
+# ------------------------------------------------------------------ keyword tensor arguments
+#
+# DTensor redistributes only positional tensor arguments: its propagator builds the
+# redistribution schema with the caller's kwargs_schema, and OpDispatcher.
+# redistribute_local_args walks args alone ("very rare that we need to reshard kwargs").
+# decompshard's strategies name a placement for every tensor, keyword ones included
+# (SDPA's keyword-only attn_mask). `route_kwarg_redistribution()` makes DTensor honour
+# them: the strategy records its keyword targets with `stage_kwarg_targets` while the
+# propagator runs, the propagator's answer (cached with it, so cache hits carry it too)
+# gets a redistribution schema naming the moves, and the dispatcher's
+# redistribute_local_args performs them after the positional ones.
+
+_staged = threading.local()
+_routing: dict[str, Any] = {}
+
+
+class _KwargMovingSchema(OpSchema):
+    """A redistribution schema that also moves keyword tensors: `kwarg_moves` maps a
+    keyword to (current spec, target spec). DTensor's propagation cache key includes the
+    keyword specs, so the current spec recorded here is the caller's on every cache hit."""
+
+    kwarg_moves: dict[str, tuple[Any, Any]]
+
+
+def kwarg_routing_active() -> bool:
+    """Whether a strategy function running now may move keyword tensors: routing is
+    installed and DTensor's (wrapped) propagator is the caller."""
+    return bool(_routing) and bool(getattr(_staged, "stack", None))
+
+
+def stage_kwarg_targets(targets: dict[str, Any]) -> None:
+    """Called by a strategy function while DTensor's propagator runs it (see
+    `kwarg_routing_active`): the keyword tensors' target DTensorSpecs."""
+    if not kwarg_routing_active():
+        raise RuntimeError("decompshard: keyword tensors can be moved only inside DTensor's routed propagator")
+    _staged.stack[-1] = dict(targets)
+
+
+def _with_kwarg_moves(op_schema: Any, sharding: Any, targets: dict[str, Any]) -> Any:
+    moves = {}
+    for name, target in targets.items():
+        src = op_schema.kwargs_schema.get(name)
+        if not isinstance(src, DTensorSpec):
+            raise AssertionError(f"{op_schema.op}: keyword {name!r} is not a DTensor argument")
+        if tuple(src.placements) != tuple(target.placements):
+            moves[name] = (src, DTensorSpec(target.mesh, tuple(target.placements), tensor_meta=src.tensor_meta))
+    if not moves:
+        return sharding
+    base = sharding.redistribute_schema or op_schema
+    kwargs = dict(base.kwargs_schema)
+    kwargs.update({name: dst for name, (_, dst) in moves.items()})
+    schema = _KwargMovingSchema(base.op, base.args_schema, kwargs, schema_info=base.schema_info)
+    schema.kwarg_moves = moves
+    sharding.redistribute_schema = schema
+    sharding.needs_redistribute = True
+    return sharding
+
+
+def route_kwarg_redistribution() -> None:
+    """Wrap DTensor's sharding propagator and its redistribute_local_args (instance
+    attributes, so `unroute_kwarg_redistribution` restores the originals exactly) so
+    that keyword tensor targets staged by a strategy are redistributed. Idempotent."""
+    from torch.distributed.tensor._redistribute import redistribute_local_tensor
+    from torch.distributed.tensor._sharding_prop import LocalLRUCache
+
+    if _routing:
+        return
+    sp = sharding_propagator()
+    dispatcher = DTensor._op_dispatcher
+    original_propagate = sp.propagate_op_sharding_non_cached
+    original_redistribute = dispatcher.redistribute_local_args
+
+    def propagate_op_sharding_non_cached(op_schema: Any) -> Any:
+        stack = _staged.__dict__.setdefault("stack", [])
+        stack.append(None)
+        try:
+            sharding = original_propagate(op_schema)
+        finally:
+            targets = stack.pop()
+        return sharding if not targets else _with_kwarg_moves(op_schema, sharding, targets)
+
+    def redistribute_local_args(op_info: Any, suggested_input_schema: Any, use_val: bool) -> None:
+        original_redistribute(op_info, suggested_input_schema, use_val)
+        for name, (src, dst) in getattr(suggested_input_schema, "kwarg_moves", {}).items():
+            op_info.local_kwargs[name] = redistribute_local_tensor(op_info.local_kwargs[name], src, dst)
+
+    _routing["cache"] = sp.propagate_op_sharding
+    sp.propagate_op_sharding_non_cached = propagate_op_sharding_non_cached
+    sp.propagate_op_sharding = LocalLRUCache(propagate_op_sharding_non_cached)
+    dispatcher.redistribute_local_args = redistribute_local_args
+    clear_dtensor_caches()
+
+
+def unroute_kwarg_redistribution() -> None:
+    """DTensor's propagator and dispatcher exactly as before. Idempotent."""
+    if not _routing:
+        return
+    sp = sharding_propagator()
+    sp.propagate_op_sharding = _routing.pop("cache")
+    del sp.propagate_op_sharding_non_cached
+    del DTensor._op_dispatcher.redistribute_local_args
+    clear_dtensor_caches()

@@ -5,6 +5,10 @@ object, `sharding_propagator.decomp_strategy` (torch 2.13: DecompShardingStrateg
 swap in `DerivedStrategy`, which answers with the one strategy `lift.choose` picked
 (so DTensor's own cost model never overrides ours), and widen `has_decomp` to the
 decompositions decompshard registers itself. Ops with native strategies never reach it.
+DTensor moves only positional tensors; `enable()` also routes keyword tensors (SDPA's
+keyword-only `attn_mask`) to the placements our strategy names
+(`_compat.route_kwarg_redistribution`), so slicing a replicated mask, which is free,
+wins over moving q, k and v. `out=` and other written keyword tensors stay put.
 
 If the op cannot be derived (data-dependent, random, no meta kernel), or has no
 decomposition at all (many backward ops), it runs fully replicated — always correct —
@@ -28,7 +32,10 @@ from typing import Any, Iterator
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ._compat import DTensorSpec, OpSpec, OpStrategy, TensorMeta, clear_dtensor_caches, sharding_propagator
+from ._compat import (
+    DTensorSpec, OpSpec, OpStrategy, TensorMeta, clear_dtensor_caches, route_kwarg_redistribution,
+    sharding_propagator, stage_kwarg_targets, unroute_kwarg_redistribution,
+)
 from .dispatch_modes.clean import clean_dispatch_state
 from .dispatch_modes.tracing import has_decomposition
 
@@ -77,6 +84,8 @@ class DerivedStrategy:
             _warn_once(f"nodecomp:{op}", f"decompshard: {op} has no sharding strategy and no decomposition; running replicated")
             return _replicated(op_schema, specs, mesh)
         current = [tuple(s.placements) for s in specs]
+        n_args = len(op_schema.args_spec)
+        movable, pinned = _kwarg_tensors(op_schema, n_args, len(specs))
         try:
             with clean_dispatch_state(), strict_checks():
                 # plain meta tensors: made here, not under the caller's modes (under
@@ -87,7 +96,7 @@ class DerivedStrategy:
                     for x in flat
                 ]
                 args, kwargs = tree_unflatten(meta_flat, spec)
-                best = _first_runnable(op, args, kwargs, tuple(mesh.shape), current, len(op_schema.args_spec))
+                best = _first_runnable(op, args, kwargs, tuple(mesh.shape), current, pinned)
         except Indeterminate as e:  # every rank must choose alike: never choose alone
             raise Indeterminate(f"decompshard: {e}. Stopping rather than letting this rank choose a strategy "
                                 "alone: the other ranks may choose differently and run other collectives") from None
@@ -102,7 +111,8 @@ class DerivedStrategy:
         ins = [DTensorSpec(mesh, tuple(p), tensor_meta=s.tensor_meta) for p, s in zip(best.input_placements, specs)]
         outs = _output_specs(op_schema, specs, ins, [None if o is None else tuple(o) for o in best.output_placements])
         output_specs = outs[0] if len(outs) == 1 else tuple(outs)
-        n_args = len(op_schema.args_spec)
+        if movable:
+            stage_kwarg_targets({name: ins[i] for name, i in movable.items()})
         return OpStrategy([OpSpec(output_specs, input_specs=ins[:n_args], redistribute_cost=[[0.0] for _ in ins[:n_args]])])
 
     def _symbolic(self, op_schema: Any, specs: list) -> OpStrategy:
@@ -117,7 +127,32 @@ class DerivedStrategy:
         return _replicated(op_schema, specs, specs[0].mesh)
 
 
-def _first_runnable(op, args, kwargs, mesh_shape, current, n_args):
+def _kwarg_tensors(op_schema: Any, n_args: int, n_specs: int) -> tuple[dict[str, int], frozenset[int]]:
+    """({keyword: its index among the op's tensors} for the keyword tensors DTensor will
+    move to the chosen strategy's placements, indices of the tensors that must keep
+    theirs). Keyword tensors move through `_compat.route_kwarg_redistribution`
+    (installed by `enable()`); without it, or inside a keyword list, they stay. An `out=`
+    or otherwise written keyword argument always stays: the op must write into the
+    caller's tensor, not into a redistributed copy of it."""
+    from ._compat import kwarg_routing_active
+
+    kwarg_idx = range(n_args, n_specs)
+    names = [k for k, v in op_schema.kwargs_schema.items() if isinstance(v, DTensorSpec)]
+    if not kwarg_routing_active() or len(names) != len(kwarg_idx):
+        return {}, frozenset(kwarg_idx)
+    written = _written_args(op_schema.op)
+    movable = {name: i for name, i in zip(names, kwarg_idx) if name not in written}
+    return movable, frozenset(i for name, i in zip(names, kwarg_idx) if name in written)
+
+
+def _written_args(op) -> set[str]:
+    """The op's `out=` and other written (`Tensor(a!)`) arguments."""
+    return {a.name for a in op._schema.arguments if a.is_out or (a.alias_info is not None and a.alias_info.is_write)}
+
+
+def _first_runnable(op, args, kwargs, mesh_shape, current, pinned: frozenset[int] = frozenset()):
+    """The cheapest valid strategy DTensor can run: it must be able to redistribute to
+    it, and the tensors at the `pinned` indices must keep their current placements."""
     from .derive import derive_rules
     from .lift import ranked
 
@@ -127,23 +162,41 @@ def _first_runnable(op, args, kwargs, mesh_shape, current, n_args):
         return None
 
     def runnable(ins, cost) -> bool:
-        # DTensor must be able to redistribute to it, and kwarg tensors cannot be
-        # redistributed through DTensor's schema suggestion at all
-        return cost.dtensor_supported and all(
-            tuple(p) == tuple(c) for p, c in zip(ins[n_args:], current[n_args:]))
+        return cost.dtensor_supported and all(tuple(ins[i]) == tuple(current[i]) for i in pinned)
 
     return next((s for s in ranked(op, args, kwargs, mesh_shape, current, accept=runnable,
                                 valid_only=True) if s.valid), None)
 
 
 def _replicated(op_schema, specs, mesh) -> OpStrategy:
+    """Every tensor replicated, keyword ones included: a keyword tensor left sharded
+    reaches the kernel as one rank's piece beside whole positional tensors, and an
+    attention mask of one example broadcasts over the whole batch (a wrong result that
+    claims Replicate). A keyword tensor DTensor cannot move here raises instead; an
+    `out=` tensor keeps its placement (the kernel writes the whole result into it)."""
     from ._compat import TorchReplicate
 
     rep = tuple(TorchReplicate() for _ in range(mesh.ndim))
     n_args = len(op_schema.args_spec)
     ins = [DTensorSpec(mesh, rep, tensor_meta=s.tensor_meta) for s in specs[:n_args]]
+    movable, pinned = _kwarg_tensors(op_schema, n_args, len(specs))
+    written = _written_args(op_schema.op)
+    names = [k for k, v in op_schema.kwargs_schema.items() if isinstance(v, DTensorSpec)]
+    kw_ins = []
+    for i, spec in enumerate(specs[n_args:], start=n_args):
+        if i not in pinned:
+            kw_ins.append(DTensorSpec(mesh, rep, tensor_meta=spec.tensor_meta))
+            continue
+        name = names[i - n_args] if len(names) == len(specs) - n_args else None
+        if name not in written and any(not isinstance(p, TorchReplicate) for p in spec.placements):
+            raise RuntimeError(
+                f"decompshard: {op_schema.op} must run replicated, and its keyword tensor argument "
+                f"{name or i - n_args} is {tuple(spec.placements)}, which DTensor does not redistribute here")
+        kw_ins.append(spec)
+    if movable:
+        stage_kwarg_targets({name: kw_ins[i - n_args] for name, i in movable.items()})
     n_out = sum(1 for r in op_schema.op._schema.returns if "Tensor" in str(r.type))
-    outs = _output_specs(op_schema, specs, ins + specs[n_args:], [rep] * max(n_out, 1))
+    outs = _output_specs(op_schema, specs, ins + kw_ins, [rep] * max(n_out, 1))
     return OpStrategy([OpSpec(outs[0] if n_out <= 1 else tuple(outs), input_specs=ins, redistribute_cost=[[0.0] for _ in ins])])
 
 
@@ -286,6 +339,7 @@ def enable(guard_native: bool | None = None) -> None:
         _saved["has_decomp"] = DecompShardingStrategy.__dict__["has_decomp"]
         sp.decomp_strategy = DerivedStrategy(sp.decomp_strategy)
         DecompShardingStrategy.has_decomp = staticmethod(reaches_decompshard)
+        route_kwarg_redistribution()
         clear_dtensor_caches()
 
 
@@ -300,6 +354,7 @@ def disable() -> None:
             return
         sharding_propagator().decomp_strategy = _saved.pop("decomp_strategy")
         DecompShardingStrategy.has_decomp = _saved.pop("has_decomp")
+        unroute_kwarg_redistribution()
         clear_dtensor_caches()
 
 

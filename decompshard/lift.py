@@ -39,6 +39,7 @@ from .cost import (
 )
 from .derive import derive_rules
 from .dispatch_modes.clean import clean_dispatch_state
+from .localcheck import real_kernel_refusal
 from .placements import MaybePlacement, Partial, R, ShardPlaceholder, SingleDimRule
 
 TorchPlacement = Any
@@ -441,7 +442,9 @@ def _mixed_partials(ins, outs) -> str:
 
 
 def _meta_check(op, args, kwargs, ins, outs, tensors, mesh) -> str:
-    """Run the original op's meta kernel on every distinct set of local input shapes."""
+    """Run the original op's meta kernel on every distinct set of local input shapes, and
+    its real CPU kernel too where the meta kernel is known to check less
+    (localcheck.REAL_KERNEL_SHAPE_CHECKED): DTensor runs the real one."""
     flat, spec = tree_flatten((args, kwargs))
     out_global = _global_outputs(op, args, kwargs)
     seen = set()
@@ -474,6 +477,9 @@ def _meta_check(op, args, kwargs, ins, outs, tensors, mesh) -> str:
         for g, w in zip(got, want):
             if w is not None and g != w:
                 return f"on rank {list(coord)} the op returns local shape {list(g)}, the strategy needs {list(w)}"
+        refusal = real_kernel_refusal(op, la, lk)  # ops whose meta kernel checks less than the kernel
+        if refusal:
+            return f"on rank {list(coord)}'s local shapes {[list(s) for s in shapes]} {refusal}"
     return ""
 
 

@@ -277,24 +277,9 @@ def _real_kernel_on_empty_shard(g: PrimGraph, cand: Survivor, args, kwargs, shap
         g.op(*meta_args, **meta_kwargs)
     except Exception as e:
         return f"the op's meta kernel refuses an empty shard: {(str(e).splitlines() or [''])[0][:120]}"
-    key = (g.op, freeze(map_leaves(lambda x: (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x,
-                                   (meta_args, meta_kwargs))))
-    try:
-        hit = _EMPTY_RUNS.get(key)
-    except TypeError:  # an unhashable argument: no caching
-        key, hit = None, None
-    if hit is None:
-        hit = kernel_sandbox.output_shapes_on_zeros(g.op, meta_args, meta_kwargs)
-        if key is not None and hit[0] != "timeout":  # a timeout says nothing about the op
-            _EMPTY_RUNS.put(key, hit)
-    status, got = hit
+    status, got = _kernel_on_zeros(g.op, meta_args, meta_kwargs)
     if status == "timeout":
-        global _TIMEOUTS
-        _TIMEOUTS += 1
-        why = f"the op's kernel gave no answer on an empty shard ({got})"
-        if _STRICT.get():
-            raise Indeterminate(f"{g.op}: {why}")
-        return f"{why}; refused"
+        return f"the op's kernel gave no answer on an empty shard ({got}); refused"
     if status == "crash":
         return f"the op's kernel crashes on an empty shard ({got})"
     if status == "error":
@@ -306,6 +291,73 @@ def _real_kernel_on_empty_shard(g: PrimGraph, cand: Survivor, args, kwargs, shap
         if shape != want:
             return f"on an empty shard the op returns shape {list(shape)}, {p} needs {list(want)}"
     return ""
+
+
+def _kernel_on_zeros(op, meta_args, meta_kwargs, where: str = "on an empty shard") -> tuple[str, Any]:
+    """The op's real CPU kernel on zeros shaped like the meta arguments, in the sandbox
+    (kernel_sandbox.output_shapes_on_zeros), remembered per (op, shapes, dtypes, other
+    arguments). A timeout says nothing about the op: it is counted, not remembered, and
+    under `strict_checks` raises Indeterminate."""
+    key = (op, freeze(map_leaves(lambda x: (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x,
+                                 (meta_args, meta_kwargs))))
+    try:
+        hit = _EMPTY_RUNS.get(key)
+    except TypeError:  # an unhashable argument: no caching
+        key, hit = None, None
+    if hit is None:
+        hit = kernel_sandbox.output_shapes_on_zeros(op, meta_args, meta_kwargs)
+        if key is not None and hit[0] != "timeout":
+            _EMPTY_RUNS.put(key, hit)
+    if hit[0] == "timeout":
+        global _TIMEOUTS
+        _TIMEOUTS += 1
+        if _STRICT.get():
+            raise Indeterminate(f"{op}: the op's kernel gave no answer {where} ({hit[1]})")
+    return hit
+
+
+# Ops whose meta kernel accepts local shapes their real CPU kernel refuses, so a strategy
+# the decomposition proves can still stop the user's program where DTensor runs the
+# kernel. CPU flash attention's backward derives `S(3), R, R, S(3), S(3), R, R ->
+# P(sum), P(sum), S(3)` (v's head dim sharded, q's and k's not: valid for the math), and
+# its kernel raises "Q/K/V should have the same head size"; the meta kernel does not check.
+REAL_KERNEL_SHAPE_CHECKED = frozenset({
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+})
+
+
+REAL_KERNEL_PROBE_LIMIT = 1 << 16  # elements: beyond, probe at small sizes (the check runs per candidate)
+
+
+def real_kernel_refusal(op, meta_args: tuple, meta_kwargs: dict) -> str:
+    """'' or why `op`'s real CPU kernel refuses these local shapes (meta tensors), for
+    the ops in REAL_KERNEL_SHAPE_CHECKED (others: ''). Shapes larger than
+    REAL_KERNEL_PROBE_LIMIT (attention on zeros is not free, and it runs for every
+    candidate checked) are probed at small sizes with the same equalities (each distinct size above 1
+    renumbered 2, 3, ... in order; 0 and 1 kept): these kernels check that sizes agree
+    and broadcast, which the renumbering keeps."""
+    if op not in REAL_KERNEL_SHAPE_CHECKED:
+        return ""
+    tensors = _tensor_leaves((meta_args, meta_kwargs))
+    if sum(math.prod(t.shape) for t in tensors) > REAL_KERNEL_PROBE_LIMIT:
+        sizes = sorted({d for t in tensors for d in t.shape if d > 1})
+        small = {d: i + 2 for i, d in enumerate(sizes)}
+        meta_args, meta_kwargs = map_leaves(
+            lambda x: torch.empty([small.get(d, d) for d in x.shape], dtype=x.dtype, device="meta")
+            if isinstance(x, torch.Tensor) else x, (meta_args, meta_kwargs))
+    status, got = _kernel_on_zeros(op, meta_args, meta_kwargs, "on zero-filled local shapes")
+    if status == "ok":
+        return ""
+    if status == "timeout":
+        return f"the op's kernel gave no answer on these local shapes ({got}); refused"
+    return f"the op's real kernel {'crashes' if status == 'crash' else 'refuses them'}: {got}"
+
+
+def _tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    map_leaves(lambda x: found.append(x) if isinstance(x, torch.Tensor) else None, tree)
+    return found
 
 
 _TIMEOUTS = 0  # kernel runs that timed out, ever: a verdict reached past one is not kept
