@@ -139,29 +139,10 @@ def uninstall() -> None:
 
 
 def _redistributing_handler(op: torch._ops.OpOverload, original: Callable) -> Callable:
-    """`original`, run after the inputs are moved to the layout the strategy chose."""
+    """`original`, run on a layout it computes right (guard_conv.py)."""
+    from .guard_conv import redistributing_handler
 
-    def handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
-        dispatcher = DTensor._op_dispatcher
-        op_info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
-        dispatcher.sharding_propagator.propagate(op_info)
-        out = op_info.output_sharding
-        suggestion = getattr(out, "redistribute_schema", None)
-        if out is not None and out.needs_redistribute and suggestion is not None:
-            moved = []
-            for arg, want in zip(args, suggestion.args_schema):
-                if isinstance(arg, DTensor) and isinstance(want, DTensorSpec) and arg.placements != want.placements:
-                    _warn_once(f"handler:{op}", (
-                        f"decompshard guard: {op}: DTensor's handler would run the local kernel on "
-                        f"{tuple(arg.placements)} inputs its strategy asked to be {tuple(want.placements)} "
-                        f"(wrong results); redistributing first"))
-                    arg = arg.redistribute(want.mesh, want.placements)
-                moved.append(arg)
-            args = tuple(moved) + tuple(args[len(moved):])
-        return original(op_call, args, kwargs)
-
-    handler.__wrapped__ = original  # type: ignore[attr-defined]
-    return handler
+    return redistributing_handler(op, original, _warn_once)
 
 
 # ------------------------------------------------------------------ strategy tables
