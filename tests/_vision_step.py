@@ -29,9 +29,12 @@ class StepResult:
 
 
 def loss_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The model's own loss when it takes labels (transformers), else cross entropy."""
+    """The model's own loss when it takes labels (transformers); cross entropy for
+    integer labels; mean squared error for floating targets (no nll_loss on the way)."""
     if hasattr(model, "config"):
         return model(pixel_values=x, labels=y).loss
+    if y.dtype.is_floating_point:
+        return F.mse_loss(model(x), y)
     return F.cross_entropy(model(x), y)
 
 
