@@ -47,6 +47,7 @@ from ._compat import (
     sharding_propagator,
 )
 from .dispatch_modes.graph import freeze, leaves
+from .guard_batchnorm import STATS_WRITTEN, stats_writing_handler
 from .guard_table import HANDLERS_SKIPPING_REDISTRIBUTION, WRONG_RULES
 from .placements import SingleDimRule, format_rule
 
@@ -59,6 +60,7 @@ _lock = threading.RLock()
 _saved: dict[tuple[str, Any], Any] = {}  # (table, op) -> the entry it held before
 _warned: set[str] = set()
 _verdicts: dict[tuple, frozenset] = {}
+_ABSENT = object()  # saved for a handler the guard adds where DTensor has none
 
 
 def wanted(flag: bool | None) -> bool:
@@ -100,6 +102,11 @@ def install() -> None:
             if op is not None and op in handlers:
                 _saved[("handler", op)] = handlers[op]
                 handlers[op] = _redistributing_handler(op, handlers[op])
+        for name, (written, training_at) in STATS_WRITTEN.items():
+            op = _resolve(name)
+            if op is not None and op not in handlers:
+                _saved[("handler", op)] = _ABSENT
+                handlers[op] = stats_writing_handler(op, written, training_at, _warn_once)
         for name, rules in WRONG_RULES.items():
             op = _resolve(name)
             if op is None:
@@ -124,7 +131,9 @@ def uninstall() -> None:
         sp = sharding_propagator()
         handlers = DTensor._op_dispatcher._custom_op_handlers
         for (table, op), old in _saved.items():
-            if table == "handler":
+            if table == "handler" and old is _ABSENT:
+                handlers.pop(op, None)
+            elif table == "handler":
                 handlers[op] = old
             elif table == "single-dim":
                 sp.op_single_dim_strategy_funcs[op] = old

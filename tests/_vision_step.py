@@ -85,7 +85,7 @@ def dtensor_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, mesh:
             _set(m, name, torch.nn.Parameter(distribute_tensor(p.detach(), mesh, list(pl))), buffer=False)
         for name, b in list(m.named_buffers()):
             pl = (plan and plan(name, b)) or rep
-            _set(m, name, distribute_tensor(b.detach(), mesh, list(pl)), buffer=True)
+            _set(m, name, _own_copies(distribute_tensor(b.detach(), mesh, list(pl)), n), buffer=True)
         dx = distribute_tensor(x, mesh, list(batch))
         dy = distribute_tensor(y, mesh, list(batch))
         try:
@@ -100,6 +100,22 @@ def dtensor_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, mesh:
         out.grads = {name: full(p.grad) for name, p in m.named_parameters() if p.grad is not None}
         out.buffers = {name: full(b) for name, b in m.named_buffers() if b.dtype.is_floating_point}
     return out
+
+
+def _own_copies(d: Any, n: int) -> Any:
+    """`d` with a separate local tensor per simulated rank. A replicated DTensor made
+    under LocalTensorMode holds one plain tensor that stands for every rank, so a kernel
+    that updates it in place (batch norm's running statistics) would update it once per
+    rank; on real processes each rank has its own."""
+    from torch.distributed._local_tensor import LocalTensor
+    from torch.distributed.tensor import DTensor
+
+    local = d._local_tensor
+    if isinstance(local, LocalTensor):
+        return d
+    per_rank = LocalTensor({r: local.clone() for r in range(n)})
+    return DTensor.from_local(per_rank, d.device_mesh, d.placements, run_check=False, shape=d.shape,
+                              stride=d.stride())
 
 
 def mismatches(got: StepResult, ref: StepResult, rtol: float = 1e-7, atol: float = 1e-9) -> list[str]:

@@ -153,3 +153,105 @@ def test_vit_dp_tp_2x2_trains_with_the_guard(mesh2x2):
         assert len(got.grads) == len(dict(model.named_parameters()))
         assert not [w for w in got.warnings if "convolution" in w], got.warnings
     decompshard.disable()
+
+
+# ------------------------------------------------------------------ batch norm (guard_batchnorm.py)
+
+
+def _bn_case(g: torch.Generator, c: int = 64) -> list[torch.Tensor]:
+    x = torch.randn(8, c, 4, 4, dtype=torch.float64, generator=g)
+    w, b = torch.randn(c, dtype=torch.float64, generator=g), torch.randn(c, dtype=torch.float64, generator=g)
+    return [x, w, b, torch.randn(c, dtype=torch.float64, generator=g), torch.rand(c, dtype=torch.float64, generator=g) + 0.5]
+
+
+def _run_bn(mesh, op, training_args: tuple) -> tuple[list, list, list, list]:
+    """(one device's outputs, one device's running stats after, DTensor's outputs per rank,
+    DTensor's running stats per rank): input Shard(0), everything else replicated, each
+    rank with its own copy of the statistics (as on real processes)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from _vision_step import _own_copies
+
+    xs = _bn_case(torch.Generator().manual_seed(3))
+    ref_stats = [xs[3].clone(), xs[4].clone()]
+    ref = op(xs[0], xs[1], xs[2], *ref_stats, *training_args)
+    with LocalTensorMode(4), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        d = [distribute_tensor(t, mesh, [Shard(0)] if i == 0 else [Replicate()]) for i, t in enumerate(xs)]
+        d[3], d[4] = _own_copies(d[3], 4), _own_copies(d[4], 4)
+        out = op(*d, *training_args)
+        got = [_full(o) for o in out if o is not None and o.numel() > 0]
+        stats = [_full(s) for s in d[3:5]]
+    return [r for r in ref if r.numel() > 0], ref_stats, got, stats
+
+
+BN_OPS = [
+    (aten.native_batch_norm.default, (True, 0.1, 1e-5)),  # what nn.BatchNorm2d calls on CPU
+    (aten._native_batch_norm_legit.default, (True, 0.1, 1e-5)),
+    (aten._batch_norm_with_update.default, (0.1, 1e-5)),
+]
+
+
+@pytest.mark.parametrize("op,rest", BN_OPS, ids=lambda x: str(x) if isinstance(x, torch._ops.OpOverload) else None)
+def test_batch_norm_training_keeps_running_stats(op, rest):
+    """Batch Shard(0) on 4 ranks, 64 channels: DTensor shards the channels and moves the
+    replicated running statistics to Shard(0); without the guard the kernel's in-place
+    update lands on that chunk (each rank's replica gets a quarter of the channels
+    updated), with it every rank's buffers equal one device's."""
+    from decompshard.verify_dtensor import device_mesh
+
+    with simulated_world(4):
+        mesh = device_mesh((4,))
+        for guarded in (False, True):
+            decompshard.disable()
+            decompshard.enable(guard_native=guarded)
+            ref, ref_stats, got, stats = _run_bn(mesh, op, rest)
+            for r, g in zip(ref, got):  # the outputs are right either way
+                assert all(torch.allclose(v, r) for v in g.values())
+            stats_ok = all(torch.allclose(v, r) for r, s in zip(ref_stats, stats) for v in s.values())
+            assert stats_ok == guarded, f"guard {guarded}"
+        decompshard.disable()
+
+
+def test_batch_norm_eval_is_untouched():
+    """Not training: nothing is updated in place, the handler runs the op as DTensor does."""
+    from decompshard.verify_dtensor import device_mesh
+
+    with simulated_world(4):
+        mesh = device_mesh((4,))
+        for guarded in (False, True):
+            decompshard.disable()
+            decompshard.enable(guard_native=guarded)
+            ref, ref_stats, got, stats = _run_bn(mesh, aten.native_batch_norm.default, (False, 0.1, 1e-5))
+            for r, g in zip(ref, got):
+                assert all(torch.allclose(v, r) for v in g.values())
+            assert all(torch.allclose(v, r) for r, s in zip(ref_stats, stats) for v in s.values())
+        decompshard.disable()
+
+
+def test_resnet18_dp_trains_with_one_device_numbers_and_buffers():
+    """torchvision's ResNet-18 in training mode, batch Shard(0) on 4 ranks (8 rows, and 5
+    rows with a mean squared error loss: 2, 2, 1, 0), guard on: the loss, every
+    gradient and every BatchNorm running statistic equal one device's on every rank."""
+    from torch.distributed.tensor import Shard
+
+    from decompshard.check.ecosystem import import_torchvision
+    from decompshard.verify_dtensor import device_mesh
+
+    tv = import_torchvision()
+    torch.manual_seed(0)
+    model = tv.models.resnet18(num_classes=5)
+    g = torch.Generator().manual_seed(4)
+    cases = [(torch.randn(8, 3, 16, 16, dtype=torch.float64, generator=g), torch.randint(0, 5, (8,), generator=g)),
+             (torch.randn(5, 3, 16, 16, dtype=torch.float64, generator=g), torch.randn(5, 5, dtype=torch.float64, generator=g))]
+    with simulated_world(4):
+        mesh = device_mesh((4,))
+        decompshard.enable(guard_native=True)
+        try:
+            for x, y in cases:
+                ref = V.reference(model, x, y)
+                got = V.dtensor_step(model, x, y, mesh, [Shard(0)])
+                assert V.mismatches(got, ref) == [], x.shape[0]
+                assert len(got.buffers) == 40 and len(got.grads) == 62
+        finally:
+            decompshard.disable()
