@@ -177,7 +177,8 @@ def test_table_names_real_ops():
 
 def test_gloo_four_processes(tmp_path):
     """Real collectives: the conv cases with the guard, forward and backward; the wrong
-    table rules without the guard (wrong) and with it (right)."""
+    table rules and batch norm's running statistics without the guard (wrong) and with
+    it (right)."""
     import torch.multiprocessing as mp
 
     from _e2e_model import free_port
@@ -193,6 +194,8 @@ def test_gloo_four_processes(tmp_path):
         for name, _, _, _ in C.rule_cases():
             assert report[f"unguarded {name}"] is False, (rank, name)
             assert report[f"guarded {name}"] is True, (rank, name)
+        assert report["unguarded batch norm running stats"] is False, rank  # real processes, not a simulation artifact
+        assert report["guarded batch norm running stats"] is True, rank
 
 
 LOSSES = {"mse": torch.nn.functional.mse_loss, "smooth_l1": torch.nn.functional.smooth_l1_loss,
