@@ -1,0 +1,174 @@
+"""What the native guard (on by default with `enable()`) costs a training step.
+
+Each model runs one training step (forward, loss, backward) on 4 simulated ranks
+(LocalTensorMode, fake process group, float64) under `enable()` with the guard on and
+with it off (`enable(guard_native=False)`), in the same process, interleaved (the order
+alternates per repeat), after a warm-up round that is not counted:
+
+- first: the first step after clearing every cache (decompshard's derivations and
+  verdicts, DTensor's sharding caches): what a new process pays on its first step;
+- warm: the median of the next --warm steps (caches hit).
+
+Reported per model: the median of each over --repeat repeats, and the ratio guard on /
+guard off of the medians (1.00: free). A model that cannot run with the guard off
+(ResNet with a data-parallel batch stops at DTensor's conv handler) is timed with the
+guard only.
+
+Models: a tiny torchvision ResNet (BasicBlock, one block per stage, 16x16 images, batch
+8) with the batch replicated (both run) and on Shard(0) (guard only); a tiny
+transformers Llama (2 layers, hidden 32, vocab 128, sequence 8, batch 8) with the
+batch on Shard(0).
+Usage: python bench/guard.py [--repeat 5] [--warm 3] [--models resnet-R,resnet-DP,llama-DP]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+warnings.filterwarnings("ignore")
+W = 4
+
+
+def _resnet() -> tuple[torch.nn.Module, Callable[[torch.nn.Module, list], torch.Tensor], list[torch.Tensor]]:
+    from decompshard.check.ecosystem import import_torchvision
+
+    tv = import_torchvision()
+    torch.manual_seed(0)
+    model = tv.models.resnet.ResNet(tv.models.resnet.BasicBlock, [1, 1, 1, 1], num_classes=5)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 3, 16, 16, dtype=torch.float64, generator=g)
+    y = torch.randint(0, 5, (8,), generator=g)
+    return model, lambda m, a: F.cross_entropy(m(a[0]), a[1]), [x, y]
+
+
+def _llama() -> tuple[torch.nn.Module, Callable[[torch.nn.Module, list], torch.Tensor], list[torch.Tensor]]:
+    from decompshard.check.ecosystem import import_torchvision
+
+    import_torchvision()  # transformers imports it
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    model = LlamaForCausalLM(cfg)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128, (8, 8), generator=g)
+    pos = torch.arange(8).expand(8, 8).contiguous()
+    return model, lambda m, a: m(input_ids=a[0], position_ids=a[1], labels=a[0], use_cache=False).loss, [ids, pos]
+
+
+MODELS: dict[str, tuple[Callable, bool]] = {  # name -> (builder, batch sharded)
+    "resnet-R": (_resnet, False),
+    "resnet-DP": (_resnet, True),
+    "llama-DP": (_llama, True),
+}
+
+
+def _distribute(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+    """Every parameter and buffer replicated, each simulated rank with its own buffers."""
+    from torch.distributed._local_tensor import LocalTensor
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    m = copy.deepcopy(model).to(torch.float64)
+    for name, p in list(m.named_parameters()):
+        *path, leaf = name.split(".")
+        mod = m.get_submodule(".".join(path))
+        setattr(mod, leaf, torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate()])))
+    for name, b in list(m.named_buffers()):
+        *path, leaf = name.split(".")
+        mod = m.get_submodule(".".join(path))
+        d = distribute_tensor(b.detach(), mesh, [Replicate()])
+        local = LocalTensor({r: d._local_tensor.clone() for r in range(W)})
+        mod._buffers[leaf] = DTensor.from_local(local, mesh, [Replicate()], run_check=False)
+    return m
+
+
+def _clear_all() -> None:
+    import decompshard
+    from decompshard._compat import clear_dtensor_caches
+
+    decompshard.clear_caches()
+    clear_dtensor_caches()
+
+
+def measure(name: str, guard: bool, warm: int, mesh: Any) -> tuple[float, float] | str:
+    """(first step seconds, median warm step seconds), or the error with this setting."""
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import decompshard
+
+    builder, sharded = MODELS[name]
+    model, loss_fn, inputs = builder()
+    decompshard.disable()  # a fresh guard: no verdict kept from the other setting
+    decompshard.enable(guard_native=guard)
+    _clear_all()
+    with LocalTensorMode(W):
+        m = _distribute(model, mesh)
+        args = [distribute_tensor(a, mesh, [Shard(0) if sharded else Replicate()]) for a in inputs]
+        times = []
+        try:
+            for _ in range(1 + warm):
+                for p in m.parameters():
+                    p.grad = None
+                t = time.perf_counter()
+                loss_fn(m, args).backward()
+                times.append(time.perf_counter() - t)
+        except Exception as e:
+            return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:80]}"
+        finally:
+            decompshard.disable()
+    return times[0], statistics.median(times[1:])
+
+
+def main(argv: list[str] | None = None) -> None:
+    from decompshard.verify_dtensor import device_mesh, simulated_world
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--warm", type=int, default=3)
+    ap.add_argument("--models", default=",".join(MODELS))
+    a = ap.parse_args(argv)
+    names = a.models.split(",")
+    torch.set_num_threads(1)
+    with simulated_world(W):
+        mesh = device_mesh((W,))
+        for name in names:  # warm-up round: imports, lazy modules, the kernel sandbox
+            for guard in (True, False):
+                measure(name, guard, 1, mesh)
+        got: dict[tuple[str, bool], list] = {(n, g): [] for n in names for g in (True, False)}
+        for rep in range(a.repeat):
+            for name in names:
+                for guard in ((True, False) if rep % 2 == 0 else (False, True)):
+                    got[(name, guard)].append(measure(name, guard, a.warm, mesh))
+    print(f"{W} simulated ranks, float64, medians of {a.repeat} interleaved repeats "
+          f"(warm: median of {a.warm} steps each)")
+    print(f"{'model':<11} {'first on':>9} {'first off':>9} {'ratio':>6} {'warm on':>9} {'warm off':>9} {'ratio':>6}")
+    for name in names:
+        row = []
+        for guard in (True, False):
+            runs = got[(name, guard)]
+            errors = [r for r in runs if isinstance(r, str)]
+            row.append(errors[0] if errors else (statistics.median(r[0] for r in runs),
+                                                 statistics.median(r[1] for r in runs)))
+        on, off = row
+        if isinstance(on, str):
+            print(f"{name:<11} guard on failed: {on}")
+            continue
+        if isinstance(off, str):
+            print(f"{name:<11} {on[0]:>8.3f}s {'-':>9} {'-':>6} {on[1]:>8.3f}s {'-':>9} {'-':>6}   (off: {off})")
+            continue
+        print(f"{name:<11} {on[0]:>8.3f}s {off[0]:>8.3f}s {on[0] / off[0]:>6.2f} "
+              f"{on[1]:>8.3f}s {off[1]:>8.3f}s {on[1] / off[1]:>6.2f}")
+
+
+if __name__ == "__main__":
+    main()
