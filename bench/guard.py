@@ -9,7 +9,8 @@ alternates per repeat), after a warm-up round that is not counted:
   verdicts, DTensor's sharding caches): what a new process pays on its first step;
 - warm: the median of the next --warm steps (caches hit).
 
-Reported per model: the median of each over --repeat repeats, and the ratio guard on /
+Times are this process's CPU time (one intra-op thread; --wall for wall-clock time,
+noisier where other jobs share the cores). Reported per model: the median of each over --repeat repeats, and the ratio guard on /
 guard off of the medians (1.00: free). A model that cannot run with the guard off
 (ResNet with a data-parallel batch stops at DTensor's conv handler) is timed with the
 guard only.
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 
 warnings.filterwarnings("ignore")
 W = 4
+CLOCK = time.process_time  # --wall: time.perf_counter
 
 
 def _resnet() -> tuple[torch.nn.Module, Callable[[torch.nn.Module, list], torch.Tensor], list[torch.Tensor]]:
@@ -119,9 +121,9 @@ def measure(name: str, guard: bool, warm: int, mesh: Any) -> tuple[float, float]
             for _ in range(1 + warm):
                 for p in m.parameters():
                     p.grad = None
-                t = time.perf_counter()
+                t = CLOCK()
                 loss_fn(m, args).backward()
-                times.append(time.perf_counter() - t)
+                times.append(CLOCK() - t)
         except Exception as e:
             return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:80]}"
         finally:
@@ -136,8 +138,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--warm", type=int, default=3)
     ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--raw", action="store_true", help="also every repeat's times")
+    ap.add_argument("--wall", action="store_true", help="wall-clock time (default: this process's CPU time, "
+                    "steadier on a shared machine; the kernel sandbox's child process is not counted)")
     a = ap.parse_args(argv)
     names = a.models.split(",")
+    global CLOCK
+    CLOCK = time.perf_counter if a.wall else time.process_time
     torch.set_num_threads(1)
     with simulated_world(W):
         mesh = device_mesh((W,))
@@ -149,8 +156,11 @@ def main(argv: list[str] | None = None) -> None:
             for name in names:
                 for guard in ((True, False) if rep % 2 == 0 else (False, True)):
                     got[(name, guard)].append(measure(name, guard, a.warm, mesh))
-    print(f"{W} simulated ranks, float64, medians of {a.repeat} interleaved repeats "
-          f"(warm: median of {a.warm} steps each)")
+    if a.raw:
+        for key, runs in got.items():
+            print(key, [r if isinstance(r, str) else (round(r[0], 3), round(r[1], 3)) for r in runs])
+    print(f"{W} simulated ranks, float64, {'wall' if a.wall else 'CPU'} seconds, medians of {a.repeat} "
+          f"interleaved repeats (warm: median of {a.warm} steps each)")
     print(f"{'model':<11} {'first on':>9} {'first off':>9} {'ratio':>6} {'warm on':>9} {'warm off':>9} {'ratio':>6}")
     for name in names:
         row = []

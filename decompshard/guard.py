@@ -59,8 +59,8 @@ from ._compat import (
     sharding_propagator,
 )
 from .dispatch_modes.graph import freeze, leaves
-from .guard_batchnorm import STATS_WRITTEN, stats_writing_handler
-from .guard_table import HANDLERS_SKIPPING_REDISTRIBUTION, WRONG_RULES
+from .guard_batchnorm import stats_writing_handler
+from .guard_table import HANDLERS_SKIPPING_REDISTRIBUTION, STATS_WRITTEN, WRONG_RULES
 from .placements import SingleDimRule, format_rule
 
 __all__ = ["ENV", "install", "is_installed", "uninstall", "wanted"]

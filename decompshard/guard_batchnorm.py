@@ -24,18 +24,9 @@ import torch
 
 from ._compat import DTensor, dtensor_local
 
-__all__ = ["STATS_WRITTEN", "stats_writing_handler"]
+__all__ = ["stats_writing_handler"]
 
 aten = torch.ops.aten
-
-# op name -> (argument indices of the statistics it updates in place, index of its
-# `training` flag or None when it always trains)
-STATS_WRITTEN: dict[str, tuple[tuple[int, ...], int | None]] = {
-    "aten.native_batch_norm.default": ((3, 4), 5),
-    "aten._native_batch_norm_legit.default": ((3, 4), 5),
-    "aten._batch_norm_with_update.default": ((3, 4), None),
-}
-
 
 def _own_memory(d: Any) -> Any:
     """`d` on a local tensor of its own (a redistribution may return a view of its input)."""

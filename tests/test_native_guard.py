@@ -21,7 +21,7 @@ import decompshard
 from decompshard import guard
 from decompshard._compat import DTensor, sharding_propagator
 from decompshard.dtensor_run import run_on_dtensor, simulated_world
-from decompshard.guard_table import HANDLERS_SKIPPING_REDISTRIBUTION, WRONG_RULES
+from decompshard.guard_table import HANDLERS_SKIPPING_REDISTRIBUTION, STATS_WRITTEN, WRONG_RULES
 from decompshard.placements import P, R, S
 
 aten = torch.ops.aten
@@ -191,7 +191,7 @@ def test_guard_refuses_in_place_rather_than_writing_wrong_values(mesh):
 
 
 def test_table_names_real_ops():
-    for name in (*HANDLERS_SKIPPING_REDISTRIBUTION, *WRONG_RULES):
+    for name in (*HANDLERS_SKIPPING_REDISTRIBUTION, *WRONG_RULES, *STATS_WRITTEN):
         assert decompshard.resolve_op(name) is not None
 
 
