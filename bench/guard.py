@@ -19,7 +19,10 @@ Models: a tiny torchvision ResNet (BasicBlock, one block per stage, 16x16 images
 8) with the batch replicated (both run) and on Shard(0) (guard only); a tiny
 transformers Llama (2 layers, hidden 32, vocab 128, sequence 8, batch 8) with the
 batch on Shard(0).
-Usage: python bench/guard.py [--repeat 5] [--warm 3] [--models resnet-R,resnet-DP,llama-DP]
+With --ops: the warm per-call cost of each guarded op (convolution and its backward,
+batch norm in training, nll_loss), guard on vs off.
+Usage: python bench/guard.py [--repeat 5] [--warm 3] [--models resnet-R,resnet-DP,llama-DP] [--raw] [--wall]
+       python bench/guard.py --ops [--repeat 5] [--calls 200]
 """
 
 from __future__ import annotations
@@ -131,6 +134,82 @@ def measure(name: str, guard: bool, warm: int, mesh: Any) -> tuple[float, float]
     return times[0], statistics.median(times[1:])
 
 
+def op_cases() -> dict[str, Callable[[Any], Callable[[], Any]]]:
+    """Per-call cost of the guarded ops, small enough that dispatch dominates: name ->
+    (mesh -> a call). Layouts both settings run: convolution on a batch-sharded input
+    (the guard passes it through), batch norm in training (the guard writes the moved
+    statistics back), nll_loss (its table entry is wrapped; a warm call hits DTensor's
+    cache)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    aten = torch.ops.aten
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, dtype=torch.float64, generator=g)  # noqa: E731
+    x, w, b = r(8, 4, 6, 6), r(4, 4, 3, 3), r(4)
+    go = r(8, 4, 6, 6)
+    bx = r(8, 64, 2, 2)  # 64 channels: DTensor shards them, so the statistics move and come back
+    logp, tgt = r(8, 5).log_softmax(1), torch.randint(0, 5, (8,), generator=g)
+
+    def conv(mesh):
+        d = [distribute_tensor(t, mesh, [p]) for t, p in ((x, Shard(0)), (w, Replicate()), (b, Replicate()))]
+        return lambda: aten.convolution.default(*d, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+
+    def conv_backward(mesh):
+        d = [distribute_tensor(t, mesh, [p]) for t, p in ((go, Shard(0)), (x, Shard(0)), (w, Replicate()))]
+        return lambda: aten.convolution_backward.default(*d, [4], [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
+                                                         [True, True, True])
+
+    def batch_norm(mesh):
+        d = [distribute_tensor(t, mesh, [Shard(0) if i == 0 else Replicate()])
+             for i, t in enumerate((bx, r(64), r(64), r(64), r(64).abs() + 0.5))]
+        return lambda: aten.native_batch_norm.default(*d, True, 0.1, 1e-5)
+
+    def nll(mesh):
+        d = [distribute_tensor(t, mesh, [Shard(0)]) for t in (logp, tgt)]
+        return lambda: aten.nll_loss_forward.default(*d, None, 1, -100)
+
+    return {"convolution": conv, "convolution_backward": conv_backward, "native_batch_norm": batch_norm,
+            "nll_loss_forward": nll}
+
+
+def measure_op(name: str, guard: bool, calls: int, mesh: Any) -> float:
+    """Median seconds per call of the op, warm (after 3 calls)."""
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    import decompshard
+
+    decompshard.disable()
+    decompshard.enable(guard_native=guard)
+    try:
+        with LocalTensorMode(W):
+            call = op_cases()[name](mesh)
+            for _ in range(3):
+                call()
+            times = []
+            for _ in range(calls):
+                t = CLOCK()
+                call()
+                times.append(CLOCK() - t)
+    finally:
+        decompshard.disable()
+    return statistics.median(times)
+
+
+def main_ops(a: argparse.Namespace, mesh: Any) -> None:
+    names = list(op_cases())
+    got: dict[tuple[str, bool], list[float]] = {(n, g): [] for n in names for g in (True, False)}
+    for rep in range(a.repeat):
+        for name in names:
+            for guard in ((True, False) if rep % 2 == 0 else (False, True)):
+                got[(name, guard)].append(measure_op(name, guard, a.calls, mesh))
+    print(f"per call, {W} simulated ranks, {'wall' if CLOCK is time.perf_counter else 'CPU'} µs, median of {a.repeat} interleaved repeats of the median of "
+          f"{a.calls} warm calls")
+    print(f"{'op':<22} {'guard on':>9} {'guard off':>9} {'ratio':>6}")
+    for name in names:
+        on, off = statistics.median(got[(name, True)]), statistics.median(got[(name, False)])
+        print(f"{name:<22} {on * 1e6:>9.0f} {off * 1e6:>9.0f} {on / off:>6.2f}")
+
+
 def main(argv: list[str] | None = None) -> None:
     from decompshard.verify_dtensor import device_mesh, simulated_world
 
@@ -141,10 +220,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--raw", action="store_true", help="also every repeat's times")
     ap.add_argument("--wall", action="store_true", help="wall-clock time (default: this process's CPU time, "
                     "steadier on a shared machine; the kernel sandbox's child process is not counted)")
+    ap.add_argument("--ops", action="store_true", help="per-call cost of the guarded ops instead of model steps")
+    ap.add_argument("--calls", type=int, default=200, help="warm calls per op and repeat (--ops)")
     a = ap.parse_args(argv)
-    names = a.models.split(",")
     global CLOCK
     CLOCK = time.perf_counter if a.wall else time.process_time
+    if a.ops:
+        torch.set_num_threads(1)
+        with simulated_world(W):
+            main_ops(a, device_mesh((W,)))
+        return
+    names = a.models.split(",")
     torch.set_num_threads(1)
     with simulated_world(W):
         mesh = device_mesh((W,))

@@ -15,8 +15,8 @@ import torch
 __all__ = [
     "DTensor", "DTensorSpec", "DecompShardingStrategy", "OpSchema", "OpSpec", "OpStrategy",
     "TensorMeta", "TorchPartial", "TorchReplicate", "TorchShard", "TorchStridedShard",
-    "TupleStrategy", "_ShardingPlaceholder", "_compute_local_shape_and_global_offset", "clear_dtensor_caches", "dtensor_local",
-    "fake_one_rank_mesh", "from_torch_placement", "has_native_strategy", "is_dispatchable", "op_strategy_func",
+    "TupleStrategy", "_ShardingPlaceholder", "_compute_local_shape_and_global_offset", "clear_dtensor_caches",
+    "fake_one_rank_mesh", "redistribute_local_tensor", "from_torch_placement", "has_native_strategy", "is_dispatchable", "op_strategy_func",
     "sharding_propagator", "single_dim_strategy_info", "to_torch_placement",
     "torch_decomposition_table",
 ]
@@ -29,6 +29,7 @@ try:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
     from torch.distributed.tensor._decompositions import DecompShardingStrategy
     from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
+    from torch.distributed.tensor._redistribute import redistribute_local_tensor
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
     from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlaceholder
     from torch.distributed.tensor.placement_types import (
@@ -57,12 +58,6 @@ def clear_dtensor_caches() -> None:
     clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
     if clear is not None:
         clear()
-
-
-def dtensor_local(d: Any) -> torch.Tensor:
-    """A DTensor's local tensor as it is, with no autograd function around it (what a
-    custom op handler, running below autograd, reads and writes)."""
-    return d._local_tensor
 
 
 def single_dim_strategy_info(op: torch._ops.OpOverload) -> Any | None:
