@@ -164,12 +164,16 @@ def op_cases() -> dict[str, Callable[[Any], Callable[[], Any]]]:
              for i, t in enumerate((bx, r(64), r(64), r(64), r(64).abs() + 0.5))]
         return lambda: aten.native_batch_norm.default(*d, True, 0.1, 1e-5)
 
+    def batch_norm_replicated(mesh):  # nothing moves: DTensor's C++ path against the guard's handler
+        d = [distribute_tensor(t, mesh, [Replicate()]) for t in (bx, r(64), r(64), r(64), r(64).abs() + 0.5)]
+        return lambda: aten.native_batch_norm.default(*d, True, 0.1, 1e-5)
+
     def nll(mesh):
         d = [distribute_tensor(t, mesh, [Shard(0)]) for t in (logp, tgt)]
         return lambda: aten.nll_loss_forward.default(*d, None, 1, -100)
 
     return {"convolution": conv, "convolution_backward": conv_backward, "native_batch_norm": batch_norm,
-            "nll_loss_forward": nll}
+            "native_batch_norm R": batch_norm_replicated, "nll_loss_forward": nll}
 
 
 def measure_op(name: str, guard: bool, calls: int, mesh: Any) -> float:
