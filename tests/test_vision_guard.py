@@ -255,3 +255,31 @@ def test_resnet18_dp_trains_with_one_device_numbers_and_buffers():
                 assert len(got.buffers) == 40 and len(got.grads) == 62
         finally:
             decompshard.disable()
+
+
+def test_efficientnet_uneven_dp_with_the_default_enable():
+    """timm's test EfficientNet (convolutions, depthwise convolutions, batch norm, SiLU),
+    5 rows on 4 ranks (2, 2, 1, 0), plain `enable()`: the loss, every gradient and every
+    running statistic equal one device's on every rank. Without the guard DTensor's conv
+    handler stops it ("expected input[5, 6, 16, 16] to have 24 channels")."""
+    from torch.distributed.tensor import Shard
+
+    from decompshard.check.ecosystem import import_timm
+    from decompshard.verify_dtensor import device_mesh
+
+    timm = import_timm()
+    torch.manual_seed(0)
+    model = timm.create_model("test_efficientnet", num_classes=5, pretrained=False)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5, 3, 32, 32, dtype=torch.float64, generator=g)
+    y = torch.randn(5, 5, dtype=torch.float64, generator=g)
+    ref = V.reference(model, x, y)
+    with simulated_world(4):
+        mesh = device_mesh((4,))
+        decompshard.disable()
+        with decompshard.enabled():
+            got = V.dtensor_step(model, x, y, mesh, [Shard(0)])
+        assert V.mismatches(got, ref) == []
+        assert got.buffers and len(got.grads) == len(dict(model.named_parameters()))
+        with decompshard.enabled(guard_native=False):
+            assert "channels" in V.dtensor_step(model, x, y, mesh, [Shard(0)]).error
