@@ -10,8 +10,8 @@ alternates per repeat), after a warm-up round that is not counted:
 - warm: the median of the next --warm steps (caches hit).
 
 Times are this process's CPU time (one intra-op thread; --wall for wall-clock time,
-noisier where other jobs share the cores). Reported per model: the median of each over --repeat repeats, and the ratio guard on /
-guard off of the medians (1.00: free). A model that cannot run with the guard off
+noisier where other jobs share the cores). Reported per model: the median of each over
+--repeat repeats, and the ratio guard on / guard off of the medians (1.00: free). A model that cannot run with the guard off
 (ResNet with a data-parallel batch stops at DTensor's conv handler) is timed with the
 guard only.
 
@@ -20,7 +20,11 @@ Models: a tiny torchvision ResNet (BasicBlock, one block per stage, 16x16 images
 transformers Llama (2 layers, hidden 32, vocab 128, sequence 8, batch 8) with the
 batch on Shard(0).
 With --ops: the warm per-call cost of each guarded op (convolution and its backward,
-batch norm in training, nll_loss), guard on vs off.
+batch norm in training, on a sharded and a replicated batch, nll_loss), guard on vs off.
+
+Measured here (2 shared cores, CPU time): per call, convolution +30 us (+8%), its
+backward +50 us (+5%), batch norm and nll_loss within 2%; training steps, first and
+warm, equal within the noise (ratios 0.87-1.14 over three runs of 7 repeats).
 Usage: python bench/guard.py [--repeat 5] [--warm 3] [--models resnet-R,resnet-DP,llama-DP] [--raw] [--wall]
        python bench/guard.py --ops [--repeat 5] [--calls 200]
 """
@@ -206,7 +210,8 @@ def main_ops(a: argparse.Namespace, mesh: Any) -> None:
         for name in names:
             for guard in ((True, False) if rep % 2 == 0 else (False, True)):
                 got[(name, guard)].append(measure_op(name, guard, a.calls, mesh))
-    print(f"per call, {W} simulated ranks, {'wall' if CLOCK is time.perf_counter else 'CPU'} µs, median of {a.repeat} interleaved repeats of the median of "
+    clock = "wall" if CLOCK is time.perf_counter else "CPU"
+    print(f"per call, {W} simulated ranks, {clock} µs, median of {a.repeat} interleaved repeats of the median of "
           f"{a.calls} warm calls")
     print(f"{'op':<22} {'guard on':>9} {'guard off':>9} {'ratio':>6}")
     for name in names:

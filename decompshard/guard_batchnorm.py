@@ -72,7 +72,8 @@ def _write_back(updates: list[tuple[torch.Tensor, Any, Any, torch.Tensor]]) -> N
         else:
             shape = (len(items), *moved.tensor_meta.shape)
             stacked = torch.stack([local for local, _, _, _ in items])
-            backs = list(redistribute_local_tensor(stacked, _spec(moved, src, shape), _spec(moved, dst, shape)).unbind(0))
+            back = redistribute_local_tensor(stacked, _spec(moved, src, shape), _spec(moved, dst, shape))
+            backs = list(back.unbind(0))
         for (_, _, _, buffer), back in zip(items, backs):
             buffer.copy_(back)
 

@@ -161,7 +161,8 @@ def test_vit_dp_tp_2x2_trains_with_the_guard(mesh2x2):
 def _bn_case(g: torch.Generator, c: int = 64) -> list[torch.Tensor]:
     x = torch.randn(8, c, 4, 4, dtype=torch.float64, generator=g)
     w, b = torch.randn(c, dtype=torch.float64, generator=g), torch.randn(c, dtype=torch.float64, generator=g)
-    return [x, w, b, torch.randn(c, dtype=torch.float64, generator=g), torch.rand(c, dtype=torch.float64, generator=g) + 0.5]
+    mean, var = torch.randn(c, dtype=torch.float64, generator=g), torch.rand(c, dtype=torch.float64, generator=g) + 0.5
+    return [x, w, b, mean, var]
 
 
 def _run_bn(mesh, op, training_args: tuple) -> tuple[list, list, list, list]:
@@ -243,7 +244,8 @@ def test_resnet18_dp_trains_with_one_device_numbers_and_buffers():
     model = tv.models.resnet18(num_classes=5)
     g = torch.Generator().manual_seed(4)
     cases = [(torch.randn(8, 3, 16, 16, dtype=torch.float64, generator=g), torch.randint(0, 5, (8,), generator=g)),
-             (torch.randn(5, 3, 16, 16, dtype=torch.float64, generator=g), torch.randn(5, 5, dtype=torch.float64, generator=g))]
+             (torch.randn(5, 3, 16, 16, dtype=torch.float64, generator=g),
+              torch.randn(5, 5, dtype=torch.float64, generator=g))]
     with simulated_world(4):
         mesh = device_mesh((4,))
         decompshard.enable(guard_native=True)
