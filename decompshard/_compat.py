@@ -18,7 +18,7 @@ __all__ = [
     "TensorMeta", "TorchPartial", "TorchReplicate", "TorchShard", "TorchStridedShard",
     "TupleStrategy", "_ShardingPlaceholder", "_compute_local_shape_and_global_offset", "clear_dtensor_caches",
     "dtensor_default_dispatch", "dtensor_local_results", "dtensor_output_spec", "unsharded_dtensor",
-    "fake_one_rank_mesh", "from_torch_placement", "has_native_strategy", "is_dispatchable", "kwarg_routing_active",
+    "fake_one_rank_mesh", "redistribute_local_tensor", "from_torch_placement", "has_native_strategy", "is_dispatchable", "kwarg_routing_active",
     "op_strategy_func", "route_kwarg_redistribution", "stage_kwarg_targets", "unroute_kwarg_redistribution",
     "sharding_propagator", "single_dim_strategy_info", "to_torch_placement",
     "torch_decomposition_table",
@@ -32,6 +32,7 @@ try:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
     from torch.distributed.tensor._decompositions import DecompShardingStrategy
     from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
+    from torch.distributed.tensor._redistribute import redistribute_local_tensor
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
     from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlaceholder
     from torch.distributed.tensor.placement_types import (

@@ -322,14 +322,19 @@ def _has_tensor_list_arg(op) -> bool:
 def enable(guard_native: bool | None = None) -> None:
     """Route every DTensor op that lacks a strategy through decompshard. Idempotent.
 
-    `guard_native=True` (default: the DECOMPSHARD_GUARD_NATIVE environment variable) also
-    keeps DTensor away from native strategies decompshard's audit proved wrong (guard.py)."""
+    Also keeps DTensor away from native behaviour proved wrong (the native guard,
+    guard.py): on unless `guard_native=False`, or, when the argument is not given, the
+    DECOMPSHARD_GUARD_NATIVE environment variable says 0. On by default because the
+    programs `enable()` lets run reach native strategies that give wrong numbers or
+    crash (convolution handlers, batch norm's running statistics, weighted nll_loss).
+    Each call sets the guard as it says: `enable(guard_native=False)` after `enable()`
+    removes it."""
     from . import guard
     from ._compat import DecompShardingStrategy
 
     if guard.wanted(guard_native):
         guard.install()
-    elif guard_native is False:
+    else:
         guard.uninstall()
     with _lock:
         if _saved:

@@ -1,6 +1,6 @@
 """What the native guard (`guard.py`) guards: findings of `decompshard coverage
 --verify-native` on torch 2.13 (docs/native_audit.json), each confirmed by a direct
-DTensor run in tests/test_native_audit.py. Op names are aten overloads; rules are in
+DTensor run in tests/test_native_audit.py, and of vision models (tests/test_vision_guard.py). Op names are aten overloads; rules are in
 decompshard's rule format (`placements.py`), as torch's strategy table states them.
 """
 
@@ -45,3 +45,14 @@ MEAN_OF_MEANS_LOSSES: tuple[str, ...] = (
 READS_OF_ONE_RANKS_PART: tuple[str, ...] = (
     "aten._local_scalar_dense.default",
 )
+
+# Ops that update statistics in place (`running_mean`, `running_var`) which DTensor's
+# strategy moves to another placement first, so the update lands on the moved copy:
+# guard_batchnorm.py writes it back. op -> (indices of the updated arguments, index of
+# the `training` flag, or None where the op always trains). CPU's native_batch_norm
+# updates them although its schema does not mark them written.
+STATS_WRITTEN: dict[str, tuple[tuple[int, ...], int | None]] = {
+    "aten.native_batch_norm.default": ((3, 4), 5),
+    "aten._native_batch_norm_legit.default": ((3, 4), 5),
+    "aten._batch_norm_with_update.default": ((3, 4), None),
+}

@@ -91,6 +91,24 @@ def run_rule_case(op, args, placements: list[str], mesh) -> bool:
     return ok
 
 
+def batch_norm_stats_right(mesh) -> bool:
+    """Batch norm in training, batch Shard(0), 64 channels (DTensor shards them and moves
+    the replicated running statistics to Shard(0)): whether this process's running
+    statistics after the step equal one device's (guard_batchnorm.py)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 64, 4, 4, dtype=torch.float64, generator=g)
+    stats = [torch.zeros(64, dtype=torch.float64), torch.ones(64, dtype=torch.float64)]
+    ref = [t.clone() for t in stats]
+    torch.ops.aten.native_batch_norm.default(x, None, None, *ref, True, 0.1, 1e-5)
+    d = [distribute_tensor(t, mesh, [Replicate()]) for t in stats]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.ops.aten.native_batch_norm.default(distribute_tensor(x, mesh, [Shard(0)]), None, None, *d, True, 0.1, 1e-5)
+    return all(bool(torch.allclose(a.to_local(), b)) for a, b in zip(d, ref))
+
+
 def inputs(case: Case) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     return [torch.randn(s, dtype=torch.float64, generator=gen) for s in case.shapes]
@@ -148,6 +166,10 @@ def gloo_worker(rank: int, port: int, out_dir: str, guard: bool) -> None:
             decompshard.enable(guard_native=True)
             report[f"guarded {name}"] = run_rule_case(op, args, placements, mesh)
             decompshard.disable()
+        report["unguarded batch norm running stats"] = batch_norm_stats_right(mesh)
+        decompshard.enable(guard_native=True)
+        report["guarded batch norm running stats"] = batch_norm_stats_right(mesh)
+        decompshard.disable()
         decompshard.enable(guard_native=guard)
         for case in CASES:
             ref_out, ref_grads = reference(case)

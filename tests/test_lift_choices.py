@@ -69,28 +69,25 @@ def test_mse_loss_backward_zero_collective_layout_is_wrong_by_the_world_size(mes
     assert refused and all(not s.valid and "local-shape check" in s.reason for s in refused)
 
 
-def test_reflection_pad_uneven_batch_all_to_all_is_the_cheaper_of_what_can_run(mesh4):
+def test_reflection_pad_uneven_batch_keeps_its_sharding(mesh4):
+    """The pad's batch rule holds for uneven shards (index on untouched dims,
+    rules/project_rules.py): 7 rows on 4 ranks stay S(0) for free. It used to be [even],
+    and the lift moved the pad to channels (an all-to-all), handing the next
+    convolution a channel-sharded tensor."""
     x7, x8 = torch.randn(7, 8, 16, 16), torch.randn(8, 8, 16, 16)
     pad = [1, 1, 1, 1]
+    for x in (x7, x8):
+        best = choose(aten.reflection_pad2d.default, (x, pad), {}, (4,), [(S0,)])
+        assert [format_rule(r) for r in best.rules] == ["S(0) -> S(0)"] and best.cost.collectives == ()
     ranking = rank_strategies(aten.reflection_pad2d.default, (x7, pad), {}, (4,), [(S0,)])
-    keep = next(s for s in ranking if s.input_placements == ((S0,),))
-    assert not keep.valid and "needs even shards" in keep.reason and "size 7" in keep.reason
-    best = ranking[0]
-    gather = next(s for s in ranking if s.valid and s.input_placements == ((R,),))
-    assert best.valid and best.input_placements == ((S1,),)
-    [a2a], [ag] = best.cost.collectives, gather.cost.collectives
-    assert (a2a.kind, ag.kind) == ("all_to_all", "all_gather")
-    assert a2a.wire_bytes * 4 == pytest.approx(ag.wire_bytes)  # a quarter of the bytes
-    assert best.cost.sort_key() < gather.cost.sort_key()
-    # an even batch keeps its sharding for free
-    even = choose(aten.reflection_pad2d.default, (x8, pad), {}, (4,), [(S0,)])
-    assert [format_rule(r) for r in even.rules] == ["S(0) -> S(0) [even]"] and even.cost.collectives == ()
-    # and both run right on simulated ranks
+    assert ranking[0].input_placements == ((S0,),)
+    assert any(s.valid and s.input_placements == ((S1,),) for s in ranking)  # still an option, dearer
+    # and both run right on simulated ranks, with no collective
     try:
         decompshard.enable()
         for x in (x7, x8):
             got, _, comms = _run(lambda a: F.pad(a, pad, mode="reflect"), (x,), ([S0],), mesh4)
             torch.testing.assert_close(got, F.pad(x, pad, mode="reflect"))
-            assert comms == (1 if x is x7 else 0)
+            assert comms == 0
     finally:
         decompshard.disable()

@@ -1,5 +1,6 @@
-"""The opt-in native guard (decompshard/guard.py): `enable(guard_native=True)` keeps
-DTensor away from native behaviour the audit proved wrong; off, DTensor is untouched.
+"""The native guard (decompshard/guard.py), on by default with `enable()`: it keeps
+DTensor away from native behaviour the audit proved wrong; opted out
+(`enable(guard_native=False)`, DECOMPSHARD_GUARD_NATIVE=0), DTensor is untouched.
 
 Conv cases (tests/_conv_guard.py) forward and backward on LocalTensorMode and on 4 gloo
 processes; the wrong table rules of guard_table.py; and that each test can fail: the
@@ -24,6 +25,7 @@ from decompshard.guard_table import (
     HANDLERS_SKIPPING_REDISTRIBUTION,
     MEAN_OF_MEANS_LOSSES,
     READS_OF_ONE_RANKS_PART,
+    STATS_WRITTEN,
     WRONG_RULES,
 )
 from decompshard.placements import P, R, S
@@ -94,7 +96,7 @@ def test_guard_off_leaves_dtensor_exactly_as_without_decompshard(mesh, monkeypat
     decompshard.disable()
     before = _entries()
     plain = _run_cases(mesh)
-    decompshard.enable()  # guard off by default
+    decompshard.enable(guard_native=False)  # opted out
     try:
         assert _entries() == before and not guard.is_installed()
         with_ds = _run_cases(mesh)
@@ -106,28 +108,47 @@ def test_guard_off_leaves_dtensor_exactly_as_without_decompshard(mesh, monkeypat
         assert (o1 is None) == (o2 is None)
         if o1 is not None:
             assert all(torch.equal(o1[r], o2[r]) for r in o1)
-    decompshard.enable(guard_native=True)
+    decompshard.enable()  # on by default
     assert _entries() != before and guard.is_installed()
     decompshard.disable()
     assert _entries() == before and not guard.is_installed()  # the very same objects back
 
 
-def test_environment_variable_turns_it_on(mesh, monkeypatch):
+def test_guard_is_on_by_default_and_the_environment_turns_it_off(mesh, monkeypatch):
     decompshard.disable()
-    monkeypatch.setenv(guard.ENV, "1")
+    monkeypatch.delenv(guard.ENV, raising=False)
     decompshard.enable()
     try:
         assert guard.is_installed()
         assert DTensor._op_dispatcher._custom_op_handlers[aten.convolution.default].__wrapped__ is not None
+        decompshard.enable(guard_native=False)  # each call sets the guard as it says
+        assert decompshard.is_enabled() and not guard.is_installed()
     finally:
         decompshard.disable()
+    for value, on in (("0", False), ("off", False), ("1", True), ("", True)):
+        monkeypatch.setenv(guard.ENV, value)
+        decompshard.enable()
+        assert guard.is_installed() == on, value
+        decompshard.disable()
     monkeypatch.setenv(guard.ENV, "0")
-    decompshard.enable()
-    assert not guard.is_installed()
-    decompshard.disable()
-    with decompshard.enabled(guard_native=True):
+    with decompshard.enabled(guard_native=True):  # the argument wins over the environment
         assert guard.is_installed()
     assert not guard.is_installed() and not decompshard.is_enabled()
+    monkeypatch.delenv(guard.ENV)
+    with decompshard.enabled(guard_native=False):
+        assert decompshard.is_enabled() and not guard.is_installed()
+    assert not guard.is_installed() and not decompshard.is_enabled()
+
+
+def test_default_enable_makes_conv_right(mesh, monkeypatch):
+    """What a user gets from a plain `enable()`: the conv cases DTensor gets wrong match
+    one device, forward and backward."""
+    monkeypatch.delenv(guard.ENV, raising=False)
+    decompshard.disable()
+    with decompshard.enabled():
+        got = _run_cases(mesh)
+    for case in C.CASES:
+        assert _matches(case, got[case.name]), case.name
 
 
 RULE_CASES = [
@@ -176,13 +197,14 @@ def test_guard_refuses_in_place_rather_than_writing_wrong_values(mesh):
 
 
 def test_table_names_real_ops():
-    for name in (*HANDLERS_SKIPPING_REDISTRIBUTION, *MEAN_OF_MEANS_LOSSES, *READS_OF_ONE_RANKS_PART, *WRONG_RULES):
+    for name in (*HANDLERS_SKIPPING_REDISTRIBUTION, *MEAN_OF_MEANS_LOSSES, *READS_OF_ONE_RANKS_PART, *WRONG_RULES, *STATS_WRITTEN):
         assert decompshard.resolve_op(name) is not None
 
 
 def test_gloo_four_processes(tmp_path):
     """Real collectives: the conv cases with the guard, forward and backward; the wrong
-    table rules without the guard (wrong) and with it (right)."""
+    table rules and batch norm's running statistics without the guard (wrong) and with
+    it (right)."""
     import torch.multiprocessing as mp
 
     from _e2e_model import free_port
@@ -198,6 +220,8 @@ def test_gloo_four_processes(tmp_path):
         for name, _, _, _ in C.rule_cases():
             assert report[f"unguarded {name}"] is False, (rank, name)
             assert report[f"guarded {name}"] is True, (rank, name)
+        assert report["unguarded batch norm running stats"] is False, rank  # real processes, not a simulation artifact
+        assert report["guarded batch norm running stats"] is True, rank
 
 
 LOSSES = {"mse": torch.nn.functional.mse_loss, "smooth_l1": torch.nn.functional.smooth_l1_loss,

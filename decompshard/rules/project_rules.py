@@ -86,7 +86,9 @@ _PARTIAL_PASSTHROUGH = {
 
 
 def extra_rules(node: PrimNode) -> list[SingleDimRule]:
-    """Rules added on top of whichever source answered (never replacing it).
+    """Rules added on top of whichever source answered (never replacing it, except
+    that a rule stated here without [even] drops that condition from the same rule of
+    the source: see registry._compute_rules).
 
     Only the first tensor input may be Partial; every other tensor input (an index,
     say) must be Replicate, and every output gets the same Partial.
@@ -107,6 +109,8 @@ def extra_rules(node: PrimNode) -> list[SingleDimRule]:
         return _bilinear_rules(node)
     if node.op in (aten.index_put.default, aten._unsafe_index_put.default):
         return _index_put_rules(node)
+    if node.op in _INDEX:
+        return _index_uneven_rules(node) + _passthrough_rules(node)
     if node.op is aten.expand.default and len(node.inputs) == 1 and len(node.args) > 1:
         return _expand_rules(node) + _passthrough_rules(node)
     if node.op in _ZERO_FILL_ARG:
@@ -311,10 +315,47 @@ def rules(node: PrimNode) -> list[SingleDimRule] | None:
     return None if fn is None else fn(node)
 
 
+# index(x, [None, .., idx, ..]): a dim of x that no index touches is carried through
+# slice by slice (out[.., b, ..] = x[b][idx..]), so sharding it splits the output the
+# same way however unevenly (empty shards too). Torch's strategy states these rules
+# without `allow_uneven_sharding`, which the torch source reads as [even]; a reflection
+# or replication pad and nearest upsampling decompose to these, so their batch rule was
+# [even] and an uneven batch got the pad sharded on channels instead.
+_INDEX = {aten.index.Tensor, aten._unsafe_index.Tensor}
+
+
+def _index_uneven_rules(node: PrimNode) -> list[SingleDimRule]:
+    """S(d), R, .. -> S(out_d) for every dim d of x no index touches (see _INDEX)."""
+    if len(node.args) < 2 or not isinstance(node.args[1], (list, tuple)):
+        return []
+    x, indices = node.args[0], list(node.args[1])
+    if not hasattr(x, "shape"):
+        return []
+    indexed = [i for i, t in enumerate(indices) if t is not None]
+    if not indexed or any(not hasattr(indices[i], "shape") for i in indexed):
+        return []
+    if any(indices[i].dtype == torch.bool for i in indexed):  # a mask indexes several dims
+        return []
+    if len(node.inputs) != 1 + len(indexed) or len(node.outputs) != 1:
+        return []
+    ndim = len(x.shape)
+    broadcast = max(len(indices[i].shape) for i in indexed)
+    consecutive = all(b - a == 1 for a, b in zip(indexed, indexed[1:]))
+    insert = indexed[0] if consecutive else 0
+    rest = (R,) * len(indexed)
+    out = []
+    for d in range(ndim):
+        if d in indexed:
+            continue
+        od = d if d < insert else d + broadcast - sum(1 for i in indexed if i < d)
+        out.append(SingleDimRule((ShardPlaceholder(d), *rest), (ShardPlaceholder(od),), source=SOURCE))
+    return out
+
+
 _SCALAR_OPS = _SHIFT | _SCALE | _FLIP
 # every op extra_rules answers other than by _passthrough_rules
 _SPECIAL = frozenset(
     _SCALAR_OPS | {aten.mul.Tensor, aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor,
                    aten.index_put.default, aten._unsafe_index_put.default, aten.expand.default}
-    | set(_BINARY_SHIFT) | _BILINEAR | set(_ZERO_FILL_ARG)
+    | set(_BINARY_SHIFT) | _BILINEAR | set(_ZERO_FILL_ARG) | _INDEX
 )

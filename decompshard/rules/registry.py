@@ -73,18 +73,23 @@ def _compute_rules(node: PrimNode) -> tuple[SingleDimRule, ...]:
     if exact:
         found = [r for r in exact if any(is_strided(p) for p in r.outputs)] + found + exact
     fits = _Fit(in_metas, node)
-    seen = {trivial.key()}
+    seen = {trivial.key(): 0}  # rule identity -> index in table
     table = [trivial]
     for rule in found:
         if len(rule.inputs) != n_in or len(rule.outputs) != n_out or not fits(rule):
             continue
         key = (rule.inputs, rule.outputs)
-        if key not in seen:
-            seen.add(key)
+        at = seen.get(key)
+        if at is None:
+            seen[key] = len(table)
             table.append(rule)
+        elif table[at].even_only and not rule.even_only and rule.source == project_rules.SOURCE:
+            # decompshard's own rule holds for uneven shards where torch's table did not
+            # say so (it reads as [even]): the same rule, at the same index, unconditional
+            table[at] = rule
     for rule in strided.kind_rules(node, table):  # last: the plain rules keep their indices
         if rule.key() not in seen:
-            seen.add(rule.key())
+            seen[rule.key()] = len(table)
             table.append(rule)
     return tuple(table)
 
