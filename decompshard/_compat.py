@@ -17,8 +17,8 @@ __all__ = [
     "TensorMeta", "TorchPartial", "TorchReplicate", "TorchShard", "TorchStridedShard",
     "TupleStrategy", "_ShardingPlaceholder", "_compute_local_shape_and_global_offset", "clear_dtensor_caches",
     "fake_one_rank_mesh", "from_torch_placement", "has_native_strategy", "is_dispatchable", "op_strategy_func",
-    "sharding_propagator", "single_dim_strategy_info", "to_torch_placement",
-    "torch_decomposition_table",
+    "redistribute_cost", "sharding_propagator", "single_dim_strategy_info", "to_torch_placement",
+    "torch_decomposition_table", "view_family_ops", "view_shape_arg_index",
 ]
 
 TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
@@ -29,6 +29,7 @@ try:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
     from torch.distributed.tensor._decompositions import DecompShardingStrategy
     from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
+    from torch.distributed.tensor._collective_utils import redistribute_cost
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
     from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlaceholder
     from torch.distributed.tensor.placement_types import (
@@ -65,6 +66,24 @@ def single_dim_strategy_info(op: torch._ops.OpOverload) -> Any | None:
 
 def op_strategy_func(op: torch._ops.OpOverload) -> Any | None:
     return sharding_propagator().op_strategy_funcs.get(op)
+
+
+def view_family_ops() -> list[torch._ops.OpOverload]:
+    """The ops whose full-mesh strategy is DTensor's view propagator (`_view_ops.py`,
+    registered through `register_op_strategy_map`: view, reshape, _unsafe_view,
+    squeeze, unsqueeze, expand, permute, transpose, repeat, view_as_real, ...)."""
+    import torch.distributed.tensor._ops._view_ops as view_ops
+
+    return [op for op, fn in sharding_propagator().op_strategy_funcs.items()
+            if getattr(fn, "__module__", None) == view_ops.__name__
+            and getattr(fn, "__qualname__", "").startswith(view_ops.register_op_strategy_map.__name__)]
+
+
+def view_shape_arg_index(op: torch._ops.OpOverload) -> int | None:
+    """The argument DTensor rewrites from the global to the local output shape before
+    running the op locally (view's size, expand's size), or None."""
+    idx = sharding_propagator().op_to_shape_and_stride_idx.get(op)
+    return idx[0] if isinstance(idx, tuple) else idx
 
 
 @functools.lru_cache(maxsize=None)  # one answer per overload, asked on every derive_rules call

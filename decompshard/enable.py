@@ -271,7 +271,7 @@ def enable(guard_native: bool | None = None) -> None:
 
     `guard_native=True` (default: the DECOMPSHARD_GUARD_NATIVE environment variable) also
     keeps DTensor away from native strategies decompshard's audit proved wrong (guard.py)."""
-    from . import guard
+    from . import guard, uneven_views
     from ._compat import DecompShardingStrategy
 
     if guard.wanted(guard_native):
@@ -286,12 +286,13 @@ def enable(guard_native: bool | None = None) -> None:
         _saved["has_decomp"] = DecompShardingStrategy.__dict__["has_decomp"]
         sp.decomp_strategy = DerivedStrategy(sp.decomp_strategy)
         DecompShardingStrategy.has_decomp = staticmethod(reaches_decompshard)
+        uneven_views.install()
         clear_dtensor_caches()
 
 
 def disable() -> None:
     """Restore DTensor exactly as it was before `enable()`. Idempotent."""
-    from . import guard
+    from . import guard, uneven_views
     from ._compat import DecompShardingStrategy
 
     guard.uninstall()
@@ -300,6 +301,7 @@ def disable() -> None:
             return
         sharding_propagator().decomp_strategy = _saved.pop("decomp_strategy")
         DecompShardingStrategy.has_decomp = _saved.pop("has_decomp")
+        uneven_views.uninstall()
         clear_dtensor_caches()
 
 
