@@ -71,12 +71,18 @@ def op_strategy_func(op: torch._ops.OpOverload) -> Any | None:
 def view_family_ops() -> list[torch._ops.OpOverload]:
     """The ops whose full-mesh strategy is DTensor's view propagator (`_view_ops.py`,
     registered through `register_op_strategy_map`: view, reshape, _unsafe_view,
-    squeeze, unsqueeze, expand, permute, transpose, repeat, view_as_real, ...)."""
+    squeeze, unsqueeze, expand, permute, transpose, repeat, view_as_real, ...), also
+    while decompshard wraps them (`__wrapped__`)."""
+    import inspect
+
     import torch.distributed.tensor._ops._view_ops as view_ops
 
-    return [op for op, fn in sharding_propagator().op_strategy_funcs.items()
-            if getattr(fn, "__module__", None) == view_ops.__name__
-            and getattr(fn, "__qualname__", "").startswith(view_ops.register_op_strategy_map.__name__)]
+    def native(fn: Any) -> bool:
+        fn = inspect.unwrap(fn)
+        return (getattr(fn, "__module__", None) == view_ops.__name__
+                and getattr(fn, "__qualname__", "").startswith(view_ops.register_op_strategy_map.__name__))
+
+    return [op for op, fn in sharding_propagator().op_strategy_funcs.items() if native(fn)]
 
 
 def view_shape_arg_index(op: torch._ops.OpOverload) -> int | None:
