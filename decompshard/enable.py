@@ -271,7 +271,7 @@ def enable(guard_native: bool | None = None) -> None:
 
     `guard_native=True` (default: the DECOMPSHARD_GUARD_NATIVE environment variable) also
     keeps DTensor away from native strategies decompshard's audit proved wrong (guard.py)."""
-    from . import guard, uneven_views
+    from . import data_dependent, guard, uneven_views
     from ._compat import DecompShardingStrategy
 
     if guard.wanted(guard_native):
@@ -287,12 +287,13 @@ def enable(guard_native: bool | None = None) -> None:
         sp.decomp_strategy = DerivedStrategy(sp.decomp_strategy)
         DecompShardingStrategy.has_decomp = staticmethod(reaches_decompshard)
         uneven_views.install()
+        data_dependent.install()
         clear_dtensor_caches()
 
 
 def disable() -> None:
     """Restore DTensor exactly as it was before `enable()`. Idempotent."""
-    from . import guard, uneven_views
+    from . import data_dependent, guard, uneven_views
     from ._compat import DecompShardingStrategy
 
     guard.uninstall()
@@ -302,6 +303,7 @@ def disable() -> None:
         sharding_propagator().decomp_strategy = _saved.pop("decomp_strategy")
         DecompShardingStrategy.has_decomp = _saved.pop("has_decomp")
         uneven_views.uninstall()
+        data_dependent.uninstall()
         clear_dtensor_caches()
 
 
