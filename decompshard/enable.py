@@ -271,7 +271,7 @@ def enable(guard_native: bool | None = None) -> None:
 
     `guard_native=True` (default: the DECOMPSHARD_GUARD_NATIVE environment variable) also
     keeps DTensor away from native strategies decompshard's audit proved wrong (guard.py)."""
-    from . import data_dependent, guard, uneven_views
+    from . import data_dependent, guard, inplace, uneven_views
     from ._compat import DecompShardingStrategy
 
     if guard.wanted(guard_native):
@@ -288,12 +288,13 @@ def enable(guard_native: bool | None = None) -> None:
         DecompShardingStrategy.has_decomp = staticmethod(reaches_decompshard)
         uneven_views.install()
         data_dependent.install()
+        inplace.install()
         clear_dtensor_caches()
 
 
 def disable() -> None:
     """Restore DTensor exactly as it was before `enable()`. Idempotent."""
-    from . import data_dependent, guard, uneven_views
+    from . import data_dependent, guard, inplace, uneven_views
     from ._compat import DecompShardingStrategy
 
     guard.uninstall()
@@ -304,6 +305,7 @@ def disable() -> None:
         DecompShardingStrategy.has_decomp = _saved.pop("has_decomp")
         uneven_views.uninstall()
         data_dependent.uninstall()
+        inplace.uninstall()
         clear_dtensor_caches()
 
 

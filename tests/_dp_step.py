@@ -8,6 +8,7 @@ parameter gradient (`full_tensor()`) compared with one device on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import warnings
@@ -58,7 +59,7 @@ def dp_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], loss_of: Cal
     mesh = device_mesh(mesh_shape)
     placements = [Shard(0)] + [Replicate()] * (len(mesh_shape) - 1)
     n = math.prod(mesh_shape)
-    counter = CommDebugMode()
+    counter = CommDebugMode() if comm else contextlib.nullcontext()
     with warnings.catch_warnings(), LocalTensorMode(frozenset(range(n))):
         warnings.simplefilter("ignore")
         dmodel = copy.deepcopy(model)
