@@ -271,7 +271,7 @@ def enable(guard_native: bool | None = None) -> None:
 
     `guard_native=True` (default: the DECOMPSHARD_GUARD_NATIVE environment variable) also
     keeps DTensor away from native strategies decompshard's audit proved wrong (guard.py)."""
-    from . import data_dependent, guard, inplace, uneven_views
+    from . import as_strided, data_dependent, guard, inplace, uneven_views
     from ._compat import DecompShardingStrategy
 
     if guard.wanted(guard_native):
@@ -289,12 +289,13 @@ def enable(guard_native: bool | None = None) -> None:
         uneven_views.install()
         data_dependent.install()
         inplace.install()
+        as_strided.install()
         clear_dtensor_caches()
 
 
 def disable() -> None:
     """Restore DTensor exactly as it was before `enable()`. Idempotent."""
-    from . import data_dependent, guard, inplace, uneven_views
+    from . import as_strided, data_dependent, guard, inplace, uneven_views
     from ._compat import DecompShardingStrategy
 
     guard.uninstall()
@@ -306,6 +307,7 @@ def disable() -> None:
         uneven_views.uninstall()
         data_dependent.uninstall()
         inplace.uninstall()
+        as_strided.uninstall()
         clear_dtensor_caches()
 
 
