@@ -15,7 +15,9 @@ import torch
 __all__ = [
     "DTensor", "DTensorSpec", "DecompShardingStrategy", "OpSchema", "OpSpec", "OpStrategy",
     "TensorMeta", "TorchPartial", "TorchReplicate", "TorchShard", "TorchStridedShard",
-    "TupleStrategy", "_ShardingPlaceholder", "aten_ops_tagged", "_compute_local_shape_and_global_offset", "clear_dtensor_caches",
+    "TupleStrategy", "_ShardingPlaceholder", "aten_ops_tagged", "custom_op_handlers", "local_tensor",
+    "return_and_correct_aliasing", "set_dtensor_layout", "_compute_local_shape_and_global_offset",
+    "clear_dtensor_caches",
     "fake_one_rank_mesh", "from_torch_placement", "has_native_strategy", "is_dispatchable", "op_strategy_func",
     "redistribute_cost", "sharding_propagator", "single_dim_strategy_info", "to_torch_placement",
     "torch_decomposition_table", "view_family_ops", "view_shape_arg_index",
@@ -97,6 +99,32 @@ def aten_ops_tagged(tag: Any) -> list[torch._ops.OpOverload]:
         if entry is not None and tag in entry[2]:
             found.append(getattr(getattr(torch.ops.aten, base[len("aten::"):]), overload or "default"))
     return found
+
+
+def custom_op_handlers() -> dict:
+    """DTensor's per-op handlers that replace its whole dispatch (convolution, as_strided,
+    ...): op -> handler(op_call, args, kwargs)."""
+    return DTensor._op_dispatcher._custom_op_handlers
+
+
+def local_tensor(dt: Any) -> torch.Tensor:
+    """The DTensor's own local tensor (its storage, not a copy: writes reach its views)."""
+    return dt._local_tensor
+
+
+def set_dtensor_layout(dt: Any, shape: Any, stride: Any) -> None:
+    """Give a DTensor new global metadata (same placements): the spec its next op reads.
+    The wrapper's own sizes and strides are set by `return_and_correct_aliasing`."""
+    dt._spec = DTensorSpec(dt.device_mesh, tuple(dt.placements),
+                           tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), dt.dtype))
+
+
+def return_and_correct_aliasing(func: Any, args: Any, kwargs: Any, out: Any) -> Any:
+    """torch's own fix-up for a subclass handler's result (an in-place view op updates
+    the wrapper's metadata; a mutated input is returned as itself)."""
+    from torch.utils._python_dispatch import return_and_correct_aliasing as fix
+
+    return fix(func, args, kwargs, out)
 
 
 def view_shape_arg_index(op: torch._ops.OpOverload) -> int | None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ._compat import DTensor, DTensorSpec, TensorMeta
+from ._compat import custom_op_handlers, local_tensor, return_and_correct_aliasing, set_dtensor_layout
 
 __all__ = ["install", "is_installed", "uninstall"]
 
@@ -45,7 +45,7 @@ def install() -> None:
     takes only an unchanged layout) take a restride too: the backward of `as_strided_`
     is an `as_strided` of the gradient. Idempotent."""
     with _lock:
-        handlers = DTensor._op_dispatcher._custom_op_handlers
+        handlers = custom_op_handlers()
         if _installed:
             return
         _installed[OP] = handlers.get(OP)
@@ -57,7 +57,7 @@ def install() -> None:
 def uninstall() -> None:
     """Put back exactly the handlers `install` replaced. Idempotent."""
     with _lock:
-        handlers = DTensor._op_dispatcher._custom_op_handlers
+        handlers = custom_op_handlers()
         for op, old in _installed.items():
             if old is None:
                 handlers.pop(op, None)
@@ -81,7 +81,8 @@ def _restriding(original: Any) -> Any:
 
     def handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
         target, size, stride, offset = _bind(args, kwargs)
-        if (_moves_no_element(tuple(target.shape), tuple(target.stride()), target.storage_offset(), size, stride, offset)
+        here = (tuple(target.shape), tuple(target.stride()), target.storage_offset())
+        if (_moves_no_element(*here, size, stride, offset)
                 or _replicated_in_own_elements(target, size, stride, offset)):
             return OP(torch.ops.aten.alias.default(target), size, stride, offset)
         if original is None:
@@ -112,7 +113,7 @@ def _replicated_in_own_elements(target: Any, size: tuple, stride: tuple, offset:
     from offset 0, restrided onto positions among its own elements only: the local
     storage holds, at those positions, what one device's storage holds (the elements
     in row-major order), whatever lies beyond them."""
-    local = target._local_tensor
+    local = local_tensor(target)
     shape = tuple(target.shape)
     if not all(p.is_replicate() for p in target.placements) or tuple(local.shape) != shape:
         return False
@@ -132,11 +133,9 @@ def _replicated_in_own_elements(target: Any, size: tuple, stride: tuple, offset:
 
 
 def as_strided__handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
-    from torch.utils._python_dispatch import return_and_correct_aliasing
-
     target, size, new_stride, new_offset = _bind(args, kwargs)
     offset = target.storage_offset()
-    local = target._local_tensor
+    local = local_tensor(target)
     if _moves_no_element(tuple(target.shape), tuple(target.stride()), offset, size, new_stride, new_offset):
         local_stride = tuple(n if g == 1 else own for g, n, own in zip(size, new_stride, local.stride()))
         local.as_strided_(local.shape, local_stride, local.storage_offset())
@@ -148,6 +147,5 @@ def as_strided__handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
             f"{size}, stride {new_stride}, offset {new_offset} would move elements (it addresses the global "
             "storage, which no shard holds); only a restride of size-1 dims runs on a sharded DTensor. "
             "Redistribute to Replicate() first, or use a view op")
-    target._spec = DTensorSpec(target.device_mesh, target.placements,
-                               tensor_meta=TensorMeta(torch.Size(size), new_stride, target.dtype))
+    set_dtensor_layout(target, size, new_stride)
     return return_and_correct_aliasing(op_call, args, kwargs, target)

@@ -29,7 +29,15 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from ._compat import DTensor, DTensorSpec, TensorMeta, TorchReplicate, aten_ops_tagged, has_native_strategy
+from ._compat import (
+    DTensor,
+    DTensorSpec,
+    TensorMeta,
+    TorchReplicate,
+    aten_ops_tagged,
+    custom_op_handlers,
+    has_native_strategy,
+)
 
 __all__ = ["data_dependent_ops", "install", "is_installed", "uninstall"]
 
@@ -42,7 +50,7 @@ _warned: set[str] = set()
 def data_dependent_ops() -> tuple[torch._ops.OpOverload, ...]:
     """Every functional aten overload tagged `dynamic_output_shape` that DTensor has no
     strategy or handler for."""
-    handlers = DTensor._op_dispatcher._custom_op_handlers
+    handlers = custom_op_handlers()
     found = []
     for op in aten_ops_tagged(torch.Tag.dynamic_output_shape):
         schema = op._schema
@@ -65,7 +73,7 @@ def install() -> None:
         if _installed:
             return
         _warned.clear()
-        handlers = DTensor._op_dispatcher._custom_op_handlers
+        handlers = custom_op_handlers()
         for op in data_dependent_ops():
             if op not in handlers:
                 handlers[op] = _replicated_handler(op)
@@ -75,7 +83,7 @@ def install() -> None:
 def uninstall() -> None:
     """Remove the handlers `install` added. Idempotent."""
     with _lock:
-        handlers = DTensor._op_dispatcher._custom_op_handlers
+        handlers = custom_op_handlers()
         for op in _installed:
             handlers.pop(op, None)
         _installed.clear()

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from ._compat import DTensor, has_native_strategy
+from ._compat import DTensor, custom_op_handlers, has_native_strategy, local_tensor
 
 __all__ = ["install", "is_installed", "uninstall", "written_back_ops"]
 
@@ -44,7 +44,7 @@ def _single_tensor_return(op: torch._ops.OpOverload) -> bool:
 def written_back_ops() -> tuple[tuple[torch._ops.OpOverload, torch._ops.OpOverload], ...]:
     """(in-place op, functional twin) for every aten in-place overload DTensor has no
     strategy or handler for, that writes its first argument's values and returns it."""
-    handlers = DTensor._op_dispatcher._custom_op_handlers
+    handlers = custom_op_handlers()
     aten = torch.ops.aten
     found = []
     for name in torch._C._dispatch_get_all_op_names():
@@ -67,7 +67,8 @@ def written_back_ops() -> tuple[tuple[torch._ops.OpOverload, torch._ops.OpOverlo
             continue
         packet = getattr(aten, base[:-1], None)
         twin = getattr(packet, overload or "default", None) if packet is not None else None
-        if twin is None or not _single_tensor_return(twin) or any(a.alias_info is not None for a in twin._schema.arguments):
+        if twin is None or not _single_tensor_return(twin) or any(
+                a.alias_info is not None for a in twin._schema.arguments):
             continue
         found.append((op, twin))
     return tuple(sorted(found, key=lambda p: str(p[0])))
@@ -82,7 +83,7 @@ def install() -> None:
     with _lock:
         if _installed:
             return
-        handlers = DTensor._op_dispatcher._custom_op_handlers
+        handlers = custom_op_handlers()
         for op, twin in written_back_ops():
             if op not in handlers:
                 handlers[op] = _write_back_handler(op, twin)
@@ -92,7 +93,7 @@ def install() -> None:
 def uninstall() -> None:
     """Remove the handlers `install` added. Idempotent."""
     with _lock:
-        handlers = DTensor._op_dispatcher._custom_op_handlers
+        handlers = custom_op_handlers()
         for op in _installed:
             handlers.pop(op, None)
         _installed.clear()
@@ -110,7 +111,7 @@ def _write_back_handler(op: torch._ops.OpOverload, twin: torch._ops.OpOverload) 
                                f"{tuple(target.shape)}; an in-place op cannot change it")
         if out.device_mesh != target.device_mesh or tuple(out.placements) != tuple(target.placements):
             out = out.redistribute(target.device_mesh, target.placements)
-        target._local_tensor.copy_(out._local_tensor)
+        local_tensor(target).copy_(local_tensor(out))
         return target
 
     handler.__name__ = f"write_back_{op._opname}"
