@@ -135,3 +135,50 @@ def test_llama_uneven_dp_step_matches_one_device(mesh_shape, tol):
         decompshard.disable()
     assert not res["missing"]
     assert max(res["errors"].values()) < tol, res["errors"]
+
+
+def test_timm_vit_tp_step_matches_one_device():
+    # qkv ColwiseParallel: [B, N, 3*C] sharded on the fused dim, reshaped to
+    # [B, N, 3, H, d]: "Cannot unflatten unevenly sharded tensor" without decompshard
+    import copy
+
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from decompshard.check.ecosystem import import_timm
+
+    import_timm()
+    from timm.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    model = VisionTransformer(img_size=8, patch_size=4, in_chans=3, num_classes=5, embed_dim=16, depth=1,
+                              num_heads=4, mlp_ratio=2).to(DT)
+    x = torch.randn(2, 3, 8, 8, dtype=DT)
+    ref = copy.deepcopy(model)
+    loss = ref(x).pow(2).mean()
+    loss.backward()
+    mesh = device_mesh((4,))
+    plan = {"blocks.0.attn.qkv": ColwiseParallel(use_local_output=False),
+            "blocks.0.attn.proj": RowwiseParallel(use_local_output=False),
+            "blocks.0.mlp.fc1": ColwiseParallel(use_local_output=False),
+            "blocks.0.mlp.fc2": RowwiseParallel(use_local_output=False)}
+
+    def step():
+        with LocalTensorMode(4), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dmodel = parallelize_module(copy.deepcopy(model), mesh, plan)
+            for mod in dmodel.modules():
+                for name, p in list(mod.named_parameters(recurse=False)):
+                    if not isinstance(p, DTensor):
+                        mod.register_parameter(name, torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate()])))
+            dloss = dmodel(distribute_tensor(x, mesh, [Replicate()])).pow(2).mean()
+            dloss.backward()
+            pairs = [(dloss, loss.detach())] + [(p.grad, q.grad) for p, q in zip(dmodel.parameters(), ref.parameters())]
+            return max((v - want).abs().max().item() for got, want in pairs
+                       for v in rank_locals(got.full_tensor(), mesh).values())
+
+    decompshard.enable()
+    assert step() < 1e-12
+    decompshard.disable()
+    with pytest.raises(RuntimeError, match="unflatten"):
+        step()
