@@ -170,7 +170,8 @@ def test_timm_vit_tp_step_matches_one_device():
             for mod in dmodel.modules():
                 for name, p in list(mod.named_parameters(recurse=False)):
                     if not isinstance(p, DTensor):
-                        mod.register_parameter(name, torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate()])))
+                        rep = distribute_tensor(p.detach(), mesh, [Replicate()])
+                        mod.register_parameter(name, torch.nn.Parameter(rep))
             dloss = dmodel(distribute_tensor(x, mesh, [Replicate()])).pow(2).mean()
             dloss.backward()
             pairs = [(dloss, loss.detach())] + [(p.grad, q.grad) for p, q in zip(dmodel.parameters(), ref.parameters())]
