@@ -106,6 +106,11 @@ def test_even_views_keep_dtensor_answer_and_disable_restores_the_table():
     with LocalTensorMode(4):
         y = distribute_tensor(torch.randn(8, 3, 16, dtype=DT), mesh, [Shard(0)]).view(24, 16)
     assert y.placements == (Shard(0),)  # even: DTensor's own answer, no redistribution
+    with LocalTensorMode(4):
+        x = torch.randn(10, 8, 16, dtype=DT)
+        z = distribute_tensor(x, mesh, [Shard(0)]).view(10, 128)  # uneven, but the sharded dim is kept
+        assert z.placements == (Shard(0),)
+        assert all(torch.equal(v, x.view(10, 128)) for v in rank_locals(z.full_tensor(), mesh).values())
     decompshard.disable()
     assert all(table[op] is before[op] for op in before)
 
