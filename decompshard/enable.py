@@ -126,18 +126,38 @@ def _first_runnable(op, args, kwargs, mesh_shape, current, n_args):
         _warn_once(f"uns:{op}", f"decompshard: {op}: unsupported ({derived.unsupported_reason}); running replicated")
         return None
 
+    in_place = mutates_self(op)
+
     def runnable(ins, cost) -> bool:
         # DTensor must be able to redistribute to it, and kwarg tensors cannot be
-        # redistributed through DTensor's schema suggestion at all
+        # redistributed through DTensor's schema suggestion at all; an in-place op's
+        # self cannot move (DTensor would run the op on a copy and relabel self)
         return cost.dtensor_supported and all(
-            tuple(p) == tuple(c) for p, c in zip(ins[n_args:], current[n_args:]))
+            tuple(p) == tuple(c) for p, c in zip(ins[n_args:], current[n_args:])) and (
+            not in_place or tuple(ins[0]) == tuple(current[0]))
+
+    def keeps_self(s) -> bool:
+        return not in_place or tuple(s.output_placements[0]) == tuple(current[0])
 
     return next((s for s in ranked(op, args, kwargs, mesh_shape, current, accept=runnable,
-                                valid_only=True) if s.valid), None)
+                                valid_only=True) if s.valid and keeps_self(s)), None)
+
+
+def mutates_self(op: torch._ops.OpOverload) -> bool:
+    """An in-place op: writes its first argument and returns it."""
+    args, returns = op._schema.arguments, op._schema.returns
+    return bool(args and args[0].alias_info is not None and args[0].alias_info.is_write
+                and returns and returns[0].alias_info is not None)
 
 
 def _replicated(op_schema, specs, mesh) -> OpStrategy:
     from ._compat import TorchReplicate
+
+    if mutates_self(op_schema.op) and not all(p.is_replicate() for p in specs[0].placements):
+        raise RuntimeError(
+            f"decompshard: {op_schema.op} in place on self {tuple(specs[0].placements)}: no derived strategy "
+            "keeps self's placement, and DTensor cannot move the self of an in-place op (it would update a "
+            "copy); redistribute self first or use the out-of-place op")
 
     rep = tuple(TorchReplicate() for _ in range(mesh.ndim))
     n_args = len(op_schema.args_spec)
