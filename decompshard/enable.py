@@ -289,6 +289,12 @@ def _has_tensor_list_arg(op) -> bool:
 def enable(guard_native: bool | None = None) -> None:
     """Route every DTensor op that lacks a strategy through decompshard. Idempotent.
 
+    It also lets valid programs run that DTensor refuses: view-family ops on uneven
+    shards redistribute instead of raising (uneven_views.py), ops whose output size
+    depends on values run replicated (data_dependent.py), in-place ops without a native
+    strategy write an out-of-place result back into self (inplace.py), and
+    `as_strided_` runs where it moves no element (as_strided.py). `disable()` undoes all.
+
     `guard_native=True` (default: the DECOMPSHARD_GUARD_NATIVE environment variable) also
     keeps DTensor away from native strategies decompshard's audit proved wrong (guard.py)."""
     from . import as_strided, data_dependent, guard, inplace, uneven_views
