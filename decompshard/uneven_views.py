@@ -23,6 +23,8 @@ Under `enable()` each view-family entry of DTensor's strategy table is wrapped:
    DTensor takes the cheapest, then redistributes the input as it does for any op.
 
 The backward of a view is a view of the gradient, so it goes through the same path.
+In-place view ops (`squeeze_`) keep DTensor's answer: their `self` cannot be moved
+(DTensor would squeeze a redistributed copy and relabel the untouched `self`).
 Redistribution moves data and never changes a value. Each op warns once when it is
 redistributed. `disable()` puts the original entries back.
 """
@@ -72,6 +74,8 @@ def install() -> None:
         _warned.clear()
         table = sharding_propagator().op_strategy_funcs
         for op in view_family_ops():
+            if op._schema.is_mutable:  # squeeze_: DTensor cannot move self (it would relabel a copy)
+                continue
             _saved[op] = table[op]
             table[op] = _redistributing_view_strategy(op, table[op])
         clear_dtensor_caches()

@@ -101,7 +101,7 @@ def test_even_views_keep_dtensor_answer_and_disable_restores_the_table():
     table = sharding_propagator().op_strategy_funcs
     before = {op: table[op] for op in view_family_ops()}
     decompshard.enable()
-    assert all(table[op] is not before[op] for op in before)
+    assert all((table[op] is before[op]) == op._schema.is_mutable for op in before)  # squeeze_ untouched
     mesh = device_mesh((4,))
     with LocalTensorMode(4):
         y = distribute_tensor(torch.randn(8, 3, 16, dtype=DT), mesh, [Shard(0)]).view(24, 16)
@@ -188,3 +188,17 @@ def test_timm_vit_tp_step_matches_one_device():
     decompshard.disable()
     with pytest.raises(RuntimeError, match="unflatten"):
         step()
+
+
+def test_in_place_squeeze_of_an_uneven_shard_is_still_refused():
+    # redistributing squeeze_'s self would squeeze a copy and relabel self (claimed R
+    # [8] over local [1, 8] and [0, 8] shards): DTensor's refusal stays
+    decompshard.enable()
+    try:
+        with LocalTensorMode(4):
+            d = distribute_tensor(torch.randn(1, 8, dtype=DT), device_mesh((4,)), [Shard(0)])
+            with pytest.raises(RuntimeError, match="redistribut"):
+                d.squeeze_(0)
+            assert d.placements == (Shard(0),) and d.shape == (1, 8)
+    finally:
+        decompshard.disable()
