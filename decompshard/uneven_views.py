@@ -25,6 +25,11 @@ Under `enable()` each view-family entry of DTensor's strategy table is wrapped:
 The backward of a view is a view of the gradient, so it goes through the same path.
 In-place view ops (`squeeze_`) keep DTensor's answer: their `self` cannot be moved
 (DTensor would squeeze a redistributed copy and relabel the untouched `self`).
+
+Limit: a redistributed view is a view of the redistributed copy, not of the input (as
+DTensor's own `reshape` strategy does when it replicates): an in-place write to it
+does not reach the input, where on one device it would. The warning says so. Views
+made inside an op's decomposition (`F.linear`'s flatten) are never written to.
 Redistribution moves data and never changes a value. Each op warns once when it is
 redistributed. `disable()` puts the original entries back.
 """
@@ -120,7 +125,8 @@ def _redistributing_view_strategy(op: torch._ops.OpOverload, native: Callable) -
             warnings.warn(
                 f"decompshard: {op} on {_spec_text(spec)}: DTensor's view strategy refuses it ({refusal}); "
                 f"redistributing the input to {tuple(best.input_specs[0].placements)} first "
-                f"(cheapest valid layout by DTensor's cost model)", stacklevel=2)
+                f"(cheapest valid layout by DTensor's cost model). The result views that copy: "
+                f"an in-place write to it does not reach the input", stacklevel=2)
         return OpStrategy(found)
 
     strategy.__wrapped__ = native  # type: ignore[attr-defined]
