@@ -161,11 +161,27 @@ def _first_runnable(op, args, kwargs, mesh_shape, current, pinned: frozenset[int
         _warn_once(f"uns:{op}", f"decompshard: {op}: unsupported ({derived.unsupported_reason}); running replicated")
         return None
 
+    in_place = mutates_self(op)
+
     def runnable(ins, cost) -> bool:
-        return cost.dtensor_supported and all(tuple(ins[i]) == tuple(current[i]) for i in pinned)
+        # DTensor must be able to redistribute to it; pinned tensors (written keyword
+        # arguments) and an in-place op's self cannot move (DTensor would run the op on
+        # a copy and relabel self)
+        return cost.dtensor_supported and all(tuple(ins[i]) == tuple(current[i]) for i in pinned) and (
+            not in_place or tuple(ins[0]) == tuple(current[0]))
+
+    def keeps_self(s) -> bool:
+        return not in_place or tuple(s.output_placements[0]) == tuple(current[0])
 
     return next((s for s in ranked(op, args, kwargs, mesh_shape, current, accept=runnable,
-                                valid_only=True) if s.valid), None)
+                                valid_only=True) if s.valid and keeps_self(s)), None)
+
+
+def mutates_self(op: torch._ops.OpOverload) -> bool:
+    """An in-place op: writes its first argument and returns it."""
+    args, returns = op._schema.arguments, op._schema.returns
+    return bool(args and args[0].alias_info is not None and args[0].alias_info.is_write
+                and returns and returns[0].alias_info is not None)
 
 
 def _replicated(op_schema, specs, mesh) -> OpStrategy:
@@ -175,6 +191,12 @@ def _replicated(op_schema, specs, mesh) -> OpStrategy:
     claims Replicate). A keyword tensor DTensor cannot move here raises instead; an
     `out=` tensor keeps its placement (the kernel writes the whole result into it)."""
     from ._compat import TorchReplicate
+
+    if mutates_self(op_schema.op) and not all(p.is_replicate() for p in specs[0].placements):
+        raise RuntimeError(
+            f"decompshard: {op_schema.op} in place on self {tuple(specs[0].placements)}: no derived strategy "
+            "keeps self's placement, and DTensor cannot move the self of an in-place op (it would update a "
+            "copy); redistribute self first or use the out-of-place op")
 
     rep = tuple(TorchReplicate() for _ in range(mesh.ndim))
     n_args = len(op_schema.args_spec)
@@ -322,6 +344,12 @@ def _has_tensor_list_arg(op) -> bool:
 def enable(guard_native: bool | None = None) -> None:
     """Route every DTensor op that lacks a strategy through decompshard. Idempotent.
 
+    It also lets valid programs run that DTensor refuses: view-family ops on uneven
+    shards redistribute instead of raising (uneven_views.py), ops whose output size
+    depends on values run replicated (data_dependent.py), in-place ops without a native
+    strategy write an out-of-place result back into self (inplace.py), and
+    `as_strided_` runs where it moves no element (as_strided.py). `disable()` undoes all.
+
     Also keeps DTensor away from native behaviour proved wrong (the native guard,
     guard.py): on unless `guard_native=False`, or, when the argument is not given, the
     DECOMPSHARD_GUARD_NATIVE environment variable says 0. On by default because the
@@ -329,7 +357,7 @@ def enable(guard_native: bool | None = None) -> None:
     crash (convolution handlers, batch norm's running statistics, weighted nll_loss).
     Each call sets the guard as it says: `enable(guard_native=False)` after `enable()`
     removes it."""
-    from . import guard
+    from . import as_strided, data_dependent, guard, inplace, uneven_views
     from ._compat import DecompShardingStrategy
 
     if guard.wanted(guard_native):
@@ -345,12 +373,16 @@ def enable(guard_native: bool | None = None) -> None:
         sp.decomp_strategy = DerivedStrategy(sp.decomp_strategy)
         DecompShardingStrategy.has_decomp = staticmethod(reaches_decompshard)
         route_kwarg_redistribution()
+        uneven_views.install()
+        data_dependent.install()
+        inplace.install()
+        as_strided.install()
         clear_dtensor_caches()
 
 
 def disable() -> None:
     """Restore DTensor exactly as it was before `enable()`. Idempotent."""
-    from . import guard
+    from . import as_strided, data_dependent, guard, inplace, uneven_views
     from ._compat import DecompShardingStrategy
 
     guard.uninstall()
@@ -360,6 +392,10 @@ def disable() -> None:
         sharding_propagator().decomp_strategy = _saved.pop("decomp_strategy")
         DecompShardingStrategy.has_decomp = _saved.pop("has_decomp")
         unroute_kwarg_redistribution()
+        uneven_views.uninstall()
+        data_dependent.uninstall()
+        inplace.uninstall()
+        as_strided.uninstall()
         clear_dtensor_caches()
 
 

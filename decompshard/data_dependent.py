@@ -1,0 +1,117 @@
+"""Ops whose output size depends on values (nonzero, masked_select, unique, ...) run
+replicated under `enable()`.
+
+DTensor computes every op's output shape from the global shapes before it runs the op
+(a fake-tensor run). For these ops the shape is in the data, the fake run raises
+`DynamicOutputShapeException`, and DTensor stops with "Sharding propagation failed"
+(Mixtral's MoE routing stops at `aten.nonzero` with a data-parallel batch), whether or
+not a strategy exists. No strategy can help: sharded, each rank's output size differs,
+and a DTensor's shape must be known before the kernel runs.
+
+On replicated inputs every rank holds the whole tensor and computes the whole answer,
+so the op is always right there. Under `enable()` each such op gets a DTensor handler
+that does exactly that: all-gather (redistribute to Replicate) every DTensor argument,
+run the op on the local tensors, and return replicated DTensors of the shapes the kernel
+produced; one warning per op. The ops are found by torch's own tag for them
+(`torch.Tag.dynamic_output_shape`, the one its fake tensors raise on), not by a list.
+Out= and in-place overloads, ops DTensor already handles (a custom handler, or a
+strategy: `index.Tensor` is data-dependent only with bool indices) are left alone.
+`disable()` removes the handlers.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import warnings
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from ._compat import (
+    DTensor,
+    DTensorSpec,
+    TensorMeta,
+    TorchReplicate,
+    aten_ops_tagged,
+    custom_op_handlers,
+    has_native_strategy,
+)
+
+__all__ = ["data_dependent_ops", "install", "is_installed", "uninstall"]
+
+_lock = threading.RLock()
+_installed: list = []
+_warned: set[str] = set()
+
+
+@functools.lru_cache(maxsize=1)
+def data_dependent_ops() -> tuple[torch._ops.OpOverload, ...]:
+    """Every functional aten overload tagged `dynamic_output_shape` that DTensor has no
+    strategy or handler for."""
+    handlers = custom_op_handlers()
+    found = []
+    for op in aten_ops_tagged(torch.Tag.dynamic_output_shape):
+        schema = op._schema
+        if any(a.alias_info is not None for a in schema.arguments) or any(
+                r.alias_info is not None for r in schema.returns):
+            continue  # out= / in place: the output cannot be a fresh replicated tensor
+        if has_native_strategy(op) or op in handlers:
+            continue
+        found.append(op)
+    return tuple(sorted(found, key=str))
+
+
+def is_installed() -> bool:
+    return bool(_installed)
+
+
+def install() -> None:
+    """Give each data-dependent op the replicated handler. Idempotent."""
+    with _lock:
+        if _installed:
+            return
+        _warned.clear()
+        handlers = custom_op_handlers()
+        for op in data_dependent_ops():
+            if op not in handlers:
+                handlers[op] = _replicated_handler(op)
+                _installed.append(op)
+
+
+def uninstall() -> None:
+    """Remove the handlers `install` added. Idempotent."""
+    with _lock:
+        handlers = custom_op_handlers()
+        for op in _installed:
+            handlers.pop(op, None)
+        _installed.clear()
+
+
+def _replicated_handler(op: torch._ops.OpOverload) -> Callable:
+    def handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
+        flat, spec = tree_flatten((args, kwargs))
+        dts = [x for x in flat if isinstance(x, DTensor)]
+        mesh = dts[0].device_mesh
+        if any(x.device_mesh != mesh for x in dts):
+            raise RuntimeError(f"decompshard: {op} got DTensors on different meshes")
+        if any(not p.is_replicate() for x in dts for p in x.placements) and str(op) not in _warned:
+            _warned.add(str(op))
+            warnings.warn(f"decompshard: {op} has a data-dependent output size; running it replicated "
+                          "(its DTensor inputs are all-gathered)", stacklevel=2)
+        local = [x.full_tensor() if isinstance(x, DTensor) else x for x in flat]
+        l_args, l_kwargs = tree_unflatten(local, spec)
+        out = op_call(*l_args, **l_kwargs)
+        rep = tuple(TorchReplicate() for _ in range(mesh.ndim))
+
+        def wrap(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            meta = TensorMeta(t.shape, t.stride(), t.dtype)
+            return DTensor(t, DTensorSpec(mesh, rep, tensor_meta=meta), requires_grad=False)
+
+        return tree_map(wrap, out)
+
+    handler.__name__ = f"replicated_{op._opname}"
+    return handler
