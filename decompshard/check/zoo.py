@@ -234,7 +234,7 @@ ZOO: dict[str, ZooEntry] = {e.name: e for e in [
     ZooEntry("mistral", "transformers", _causal_lm("MistralConfig", sliding_window=4),
              "MistralForCausalLM, sliding window 4 < seq 8 (attention gets a mask)"),
     ZooEntry("mixtral", "transformers", _causal_lm("MixtralConfig", num_local_experts=4, num_experts_per_tok=2,
-                                                   router_jitter_noise=0.0),
+                                                   router_jitter_noise=0.0, experts_implementation="eager"),
              "MixtralForCausalLM, 4 experts, top-2 routing"),
     ZooEntry("gpt2", "transformers", _gpt2, "GPT2LMHeadModel (Conv1D, fused c_attn)"),
     ZooEntry("bert-mlm", "transformers", _bert_mlm, "BertForMaskedLM, labels -100 on unmasked tokens"),
