@@ -371,13 +371,35 @@ def _compare_step(loss: Any, model: torch.nn.Module, ref: _RefStep) -> str:
             continue
         if not isinstance(got, DTensor):
             return f"{name} is a {type(got).__name__}, not a DTensor"
-        for rank, full in rank_locals(got.full_tensor(), got.device_mesh).items():
+        lie = _local_shape_lie(got)
+        if lie:
+            return f"{name} {tuple(got.placements)}: {lie}"
+        try:
+            fulls = rank_locals(got.full_tensor(), got.device_mesh)
+        except Exception as e:
+            raise RuntimeError(f"{name} {tuple(got.placements)} shape {list(got.shape)}: {_first_line(e)}") from e
+        for rank, full in fulls.items():
             if not close(full, want, []):
                 err = _max_err(full, want)
                 if err > worst[0]:
                     worst = (err, f"{name} {tuple(got.placements)} on rank {rank}: max error {err:.3g} "
                                   f"(one device's max |value| {float(want.abs().max()) if want.numel() else 0:.3g})")
     return worst[1]
+
+
+def _local_shape_lie(t: Any) -> str:
+    """'' if every rank holds the shape the DTensor's placements say, else the first
+    rank that does not (a result whose metadata and data disagree is wrong)."""
+    from ..lift import local_shape_nd
+    from ..verify_dtensor import _mesh_coords, rank_locals
+
+    mesh_shape = tuple(t.device_mesh.shape)
+    coords = _mesh_coords(mesh_shape)
+    for r, lt in rank_locals(t.to_local(), t.device_mesh).items():
+        expect = tuple(local_shape_nd(tuple(t.shape), tuple(t.placements), mesh_shape, coords[r]))
+        if tuple(lt.shape) != expect:
+            return f"rank {r} holds shape {list(lt.shape)}, the placements say {list(expect)}"
+    return ""
 
 
 def _distribute_model(model: torch.nn.Module, plan: dict[str, str], mesh: Any, sh: Sharding) -> None:

@@ -249,10 +249,28 @@ ZOO: dict[str, ZooEntry] = {e.name: e for e in [
 
 
 def get_entry(name: str) -> ZooEntry:
-    """A zoo name, or what `resolve_model` makes of a transformers class name."""
+    """A zoo name, a MODULE:CALLABLE whose callable takes (batch, seed) and returns a
+    `Built`, or what `resolve_model` makes of a transformers class name."""
     if name in ZOO:
         return ZOO[name]
+    if ":" in name:
+        from ..coverage.model_audit import load_callable
+
+        return ZooEntry(name, "user", _UserBuilder(load_callable(name), name))
     return resolve_model(name)
+
+
+@dataclass(frozen=True)
+class _UserBuilder:
+    fn: Callable[..., Any]
+    spec: str
+
+    def __call__(self, batch: int, seed: int) -> Built:
+        built = self.fn(batch, seed)
+        if not isinstance(built, Built):
+            raise ValueError(f"{self.spec}(batch, seed) returned a {type(built).__name__}; with --sharding the "
+                             "callable returns decompshard.check.zoo.Built(model, inputs, loss, plan)")
+        return built
 
 
 def resolve_model(name: str) -> ZooEntry:
