@@ -255,10 +255,11 @@ class StepRun:
     warm_s: float | None = None
 
 
-def run_training_step(built: Any, sharding: str, enable: bool, warm: bool = True) -> StepRun:
+def run_training_step(built: Any, sharding: str, enable: bool, measure: bool = True) -> StepRun:
     """One training step of `built` (a zoo.Built, float64) on one device and as DTensors
     on a simulated mesh (`enable()` on or off), compared on every rank. Needs a
-    simulated world of at least the mesh's size (`verify_dtensor.simulated_world`)."""
+    simulated world of at least the mesh's size (`verify_dtensor.simulated_world`).
+    `measure`: also time a warm step and count one step's collectives (two more steps)."""
     from torch.distributed._local_tensor import LocalTensorMode
 
     from ..verify_dtensor import _simulator_chunks, decompshard_on, device_mesh
@@ -290,15 +291,15 @@ def run_training_step(built: Any, sharding: str, enable: bool, warm: bool = True
             return StepRun("ERROR", f"reading the results: {_first_line(e)}", stage="compare")
         if bad:
             run.verdict, run.detail = "WRONG", bad
-        if warm:
+        if measure:
             _zero_grads(dmodel)
             t0 = time.perf_counter()
             _dtensor_step(dmodel, built.loss, din)
             run.warm_s = time.perf_counter() - t0
-        _zero_grads(dmodel)
-        with _CommBytes() as comm:
-            _dtensor_step(dmodel, built.loss, din)
-        run.collectives, run.bytes = comm.get_total_counts(), comm.bytes
+            _zero_grads(dmodel)
+            with _CommBytes() as comm:
+                _dtensor_step(dmodel, built.loss, din)
+            run.collectives, run.bytes = comm.get_total_counts(), comm.bytes
     return run
 
 

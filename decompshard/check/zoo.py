@@ -181,10 +181,10 @@ def _hf_vit(batch: int, seed: int) -> Built:
                          attention_probs_dropout_prob=0.0)
     model = T.ViTForImageClassification(config)
     x, y = _images(batch, seed, 16)
-    layer = "vit.encoder.layer.*"
-    plan = {f"{layer}.attention.attention.query": "colwise", f"{layer}.attention.attention.key": "colwise",
-            f"{layer}.attention.attention.value": "colwise", f"{layer}.attention.output.dense": "rowwise",
-            f"{layer}.intermediate.dense": "colwise", f"{layer}.output.dense": "rowwise"}
+    layer = "vit.layers.*"  # transformers 5's names (4.x: vit.encoder.layer.*.attention.attention.query, ...)
+    plan = {f"{layer}.attention.q_proj": "colwise", f"{layer}.attention.k_proj": "colwise",
+            f"{layer}.attention.v_proj": "colwise", f"{layer}.attention.o_proj": "rowwise",
+            f"{layer}.mlp.fc1": "colwise", f"{layer}.mlp.fc2": "rowwise"}
     return Built(model, {"pixel_values": x, "labels": y}, _hf_loss, plan)
 
 
@@ -298,12 +298,16 @@ def resolve_model(name: str) -> ZooEntry:
 def plan_targets(model: nn.Module, plan: dict[str, str]) -> dict[str, tuple[str, nn.Module | None]]:
     """Parameter name -> (style, owning module or None for a raw parameter) for every
     parameter the plan shards. A parameter matched by a module pattern gets the module's
-    style; a pattern matching a parameter name directly (Mixtral's packed experts) gets its own."""
+    style; a pattern matching a parameter name directly (Mixtral's packed experts) gets its own.
+    Raises ValueError for a pattern that matches nothing: a stale plan (a library renamed
+    its modules) would otherwise run "tensor parallel" fully replicated and pass."""
     out: dict[str, tuple[str, nn.Module | None]] = {}
     modules = dict(model.named_modules())
+    dead = []
     for pattern, style in plan.items():
         if style not in STYLES:
             continue
+        found = len(out)
         for mname, mod in modules.items():
             if mname and fnmatch.fnmatchcase(mname, pattern):
                 for pname, _ in mod.named_parameters(recurse=False):
@@ -311,6 +315,10 @@ def plan_targets(model: nn.Module, plan: dict[str, str]) -> dict[str, tuple[str,
         for pname, _ in model.named_parameters():
             if fnmatch.fnmatchcase(pname, pattern) and pname not in out:
                 out[pname] = (style, None)
+        if len(out) == found:
+            dead.append(pattern)
+    if dead:
+        raise ValueError(f"the TP plan's patterns {dead} match no parameter of {type(model).__name__}")
     return out
 
 
