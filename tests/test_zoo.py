@@ -147,3 +147,18 @@ def test_every_plan_pattern_matches_and_a_stale_one_is_an_error():
         assert plan_targets(built.model, built.plan), name
     with pytest.raises(ValueError, match="match no parameter"):
         plan_targets(_Tiny(), {"a": "colwise", "nosuch.*": "rowwise"})
+
+
+def test_cli_prints_the_zoo_table():
+    """`decompshard check --model NAME --sharding ...`: the table, exit 0 when enable()
+    gives one-device numbers."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p = subprocess.run([sys.executable, "-m", "decompshard", "check", "--model", "vit-hf", "--sharding", "tp",
+                        "--no-torch", "-j", "0", "-q"], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    row = next(line for line in p.stdout.splitlines() if line.startswith("| vit-hf"))
+    assert [c.strip() for c in row.split("|")[1:4]] == ["vit-hf", "tp", "OK"], row
