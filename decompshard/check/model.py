@@ -286,7 +286,7 @@ def run_training_step(built: Any, sharding: str, enable: bool, measure: bool = T
             return StepRun("ERROR", _first_line(e), _failing_op(dmodel, built.loss, din), "step")
         run = StepRun("OK", first_s=time.perf_counter() - t0)
         try:
-            bad = _compare_step(loss, dmodel, ref)
+            bad = _compare_step(loss, dmodel, ref, getattr(built, "compute_dtype", torch.float64))
         except Exception as e:
             return StepRun("ERROR", f"reading the results: {_first_line(e)}", stage="compare")
         if bad:
@@ -353,9 +353,10 @@ def _zero_grads(model: torch.nn.Module) -> None:
         p.grad = None
 
 
-def _compare_step(loss: Any, model: torch.nn.Module, ref: _RefStep) -> str:
-    """'' if the loss, every gradient and every buffer match one device on every rank,
-    else the worst tensor and its error."""
+def _compare_step(loss: Any, model: torch.nn.Module, ref: _RefStep, dtype: torch.dtype = torch.float64) -> str:
+    """'' if the loss, every gradient and every buffer match one device on every rank
+    (at `dtype`'s tolerance, the lowest precision the model computes in), else the
+    worst tensor and its error."""
     from torch.distributed.tensor import DTensor
 
     from ..verify_dtensor import _max_err, rank_locals
@@ -380,7 +381,7 @@ def _compare_step(loss: Any, model: torch.nn.Module, ref: _RefStep) -> str:
         except Exception as e:
             raise RuntimeError(f"{name} {tuple(got.placements)} shape {list(got.shape)}: {_first_line(e)}") from e
         for rank, full in fulls.items():
-            if not close(full, want, []):
+            if not close(full, want, [], dtype=dtype if want.dtype.is_floating_point else None):
                 err = _max_err(full, want)
                 if err > worst[0]:
                     worst = (err, f"{name} {tuple(got.placements)} on rank {rank}: max error {err:.3g} "
