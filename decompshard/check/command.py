@@ -13,7 +13,8 @@ P(sum|avg|max|min), SS(d,k) (_StridedShard(d, split_factor=k)).
 
 Exit codes: 0 nothing counts against decompshard (no WRONG, no error where torch's own
 fallback runs the case), 3 something does (each failure printed with a reproducer),
-2 bad arguments.
+2 bad arguments. The zoo (--model NAME|all): 3 when any case with enable() is WRONG or
+an ERROR, whatever torch alone does.
 """
 
 from __future__ import annotations
