@@ -292,14 +292,17 @@ def run_training_step(built: Any, sharding: str, enable: bool, measure: bool = T
         if bad:
             run.verdict, run.detail = "WRONG", bad
         if measure:
-            _zero_grads(dmodel)
-            t0 = time.perf_counter()
-            _dtensor_step(dmodel, built.loss, din)
-            run.warm_s = time.perf_counter() - t0
-            _zero_grads(dmodel)
-            with _CommBytes() as comm:
+            try:
+                _zero_grads(dmodel)
+                t0 = time.perf_counter()
                 _dtensor_step(dmodel, built.loss, din)
-            run.collectives, run.bytes = comm.get_total_counts(), comm.bytes
+                run.warm_s = time.perf_counter() - t0
+                _zero_grads(dmodel)
+                with _CommBytes() as comm:
+                    _dtensor_step(dmodel, built.loss, din)
+                run.collectives, run.bytes = comm.get_total_counts(), comm.bytes
+            except Exception as e:  # the first step's verdict stands; say why there are no numbers
+                run.detail = (run.detail + "; " if run.detail else "") + f"a later step raised: {_first_line(e)}"
     return run
 
 
