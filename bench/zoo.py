@@ -11,7 +11,7 @@ time by default so the times do not compete for cores. Markdown (README-ready) o
 stdout, failures (op and error) under the table.
 
 Usage: python bench/zoo.py [--models all|llama,bert-mlm,...] [--shardings dp,2d]
-       [--jobs 1] [--timeout 300] [--json rows.json]
+       [--jobs 1] [--timeout 120] [--json rows.json]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="all", help="'all' or comma-separated zoo names (default all)")
     parser.add_argument("--shardings", default=",".join(SHARDINGS), help="comma-separated (default: all five)")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1: clean timings)")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per case and path (default 300)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per case and path (default 120)")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     args = parser.parse_args(argv)
 
