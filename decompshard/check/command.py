@@ -4,6 +4,8 @@
     decompshard check --ops "aten.addmv.default,aten.block_diag.*" --mesh 2x3 --combos 12
     decompshard check --ops aten.addmv.default --sample 0 --mesh 2x3 --placements "R,P(sum);S(1),S(0);S(0),R"
     decompshard check --model mypkg.models:build --input-shapes 8,16 --mesh 2x2 --placements "S(0),R"
+    decompshard check --model llama --sharding dp-uneven,2d     # the model zoo (check/zoo.py)
+    decompshard check --model all                               # every zoo model, every sharding
     decompshard check --format json --output check.json
 
 Placements, per tensor input ';'-separated, per mesh dim ','-separated: R, S(d),
@@ -11,7 +13,8 @@ P(sum|avg|max|min), SS(d,k) (_StridedShard(d, split_factor=k)).
 
 Exit codes: 0 nothing counts against decompshard (no WRONG, no error where torch's own
 fallback runs the case), 3 something does (each failure printed with a reproducer),
-2 bad arguments.
+2 bad arguments. The zoo (--model NAME|all): 3 when any case with enable() is WRONG or
+an ERROR, whatever torch alone does.
 """
 
 from __future__ import annotations
@@ -46,15 +49,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sample", type=int, default=None, help="with --placements: which sample (0 = largest)")
     parser.add_argument("--no-backward", action="store_true", help="forward only")
     parser.add_argument("--no-torch", action="store_true", help="skip torch's own fallback (half the time)")
-    parser.add_argument("--model", metavar="MODULE:CALLABLE",
-                        help="check one training step of a model: the callable returns an nn.Module or "
-                        "(module, example_inputs)")
+    parser.add_argument("--model", metavar="NAME|all|MODULE:CALLABLE",
+                        help="check one training step of a model. A zoo name (llama, bert-mlm, resnet, ...; "
+                        "'all'), a transformers class name (LlamaConfig, Qwen2ForCausalLM) or, with --sharding, "
+                        "a MODULE:CALLABLE taking (batch, seed) and returning a check.zoo.Built: the zoo's "
+                        "shardings, enable() and torch alone, against one device. A MODULE:CALLABLE without "
+                        "--sharding returns an nn.Module or (module, example_inputs), checked on one --mesh with "
+                        "--placements, naming the first op that diverges")
+    parser.add_argument("--sharding", metavar="NAMES",
+                        help="with a zoo --model: comma-separated among dp, dp-uneven, tp, 2d, 2d-uneven "
+                        "(default: all)")
     parser.add_argument("--input-shapes", metavar="SHAPES", help="with --model: ';'-separated input shapes")
     parser.add_argument("--format", choices=("text", "json"), default="text", help="report format (default text)")
     parser.add_argument("--output", "-o", metavar="FILE", help="write the report here instead of stdout")
     parser.add_argument("--jobs", "-j", type=int, default=min(os.cpu_count() or 1, 8),
                         help="worker processes (default: CPU count, at most 8; 0: in this process)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per op (default 600)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per op, or per zoo case and path (default 600)")
 
 
 def _meshes(text: str) -> list[tuple[int, ...]]:
@@ -72,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
     meshes = _meshes(args.mesh)
     if not meshes:
         raise UsageError("--mesh is empty")
+    if args.model and (":" not in args.model or args.sharding):
+        return _zoo(args)
     if args.model:
         from .model import check_model
 
@@ -81,6 +93,31 @@ def run(args: argparse.Namespace) -> int:
     doc = _sweep(args, meshes)
     _emit(json.dumps(doc, indent=1) if args.format == "json" else render(doc), args.output)
     return EXIT_FAILURES if doc["summary"]["failures"] else 0
+
+
+def _zoo(args: argparse.Namespace) -> int:
+    """The model zoo's table for the models and shardings asked (each case in a worker
+    process with --timeout seconds), failures listed under it."""
+    from .model import SHARDINGS
+    from .zoo import get_entry
+    from .zoo_run import against_us, expand_names, render, run_zoo
+
+    names = expand_names(args.model)
+    for n in names:
+        if ":" not in n:
+            get_entry(n)  # an unknown name is a usage error before any worker starts
+    shardings = [s.strip() for s in (args.sharding or ",".join(SHARDINGS)).split(",") if s.strip()]
+    quiet = getattr(args, "verbosity", 0) < 0
+
+    def progress(row: dict) -> None:
+        if not quiet:
+            print(f"check: {row['model']} {row['sharding']}: enable() {row['enable']['verdict']}, torch "
+                  f"{row['torch']['verdict'] if row['torch'] else '-'}", file=sys.stderr, flush=True)
+
+    rows = run_zoo(names, shardings, jobs=args.jobs, timeout=args.timeout, seed=args.seed,
+                   with_torch=not args.no_torch, on_row=progress)
+    _emit(json.dumps(rows, indent=1) if args.format == "json" else render(rows), args.output)
+    return EXIT_FAILURES if against_us(rows) else 0
 
 
 def _samples_for(patterns: str | None, n: int, progress: bool) -> list[tuple[Any, list]]:

@@ -10,6 +10,12 @@ answer. This is what a user runs before spending GPU hours.
 
 Placements: per model input, ';'-separated, one per mesh dim (as everywhere in check),
 plus `name=...` entries for parameters (default Replicate), e.g. "S(0),R;lin.weight=R,S(0)".
+
+`run_training_step` is the model zoo's runner (`decompshard check --model NAME --sharding
+...`, `bench/zoo.py`): one training step (forward, the model's own loss, backward,
+gradients redistributed to the parameters' placements) sharded the usual ways (SHARDINGS),
+with `enable()` or torch alone, judged on the loss and every parameter gradient and
+buffer on every rank, with collectives, bytes and the cold and warm step times.
 """
 
 from __future__ import annotations
@@ -17,10 +23,11 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import time
 import warnings
 import zlib
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -52,8 +59,10 @@ class _Record(TorchDispatchMode):
         super().__init__()
         self.calls: list[tuple[str, str, list[torch.Tensor]]] = []
         self.phase = "forward"
+        self.current = ""  # the op in flight: the one that raised, if a call raises
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.current = str(func)
         out = func(*args, **(kwargs or {}))
         if func.namespace == "aten" and func is not torch.ops.aten.detach.default:
             self.calls.append((str(func), self.phase, [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]))
@@ -204,3 +213,310 @@ def check_model(spec: str, input_shapes: str | None, meshes: list, placements: s
     d = res.divergence
     print(f"{spec} on mesh {mesh}: first divergence at call #{d.index} ({d.phase}) {d.op}: {d.detail}")
     return 3
+
+
+# ------------------------------------------------------------------ the zoo's training step
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """A mesh and what each dim does: `dp` shards the batch (dim 0 of every input),
+    `tp` applies the model's plan; the other parameters and buffers are replicated."""
+
+    mesh: tuple[int, ...]
+    batch: int
+    dp: int | None = None  # mesh dim of data parallelism
+    tp: int | None = None  # mesh dim of tensor parallelism
+
+
+SHARDINGS: dict[str, Sharding] = {
+    "dp": Sharding((4,), 8, dp=0),
+    "dp-uneven": Sharding((4,), 10, dp=0),
+    "tp": Sharding((4,), 8, tp=0),
+    "2d": Sharding((2, 2), 8, dp=0, tp=1),
+    "2d-uneven": Sharding((2, 2), 5, dp=0, tp=1),
+}
+
+
+@dataclass
+class StepRun:
+    """One (model, sharding, path) run. verdict: OK (loss, every gradient and buffer
+    match one device on every rank), WRONG (`detail` names the worst tensor and its
+    error), ERROR (`detail` is the exception's first line, `op` the aten op in flight),
+    n/a (the sharding does not apply: TP without a plan)."""
+
+    verdict: str
+    detail: str = ""
+    op: str = ""
+    stage: str = ""  # setup | step | compare
+    collectives: int | None = None
+    bytes: int | None = None
+    first_s: float | None = None
+    warm_s: float | None = None
+
+
+def run_training_step(built: Any, sharding: str, enable: bool, measure: bool = True) -> StepRun:
+    """One training step of `built` (a zoo.Built, float64) on one device and as DTensors
+    on a simulated mesh (`enable()` on or off), compared on every rank. Needs a
+    simulated world of at least the mesh's size (`verify_dtensor.simulated_world`).
+    `measure`: also time a warm step and count one step's collectives (two more steps)."""
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    from ..verify_dtensor import _simulator_chunks, decompshard_on, device_mesh
+
+    sh = SHARDINGS[sharding]
+    if sh.tp is not None and not built.plan:
+        return StepRun("n/a", "no tensor-parallel plan for this model")
+    dmodel = copy.deepcopy(built.model)  # before the reference step moves BatchNorm's stats
+    ref = _reference_step(built)
+    mesh = device_mesh(sh.mesh)
+    with decompshard_on(enable), warnings.catch_warnings(), _simulator_chunks(), \
+            LocalTensorMode(frozenset(range(math.prod(sh.mesh)))):
+        warnings.simplefilter("ignore")
+        try:
+            _distribute_model(dmodel, built.plan, mesh, sh)
+            din = _distribute_inputs(built.inputs, mesh, sh)
+        except Exception as e:
+            return StepRun("ERROR", _first_line(e), stage="setup")
+        _clear_all_caches()
+        t0 = time.perf_counter()
+        try:
+            loss = _dtensor_step(dmodel, built.loss, din)
+        except Exception as e:
+            return StepRun("ERROR", _first_line(e), _failing_op(dmodel, built.loss, din), "step")
+        run = StepRun("OK", first_s=time.perf_counter() - t0)
+        try:
+            bad = _compare_step(loss, dmodel, ref, getattr(built, "compute_dtype", torch.float64))
+        except Exception as e:
+            return StepRun("ERROR", f"reading the results: {_first_line(e)}", stage="compare")
+        if bad:
+            run.verdict, run.detail = "WRONG", bad
+        if measure:
+            try:
+                _zero_grads(dmodel)
+                t0 = time.perf_counter()
+                _dtensor_step(dmodel, built.loss, din)
+                run.warm_s = time.perf_counter() - t0
+                _zero_grads(dmodel)
+                with _CommBytes() as comm:
+                    _dtensor_step(dmodel, built.loss, din)
+                run.collectives, run.bytes = comm.get_total_counts(), comm.bytes
+            except Exception as e:  # the first step's verdict stands; say why there are no numbers
+                run.detail = (run.detail + "; " if run.detail else "") + f"a later step raised: {_first_line(e)}"
+    return run
+
+
+@dataclass
+class _RefStep:
+    loss: torch.Tensor
+    grads: dict[str, torch.Tensor | None]
+    buffers: dict[str, torch.Tensor]
+
+
+def _reference_step(built: Any) -> _RefStep:
+    model = copy.deepcopy(built.model)
+    loss = built.loss(model, built.inputs)
+    loss.backward()
+    return _RefStep(loss.detach(), {n: p.grad for n, p in model.named_parameters()},
+                    {n: b.detach().clone() for n, b in model.named_buffers()})
+
+
+def _dtensor_step(model: torch.nn.Module, loss_fn: Any, inputs: dict) -> Any:
+    """Forward, loss, backward; each gradient redistributed to its parameter's placements
+    (what an optimizer step needs: DDP's all-reduce of a Partial gradient, for one).
+    Plain tensors the model makes on the way (masks and position buckets from `arange`,
+    the same on every rank) count as replicated: torch's `implicit_replication`, what a
+    user of these models turns on."""
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    with implicit_replication():
+        loss = loss_fn(model, inputs)
+        loss.backward()
+    for p in model.parameters():
+        if p.grad is not None and tuple(p.grad.placements) != tuple(p.placements):
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+    return loss
+
+
+def _failing_op(model: torch.nn.Module, loss_fn: Any, inputs: dict) -> str:
+    """Run the step again under a recorder to name the aten op that raises (the timed
+    step runs without one, so the recorder does not count in its time)."""
+    _zero_grads(model)
+    rec = _Record()
+    try:
+        with rec:
+            _dtensor_step(model, loss_fn, inputs)
+    except Exception:
+        return rec.current
+    return "(did not raise again)"
+
+
+def _zero_grads(model: torch.nn.Module) -> None:
+    for p in model.parameters():
+        p.grad = None
+
+
+def _compare_step(loss: Any, model: torch.nn.Module, ref: _RefStep, dtype: torch.dtype = torch.float64) -> str:
+    """'' if the loss, every gradient and every buffer match one device on every rank
+    (at `dtype`'s tolerance, the lowest precision the model computes in), else the
+    worst tensor and its error."""
+    from torch.distributed.tensor import DTensor
+
+    from ..verify_dtensor import _max_err, rank_locals
+
+    worst: tuple[float, str] = (-1.0, "")
+    pairs = [("loss", loss, ref.loss)]
+    pairs += [(f"grad {n}", p.grad, ref.grads[n]) for n, p in model.named_parameters()]
+    pairs += [(f"buffer {n}", b, ref.buffers[n]) for n, b in model.named_buffers()]
+    for name, got, want in pairs:
+        if want is None or got is None:
+            if (got is None) != (want is None) and (want is None or bool((want != 0).any())):
+                return f"{name}: {'missing' if got is None else 'present'}, one device " \
+                       f"{'has' if want is not None else 'has none'}"
+            continue
+        if not isinstance(got, DTensor):
+            return f"{name} is a {type(got).__name__}, not a DTensor"
+        lie = _local_shape_lie(got)
+        if lie:
+            return f"{name} {tuple(got.placements)}: {lie}"
+        try:
+            fulls = rank_locals(got.full_tensor(), got.device_mesh)
+        except Exception as e:
+            raise RuntimeError(f"{name} {tuple(got.placements)} shape {list(got.shape)}: {_first_line(e)}") from e
+        for rank, full in fulls.items():
+            if not close(full, want, [], dtype=dtype if want.dtype.is_floating_point else None):
+                err = _max_err(full, want)
+                if err > worst[0]:
+                    worst = (err, f"{name} {tuple(got.placements)} on rank {rank}: max error {err:.3g} "
+                                  f"(one device's max |value| {float(want.abs().max()) if want.numel() else 0:.3g})")
+    return worst[1]
+
+
+def _local_shape_lie(t: Any) -> str:
+    """'' if every rank holds the shape the DTensor's placements say, else the first
+    rank that does not (a result whose metadata and data disagree is wrong)."""
+    from ..lift import local_shape_nd
+    from ..verify_dtensor import _mesh_coords, rank_locals
+
+    mesh_shape = tuple(t.device_mesh.shape)
+    coords = _mesh_coords(mesh_shape)
+    for r, lt in rank_locals(t.to_local(), t.device_mesh).items():
+        expect = tuple(local_shape_nd(tuple(t.shape), tuple(t.placements), mesh_shape, coords[r]))
+        if tuple(lt.shape) != expect:
+            return f"rank {r} holds shape {list(lt.shape)}, the placements say {list(expect)}"
+    return ""
+
+
+def _distribute_model(model: torch.nn.Module, plan: dict[str, str], mesh: Any, sh: Sharding) -> None:
+    """The plan on the TP dim, everything else replicated: every parameter and buffer a
+    DTensor on the whole mesh. On a 1-D TP mesh, plain `nn.Linear` layers go through
+    `parallelize_module` (Megatron: ColwiseParallel/RowwiseParallel with their input and
+    output redistributions); other layers (convs, Conv1D, fused projections, raw expert
+    weights) and every layer on a 2-D mesh get their placements directly, DTensor
+    propagating activations from there."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from .zoo import plan_targets, tp_placement
+
+    rep = [_replicate()] * mesh.ndim
+    if sh.tp is not None:
+        targets = plan_targets(model, plan)
+        if mesh.ndim == 1:
+            styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+            megatron = {name.rsplit(".", 1)[0]: styles[style](use_local_output=False)
+                        for name, (style, mod) in targets.items()
+                        if style in styles and type(mod) is torch.nn.Linear}
+            if megatron:
+                parallelize_module(model, mesh, megatron)
+    else:
+        targets = {}
+    # tied weights (BERT's decoder, GPT-2's lm_head) stay tied: one DTensor per tensor
+    made: dict[int, Any] = {}
+    aliases = list(model.named_parameters(remove_duplicate=False))
+    styled = {id(p): (name, *targets[name]) for name, p in aliases if name in targets}
+    for name, p in aliases:
+        if isinstance(p, DTensor):
+            continue
+        if id(p) not in made:
+            pl = list(rep)
+            if id(p) in styled:
+                tname, style, mod = styled[id(p)]
+                pl[sh.tp] = tp_placement(style, tname, p, mod)
+            made[id(p)] = torch.nn.Parameter(_place(p.detach(), mesh, pl), p.requires_grad)
+        _set_param(model, name, made[id(p)])
+    for name, b in list(model.named_buffers(remove_duplicate=False)):
+        if not isinstance(b, DTensor):
+            if id(b) not in made:
+                made[id(b)] = distribute_tensor(b, mesh, rep)
+            *path, leaf = name.split(".")
+            model.get_submodule(".".join(path))._buffers[leaf] = made[id(b)]
+
+
+def _place(x: torch.Tensor, mesh: Any, placements: list) -> Any:
+    from ..verify_dtensor import make_dtensor
+
+    return make_dtensor(x, mesh, placements, 0, 0)  # handles _StridedShard (no Partial here)
+
+
+def _distribute_inputs(inputs: dict[str, torch.Tensor], mesh: Any, sh: Sharding) -> dict[str, Any]:
+    from torch.distributed.tensor import distribute_tensor
+
+    from .._compat import TorchShard
+
+    pl = [_replicate()] * mesh.ndim
+    if sh.dp is not None:
+        pl[sh.dp] = TorchShard(0)
+    return {k: distribute_tensor(v, mesh, pl) for k, v in inputs.items()}
+
+
+def _clear_all_caches() -> None:
+    """Cold: decompshard's caches and DTensor's sharding caches."""
+    from .. import clear_caches
+    from .._compat import clear_dtensor_caches
+
+    clear_caches()
+    clear_dtensor_caches()
+
+
+def _first_line(e: BaseException) -> str:
+    line = (str(e).strip().splitlines() or [""])[0][:300]
+    return f"{type(e).__name__}: {line}" if line else type(e).__name__
+
+
+class _CommBytes(TorchDispatchMode):
+    """The collectives CommDebugMode counts (its registry: functional and c10d
+    collectives), and the bytes each rank puts into them (the first tensor argument's
+    size, the largest rank's where ranks differ). Not CommDebugMode itself: its module
+    tracker raises on models whose hooks return early (transformers' output capturing)."""
+
+    def __init__(self) -> None:
+        from torch.distributed.tensor.debug import CommDebugMode
+        from torch.distributed.tensor.debug._comm_mode import c10d_collective_ops
+
+        super().__init__()
+        self.registry = set(CommDebugMode().comm_registry) | set(c10d_collective_ops)
+        self.count = self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor turn the op into local ops and collectives
+        out = func(*args, **(kwargs or {}))
+        if getattr(func, "_overloadpacket", None) in self.registry:
+            self.count += 1
+            self.bytes += _arg_bytes(args)
+        return out
+
+    def get_total_counts(self) -> int:
+        return self.count
+
+
+def _arg_bytes(args: Sequence[Any]) -> int:
+    for a in tree_leaves(args):
+        if isinstance(a, torch.Tensor):
+            per_rank = getattr(a, "_local_tensors", None)
+            ts = list(per_rank.values()) if per_rank else [a]
+            return max(t.numel() * t.element_size() for t in ts)
+    return 0

@@ -1,0 +1,163 @@
+"""Run the zoo: each (model, sharding, path) case in a worker process with a deadline
+(`_workers.run_jobs`), so one case that hangs or crashes leaves the table standing.
+Shared by `decompshard check --model NAME|all --sharding ...` and `bench/zoo.py`.
+
+Times: the first step runs with decompshard's and DTensor's sharding caches cleared
+(cold), in a worker that has already imported everything and run one tiny DTensor op on
+both paths (so neither path pays the process's one-time imports); the warm step is the
+next step at the same shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any, Callable, Sequence
+
+__all__ = ["PATHS", "run_zoo", "zoo_case", "render", "failures", "expand_names"]
+
+PATHS = ("enable", "torch")  # decompshard.enable(), torch alone
+_WARMED = False
+
+
+def expand_names(text: str) -> list[str]:
+    """'all' or a comma-separated list of zoo names, transformers class names or
+    MODULE:CALLABLE specs."""
+    from .zoo import ZOO
+
+    if text.strip() == "all":
+        return list(ZOO)
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def zoo_case(name: str, sharding: str, enable: bool, seed: int = 0) -> dict[str, Any]:
+    """One case, as a plain dict (it crosses a process boundary)."""
+    from ..verify_dtensor import simulated_world
+    from .model import SHARDINGS, run_training_step
+    from .zoo import build, get_entry
+
+    entry = get_entry(name)
+    sh = SHARDINGS[sharding]
+    _warm_process()
+    built = build(entry, sh.batch, seed)
+    with simulated_world(4):
+        return asdict(run_training_step(built, sharding, enable))
+
+
+def _warm_process() -> None:
+    """Imports and first-use costs of DTensor and decompshard, paid once per process
+    before any timed step (one small matmul per path on a 2-rank mesh)."""
+    global _WARMED
+    if _WARMED:
+        return
+    import torch
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from ..verify_dtensor import decompshard_on, device_mesh, simulated_world
+
+    with simulated_world(4):
+        mesh = device_mesh((2,))
+        for on in (True, False):
+            with decompshard_on(on), LocalTensorMode(frozenset(range(2))):
+                a = distribute_tensor(torch.randn(4, 4, dtype=torch.float64, requires_grad=True), mesh, [Shard(0)])
+                b = distribute_tensor(torch.randn(4, 4, dtype=torch.float64), mesh, [Replicate()])
+                (a @ b).sum().backward()
+    _WARMED = True
+
+
+def run_zoo(names: Sequence[str], shardings: Sequence[str], *, jobs: int = 1, timeout: float = 300.0,
+            seed: int = 0, with_torch: bool = True,
+            on_row: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """One row per (model, sharding): {"model", "sharding", "enable": StepRun dict,
+    "torch": StepRun dict or None}. A case that raises, crashes or overruns `timeout`
+    seconds is an ERROR row naming why."""
+    from .._workers import run_jobs
+    from .model import SHARDINGS
+
+    for s in shardings:
+        if s not in SHARDINGS:
+            raise ValueError(f"unknown sharding {s!r}: expected some of {', '.join(SHARDINGS)}")
+    paths = PATHS if with_torch else PATHS[:1]
+    rows = {(n, s): {"model": n, "sharding": s, "enable": None, "torch": None} for n in names for s in shardings}
+    job_list = [(f"{n}|{s}|{p}", zoo_case, (n, s, p == "enable", seed))
+                for n in names for s in shardings for p in paths]
+
+    def record(key: str, value: dict[str, Any]) -> None:
+        n, s, p = key.split("|")
+        row = rows[(n, s)]
+        row[p] = value
+        if on_row and row["enable"] is not None and (row["torch"] is not None or not with_torch):
+            on_row(row)
+
+    def failed(key: str, reason: str, seconds: float) -> None:
+        record(key, {"verdict": "ERROR", "detail": f"worker: {reason}", "op": "", "stage": "worker",
+                     "collectives": None, "bytes": None, "first_s": None, "warm_s": None})
+
+    run_jobs(job_list, jobs, timeout, record, failed)
+    return list(rows.values())
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "-"
+
+
+def _verdict(r: dict[str, Any] | None) -> str:
+    if r is None:
+        return "-"
+    return r["verdict"]
+
+
+def _comm(r: dict[str, Any] | None) -> str:
+    if not r or r.get("collectives") is None:
+        return "-"
+    return f"{r['collectives']} / {_kib(r['bytes'])}"
+
+
+def _kib(n: int) -> str:
+    return f"{n / 1024:.0f} KiB" if n >= 1024 else f"{n} B"
+
+
+def _secs(r: dict[str, Any] | None, key: str) -> str:
+    v = r.get(key) if r else None
+    return f"{v:.2f}" if v is not None else "-"
+
+
+def render(rows: Sequence[dict[str, Any]], tablefmt: str = "github") -> str:
+    """The zoo table (markdown by default) and, under it, every case that did not give
+    one-device numbers, with its op and error."""
+    from tabulate import tabulate
+
+    table = []
+    for row in rows:
+        e, t = row["enable"], row["torch"]
+        table.append([row["model"], row["sharding"], _verdict(e), _verdict(t), _comm(e), _comm(t),
+                      _secs(e, "first_s"), _secs(t, "first_s"),
+                      _ratio(e and e.get("first_s"), t and t.get("first_s")),
+                      _ratio(e and e.get("warm_s"), t and t.get("warm_s"))])
+    headers = ["model", "sharding", "enable()", "torch alone", "collectives / bytes, enable()",
+               "collectives / bytes, torch", "first step s, enable()", "first step s, torch", "first ratio",
+               "warm ratio"]
+    out = [tabulate(table, headers=headers, tablefmt=tablefmt)]
+    fails = failures(rows)
+    if fails:
+        out += ["", "Failures:", ""]
+        out += [f"- {f}" for f in fails]
+    return "\n".join(out)
+
+
+def failures(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """One line per WRONG or ERROR case (either path): model, sharding, path, op, error."""
+    lines = []
+    for row in rows:
+        for path in PATHS:
+            r = row.get(path)
+            if r and r["verdict"] in ("WRONG", "ERROR"):
+                op = f" at {r['op']}" if r.get("op") else ""
+                stage = f" ({r['stage']})" if r.get("stage") else ""
+                lines.append(f"{row['model']} / {row['sharding']} / {path}: {r['verdict']}{stage}{op}: {r['detail']}")
+    return lines
+
+
+def against_us(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows where the enable() path is WRONG or ERROR."""
+    return [r for r in rows if r["enable"] and r["enable"]["verdict"] in ("WRONG", "ERROR")]
