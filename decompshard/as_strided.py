@@ -27,17 +27,18 @@ from typing import Any
 import torch
 
 from ._compat import custom_op_handlers, local_tensor, return_and_correct_aliasing, set_dtensor_layout
+from .table_patches import TablePatches
 
 __all__ = ["install", "is_installed", "uninstall"]
 
 OP = torch.ops.aten.as_strided_.default
 OUT_OF_PLACE = torch.ops.aten.as_strided.default
 _lock = threading.RLock()
-_installed: dict = {}  # op -> the handler it had before (None: none)
+_patches = TablePatches()
 
 
 def is_installed() -> bool:
-    return bool(_installed)
+    return bool(_patches)
 
 
 def install() -> None:
@@ -46,24 +47,16 @@ def install() -> None:
     is an `as_strided` of the gradient. Idempotent."""
     with _lock:
         handlers = custom_op_handlers()
-        if _installed:
+        if _patches:
             return
-        _installed[OP] = handlers.get(OP)
-        handlers[OP] = as_strided__handler
-        _installed[OUT_OF_PLACE] = handlers.get(OUT_OF_PLACE)
-        handlers[OUT_OF_PLACE] = _restriding(handlers.get(OUT_OF_PLACE))
+        _patches.set(handlers, OP, as_strided__handler)
+        _patches.set(handlers, OUT_OF_PLACE, _restriding(handlers.get(OUT_OF_PLACE)))
 
 
 def uninstall() -> None:
     """Put back exactly the handlers `install` replaced. Idempotent."""
     with _lock:
-        handlers = custom_op_handlers()
-        for op, old in _installed.items():
-            if old is None:
-                handlers.pop(op, None)
-            else:
-                handlers[op] = old
-        _installed.clear()
+        _patches.restore()
 
 
 def _bind(args: tuple, kwargs: dict) -> tuple[Any, tuple, tuple, int]:

@@ -39,10 +39,12 @@ from ._compat import (
     has_native_strategy,
 )
 
+from .table_patches import TablePatches
+
 __all__ = ["data_dependent_ops", "install", "is_installed", "uninstall"]
 
 _lock = threading.RLock()
-_installed: list = []
+_patches = TablePatches()
 _warned: set[str] = set()
 
 
@@ -64,29 +66,25 @@ def data_dependent_ops() -> tuple[torch._ops.OpOverload, ...]:
 
 
 def is_installed() -> bool:
-    return bool(_installed)
+    return bool(_patches)
 
 
 def install() -> None:
     """Give each data-dependent op the replicated handler. Idempotent."""
     with _lock:
-        if _installed:
+        if _patches:
             return
         _warned.clear()
         handlers = custom_op_handlers()
         for op in data_dependent_ops():
             if op not in handlers:
-                handlers[op] = _replicated_handler(op)
-                _installed.append(op)
+                _patches.set(handlers, op, _replicated_handler(op))
 
 
 def uninstall() -> None:
     """Remove the handlers `install` added. Idempotent."""
     with _lock:
-        handlers = custom_op_handlers()
-        for op in _installed:
-            handlers.pop(op, None)
-        _installed.clear()
+        _patches.restore()
 
 
 def _replicated_handler(op: torch._ops.OpOverload) -> Callable:

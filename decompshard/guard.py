@@ -66,6 +66,7 @@ from ._compat import (
     TensorMeta,
     TorchReplicate,
     clear_dtensor_caches,
+    custom_op_handlers,
     from_torch_placement,
     sharding_propagator,
 )
@@ -80,6 +81,7 @@ from .guard_table import (
     WRONG_RULES,
 )
 from .placements import SingleDimRule, format_rule
+from .table_patches import TablePatches
 
 __all__ = ["ENV", "install", "is_installed", "uninstall", "wanted"]
 
@@ -87,11 +89,9 @@ ENV = "DECOMPSHARD_GUARD_NATIVE"
 CHECK_LIMIT = 1 << 18  # input elements up to which a listed rule is checked at the shapes at hand
 
 _lock = threading.RLock()
-_saved: dict[tuple[str, Any], Any] = {}  # (table, op) -> the entry it held before
-_ABSENT = object()  # what `_saved` holds for a handler slot that was empty
+_patches = TablePatches()  # every handler and strategy-table entry the guard replaced
 _warned: set[str] = set()
 _verdicts: dict[tuple, frozenset] = {}
-_ABSENT = object()  # saved for a handler the guard adds where DTensor has none
 
 
 _OFF = ("0", "false", "no", "off")
@@ -106,7 +106,7 @@ def wanted(flag: bool | None) -> bool:
 
 
 def is_installed() -> bool:
-    return bool(_saved)
+    return bool(_patches)
 
 
 def _warn_once(key: str, message: str) -> None:
@@ -127,16 +127,15 @@ def _resolve(name: str) -> torch._ops.OpOverload | None:
 def install() -> None:
     """Wrap the listed ops' handlers and strategy-table entries. Idempotent."""
     with _lock:
-        if _saved:
+        if _patches:
             return
         _warned.clear()  # one warning per op and installation
         sp = sharding_propagator()
-        handlers = DTensor._op_dispatcher._custom_op_handlers
+        handlers = custom_op_handlers()
         for name in HANDLERS_SKIPPING_REDISTRIBUTION:
             op = _resolve(name)
             if op is not None and op in handlers:
-                _saved[("handler", op)] = handlers[op]
-                handlers[op] = _redistributing_handler(op, handlers[op])
+                _patches.set(handlers, op, _redistributing_handler(op, handlers[op]))
         added = [  # handlers where DTensor has none; someone else's (loss_parallel) stays
             *((name, lambda op: mean_loss_handler(_warn_mean_of_means)) for name in MEAN_OF_MEANS_LOSSES),
             *((name, _replicated_read) for name in READS_OF_ONE_RANKS_PART),
@@ -146,41 +145,27 @@ def install() -> None:
         for name, make in added:
             op = _resolve(name)
             if op is not None and op not in handlers:
-                _saved[("handler", op)] = _ABSENT
-                handlers[op] = make(op)
+                _patches.set(handlers, op, make(op))
         for name, rules in WRONG_RULES.items():
             op = _resolve(name)
             if op is None:
                 continue
             if op in sp.op_single_dim_strategy_funcs:
                 info = sp.op_single_dim_strategy_funcs[op]
-                _saved[("single-dim", op)] = info
-                sp.op_single_dim_strategy_funcs[op] = dataclasses.replace(
-                    info, func=_filtered_single_dim(op, info.func, frozenset(rules)))
+                _patches.set(sp.op_single_dim_strategy_funcs, op, dataclasses.replace(
+                    info, func=_filtered_single_dim(op, info.func, frozenset(rules))))
             elif op in sp.op_strategy_funcs:
-                fn = sp.op_strategy_funcs[op]
-                _saved[("op-strategy", op)] = fn
-                sp.op_strategy_funcs[op] = _filtered_op_strategy(op, fn, frozenset(rules))
+                _patches.set(sp.op_strategy_funcs, op,
+                             _filtered_op_strategy(op, sp.op_strategy_funcs[op], frozenset(rules)))
         clear_dtensor_caches()
 
 
 def uninstall() -> None:
     """Put back exactly what `install` replaced. Idempotent."""
     with _lock:
-        if not _saved:
+        if not _patches:
             return
-        sp = sharding_propagator()
-        handlers = DTensor._op_dispatcher._custom_op_handlers
-        for (table, op), old in _saved.items():
-            if table == "handler" and old is _ABSENT:
-                handlers.pop(op, None)
-            elif table == "handler":
-                handlers[op] = old
-            elif table == "single-dim":
-                sp.op_single_dim_strategy_funcs[op] = old
-            else:
-                sp.op_strategy_funcs[op] = old
-        _saved.clear()
+        _patches.restore()
         _verdicts.clear()
         clear_dtensor_caches()
 

@@ -29,10 +29,12 @@ import torch
 
 from ._compat import DTensor, custom_op_handlers, has_native_strategy, local_tensor
 
+from .table_patches import TablePatches
+
 __all__ = ["install", "is_installed", "uninstall", "written_back_ops"]
 
 _lock = threading.RLock()
-_installed: list = []
+_patches = TablePatches()
 
 
 def _single_tensor_return(op: torch._ops.OpOverload) -> bool:
@@ -75,28 +77,24 @@ def written_back_ops() -> tuple[tuple[torch._ops.OpOverload, torch._ops.OpOverlo
 
 
 def is_installed() -> bool:
-    return bool(_installed)
+    return bool(_patches)
 
 
 def install() -> None:
     """Give each such in-place op the write-back handler. Idempotent."""
     with _lock:
-        if _installed:
+        if _patches:
             return
         handlers = custom_op_handlers()
         for op, twin in written_back_ops():
             if op not in handlers:
-                handlers[op] = _write_back_handler(op, twin)
-                _installed.append(op)
+                _patches.set(handlers, op, _write_back_handler(op, twin))
 
 
 def uninstall() -> None:
     """Remove the handlers `install` added. Idempotent."""
     with _lock:
-        handlers = custom_op_handlers()
-        for op in _installed:
-            handlers.pop(op, None)
-        _installed.clear()
+        _patches.restore()
 
 
 def _write_back_handler(op: torch._ops.OpOverload, twin: torch._ops.OpOverload) -> Callable:

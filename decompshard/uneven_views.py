@@ -60,41 +60,39 @@ from ._compat import (
     view_shape_arg_index,
 )
 
+from .table_patches import TablePatches
+
 __all__ = ["install", "is_installed", "uninstall"]
 
 _lock = threading.RLock()
-_saved: dict[Any, Callable] = {}
+_patches = TablePatches()
 _warned: set[str] = set()
 
 
 def is_installed() -> bool:
-    return bool(_saved)
+    return bool(_patches)
 
 
 def install() -> None:
     """Wrap every view-family entry of DTensor's strategy table. Idempotent."""
     with _lock:
-        if _saved:
+        if _patches:
             return
         _warned.clear()
         table = sharding_propagator().op_strategy_funcs
         for op in view_family_ops():
             if op._schema.is_mutable:  # squeeze_: DTensor cannot move self (it would relabel a copy)
                 continue
-            _saved[op] = table[op]
-            table[op] = _redistributing_view_strategy(op, table[op])
+            _patches.set(table, op, _redistributing_view_strategy(op, table[op]))
         clear_dtensor_caches()
 
 
 def uninstall() -> None:
     """Put back exactly the entries `install` replaced. Idempotent."""
     with _lock:
-        if not _saved:
+        if not _patches:
             return
-        table = sharding_propagator().op_strategy_funcs
-        for op, fn in _saved.items():
-            table[op] = fn
-        _saved.clear()
+        _patches.restore()
         clear_dtensor_caches()
 
 
