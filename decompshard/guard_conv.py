@@ -14,8 +14,9 @@ propagator's strategy matching those placements as they are. The wrapper leaves
 such a call alone (no move, no warning) and moves any other call to the nearest such
 layout first, in three steps:
 
-1. the handler's own move (backward: grad_output to the input's placements), so the
-   layout judged is the one the handler would see;
+1. the handler's own move (backward: grad_output to the input's placements, Replicate
+   where the input is Partial: DTensor never redistributes *to* Partial), so the layout
+   judged is the one the handler would see;
 2. the strategy's target, made one the handler can take: `Shard(0)` kept on the first
    mesh dim the strategy put it on, Replicate elsewhere (the propagator may ask for the
    batch on two mesh dims, `[Shard(0), Shard(0)]`, which the handlers reject:
@@ -30,7 +31,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ._compat import DTensor, TorchReplicate, TorchShard
+from ._compat import DTensor, TorchPartial, TorchReplicate, TorchShard
 
 __all__ = ["handler_layout", "redistributing_handler"]
 
@@ -55,6 +56,17 @@ def handler_layout(placements: Sequence[Any]) -> tuple[Any, ...]:
         else:
             out.append(TorchReplicate())
     return tuple(out)
+
+
+def _own_move_target(input_placements: Sequence[Any]) -> tuple[Any, ...]:
+    """Where the backward handler's own first move takes grad_output: the input's
+    placements, with Replicate where the input is Partial. DTensor refuses to
+    redistribute *to* Partial ("for internal use only"): ConvNeXt on a 2x2 DP x TP mesh
+    feeds a depthwise conv the rowwise MLP's [Shard(0), Partial(sum)] output, and its
+    backward met grad_output on [Shard(0), Shard(0)]. No handler layout keeps Partial
+    (`handler_layout` makes it Replicate), so this is the nearest layout the move could
+    end at anyway; the input's Partial is reduced in step 2."""
+    return tuple(TorchReplicate() if isinstance(p, TorchPartial) else p for p in input_placements)
 
 
 def _propagate(op_call: Any, args: tuple, kwargs: dict) -> Any:
@@ -86,9 +98,11 @@ def redistributing_handler(op: torch._ops.OpOverload, original: Callable,
 
     def handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
         args = list(args)
-        if backward and isinstance(args[0], DTensor) and isinstance(args[1], DTensor) \
-                and args[0].placements != args[1].placements:  # the handler's own first move
-            args[0] = args[0].redistribute(args[1].device_mesh, args[1].placements)
+        if backward and isinstance(args[0], DTensor) and isinstance(args[1], DTensor):
+            # the handler's own first move, made one DTensor allows (never *to* Partial)
+            own = _own_move_target(args[1].placements)
+            if tuple(args[0].placements) != own:
+                args[0] = args[0].redistribute(args[1].device_mesh, own)
         current = {i: tuple(a.placements) for i, a in enumerate(args) if isinstance(a, DTensor)}
         targets = _targets(op_call, tuple(args), kwargs)
         asked = targets != current

@@ -6,6 +6,7 @@ they compute right. Every case against one device, float64, on every simulated r
 from __future__ import annotations
 
 import warnings
+from typing import Sequence
 
 import pytest
 import torch
@@ -153,6 +154,118 @@ def test_vit_dp_tp_2x2_trains_with_the_guard(mesh2x2):
         assert len(got.grads) == len(dict(model.named_parameters()))
         assert not [w for w in got.warnings if "convolution" in w], got.warnings
     decompshard.disable()
+
+
+def _conv_case(groups: int, seed: int) -> tuple:
+    """Input, weight, bias and grad_output of a 3x3 conv, 4 -> 8 channels (depthwise-like
+    with groups=4: each input channel its own two filters)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 4, 5, 5, dtype=torch.float64, generator=g)
+    w = torch.randn(8, 4 // groups, 3, 3, dtype=torch.float64, generator=g)
+    b = torch.randn(8, dtype=torch.float64, generator=g)
+    go = torch.randn(4, 8, 5, 5, dtype=torch.float64, generator=g)
+    return x, w, b, go
+
+
+_CONV = ([1, 1], [1, 1], [1, 1], False, [0, 0])  # stride, padding, dilation, transposed, output_padding
+
+
+def _conv_outputs(op, groups: int, args: tuple) -> tuple:
+    if op == "forward":
+        x, w, b = args
+        return (aten.convolution.default(x, w, b, *_CONV, groups),)
+    go, x, w = args
+    return tuple(aten.convolution_backward.default(go, x, w, [8], *_CONV, groups, [True, True, True]))
+
+
+def _plain_parts(t: torch.Tensor):
+    """Every rank's plain tensor inside `t` (a LocalTensor's parts can be LocalTensors)."""
+    if hasattr(t, "_local_tensors"):
+        for part in t._local_tensors.values():
+            yield from _plain_parts(part)
+    else:
+        yield t
+
+
+def _conv_on_mesh(mesh, op: str, groups: int, placements: Sequence[str], guarded: bool = True):
+    """`op` on DTensors of the given placements (ConvNeXt-style names: "SP" is
+    [Shard(0), Partial(sum)] on the 2x2 mesh; Partial parts random, summing to the value),
+    against one device: (max error per output on any rank, or the error text)."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from decompshard.verify_dtensor import make_dtensor
+
+    code = {"S": Shard(0), "R": Replicate(), "P": Partial(), "C": Shard(1)}
+    x, w, b, go = _conv_case(groups, seed=7)
+    plain = (x, w, b) if op == "forward" else (go, x, w)
+    ref = _conv_outputs(op, groups, plain)
+    decompshard.disable()
+    decompshard.enable(guard_native=guarded)
+    try:
+        with LocalTensorMode(4), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dargs = tuple(make_dtensor(t, mesh, [code[c] for c in p], 0, k)
+                          for k, (t, p) in enumerate(zip(plain, placements)))
+            try:
+                outs = _conv_outputs(op, groups, dargs)
+            except Exception as e:
+                return f"{type(e).__name__}: {e}"
+            fulls = [o.full_tensor() for o in outs]
+            fulls = [list(_plain_parts(f)) for f in fulls]
+        return [max(float((v - r).abs().max()) if v.shape == r.shape else float("inf") for v in per_rank)
+                for per_rank, r in zip(fulls, ref)]
+    finally:
+        decompshard.disable()
+
+
+def test_conv_backward_partial_input_from_a_rowwise_mlp(mesh2x2):
+    """ConvNeXt on a 2x2 DP x TP mesh: the rowwise MLP leaves the residual stream on
+    [Shard(0), Partial(sum)], the next block's depthwise conv (groups=C) saves it, and
+    its backward meets grad_output on [Shard(0), Shard(0)]. The guard copied the
+    handler's own first move (grad_output to the input's placements) and asked DTensor
+    to redistribute S(0) -> P(sum): "redistributing to Partial is for internal use
+    only!". DTensor alone raises the same. Now: grad_input, grad_weight and grad_bias
+    match one device on every rank."""
+    placements = ["SS", "SP", "RR"]  # grad_output, input, weight
+    got = _conv_on_mesh(mesh2x2, "backward", 4, placements)
+    assert isinstance(got, list) and max(got) < 1e-10, got
+    alone = _conv_on_mesh(mesh2x2, "backward", 4, placements, guarded=False)
+    assert isinstance(alone, str) and "Partial" in alone, alone
+
+
+# Layouts a DP x TP model can hand a conv on 2x2 (S: Shard(0) of the batch, or of the
+# output channels for a weight; C: Shard(1); P: Partial(sum); R: Replicate), forward
+# (input, weight, bias) and backward (grad_output, input, weight), plain and groups=C.
+_SPOT = [
+    ("forward", 4, ["SP", "RR", "RR"]), ("forward", 4, ["PS", "RS", "RR"]), ("forward", 1, ["PP", "RP", "RP"]),
+    ("forward", 1, ["SS", "SR", "RS"]), ("forward", 1, ["RC", "RR", "RR"]),
+    ("backward", 4, ["SP", "SP", "RR"]), ("backward", 4, ["SS", "SP", "RS"]), ("backward", 4, ["RS", "PP", "RP"]),
+    ("backward", 1, ["PS", "SR", "RR"]), ("backward", 1, ["SP", "PS", "SR"]), ("backward", 1, ["PP", "SS", "RR"]),
+    ("backward", 1, ["SS", "RC", "RR"]),
+]
+
+
+@pytest.mark.parametrize("op,groups,placements", _SPOT, ids=lambda v: "-".join(v) if isinstance(v, list) else str(v))
+def test_conv_layouts_on_2x2_match_one_device(mesh2x2, op, groups, placements):
+    """With the guard on, every layout either computes one device's numbers on every
+    rank or (none here) raises: never a wrong number, never a request to redistribute
+    to Partial."""
+    got = _conv_on_mesh(mesh2x2, op, groups, placements)
+    assert isinstance(got, list) and max(got) < 1e-10, got
+
+
+@pytest.mark.parametrize("sharding", ["2d", "2d-uneven"])
+def test_convnext_dp_tp_2x2_zoo_step(mesh2x2, sharding):
+    """timm's test ConvNeXt in the model zoo (rowwise MLP, depthwise 7x7 convs,
+    downsample convs) on a 2x2 DP x TP mesh, the plain `enable()`: loss and every
+    gradient equal one device's on every rank (it raised at convolution_backward)."""
+    from decompshard.check.model import SHARDINGS, run_training_step
+    from decompshard.check.zoo import ZOO, build
+
+    decompshard.disable()
+    built = build(ZOO["convnext"], SHARDINGS[sharding].batch, seed=0)
+    run = run_training_step(built, sharding, enable=True, measure=False)
+    assert run.verdict == "OK", f"{run.verdict} {run.op}: {run.detail}"
 
 
 # ------------------------------------------------------------------ batch norm (guard_batchnorm.py)
