@@ -341,13 +341,61 @@ def route_kwarg_redistribution() -> None:
     def redistribute_local_args(op_info: Any, suggested_input_schema: Any, use_val: bool) -> None:
         original_redistribute(op_info, suggested_input_schema, use_val)
         for name, (src, dst) in getattr(suggested_input_schema, "kwarg_moves", {}).items():
-            op_info.local_kwargs[name] = redistribute_local_tensor(op_info.local_kwargs[name], src, dst)
+            op_info.local_kwargs[name] = _dense_as_claimed(
+                suggested_input_schema.op, redistribute_local_tensor(op_info.local_kwargs[name], src, dst), dst)
+        _densify_moved_args(op_info, suggested_input_schema)
 
     _routing["cache"] = sp.propagate_op_sharding
     sp.propagate_op_sharding_non_cached = propagate_op_sharding_non_cached
     sp.propagate_op_sharding = LocalLRUCache(propagate_op_sharding_non_cached)
     dispatcher.redistribute_local_args = redistribute_local_args
     clear_dtensor_caches()
+
+
+def _densify_moved_args(op_info: Any, suggested_input_schema: Any) -> None:
+    """The positional tensors DTensor just redistributed, each laid out as its spec claims.
+
+    Moving an uneven Shard(a) to Shard(b) (an all-to-all) pads both dims, then narrows
+    the result: the local tensor is a slice of a padded buffer ([10, 17, 30] from S(0)
+    to S(1) on 4 ranks: rank 3 holds rows 2 of 5, strides (150, 30, 1)), while the
+    DTensor's metadata says contiguous. A local `view` that merges the narrowed dim with
+    the one before it then fails on that rank ("view size is not compatible ..."): ViT
+    under an uneven batch, whose 17 tokens the uneven-view redistribution shards."""
+    from torch.utils._pytree import tree_leaves
+
+    if op_info.args_tree_spec is not None:
+        targets = tuple(tree_leaves(suggested_input_schema.args_schema))
+    else:
+        targets = suggested_input_schema.args_schema
+    local_args = list(op_info.local_args)
+    for i, spec in enumerate(op_info.flat_args_schema):
+        target = targets[i] if i < len(targets) else None
+        if isinstance(spec, DTensorSpec) and isinstance(target, DTensorSpec) and spec != target:
+            local_args[i] = _dense_as_claimed(suggested_input_schema.op, local_args[i], target, spec)
+    op_info.local_args = tuple(local_args)
+
+
+def _dense_as_claimed(op: Any, local: Any, target: Any, source: Any = None) -> Any:
+    """`local` made contiguous where its DTensor's global layout is contiguous and the
+    redistribution left it otherwise. A copy changes no value; mutating ops keep
+    DTensor's tensor (their write must land where DTensor put it)."""
+    if not isinstance(local, torch.Tensor) or op._schema.is_mutable:
+        return local
+    tm = target.tensor_meta if target.tensor_meta is not None else getattr(source, "tensor_meta", None)
+    if tm is None or not _claims_contiguous(tm) or local.is_contiguous():
+        return local
+    return local.contiguous()
+
+
+def _claims_contiguous(tm: Any) -> bool:
+    expect = 1
+    for size, stride in reversed(list(zip(tm.shape, tm.stride))):
+        if not isinstance(size, int) or not isinstance(stride, int):
+            return False  # symbolic: leave DTensor's layout alone
+        if size != 1 and stride != expect:
+            return False
+        expect *= size
+    return True
 
 
 def unroute_kwarg_redistribution() -> None:
