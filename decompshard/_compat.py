@@ -267,7 +267,8 @@ def unsharded_dtensor(local: torch.Tensor, mesh: Any, placements: Any) -> Any:
 # them: the strategy records its keyword targets with `stage_kwarg_targets` while the
 # propagator runs, the propagator's answer (cached with it, so cache hits carry it too)
 # gets a redistribution schema naming the moves, and the dispatcher's
-# redistribute_local_args performs them after the positional ones.
+# redistribute_local_args performs them after the positional ones. The same wrapper lays
+# every moved tensor out as its spec claims (`_densify_moved_args`).
 
 _staged = threading.local()
 _routing: dict[str, Any] = {}
@@ -318,7 +319,8 @@ def _with_kwarg_moves(op_schema: Any, sharding: Any, targets: dict[str, Any]) ->
 def route_kwarg_redistribution() -> None:
     """Wrap DTensor's sharding propagator and its redistribute_local_args (instance
     attributes, so `unroute_kwarg_redistribution` restores the originals exactly) so
-    that keyword tensor targets staged by a strategy are redistributed. Idempotent."""
+    that keyword tensor targets staged by a strategy are redistributed, and every moved
+    tensor is contiguous where its spec says so (`_densify_moved_args`). Idempotent."""
     from torch.distributed.tensor._redistribute import redistribute_local_tensor
     from torch.distributed.tensor._sharding_prop import LocalLRUCache
 
