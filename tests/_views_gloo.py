@@ -43,8 +43,8 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dx = distribute_tensor(x.detach(), mesh, [Shard(0)]).requires_grad_()
         dw = distribute_tensor(w.detach(), mesh, [Replicate()]).requires_grad_()
         F.linear(dx, dw).pow(2).sum().backward()
-        errors["linear_tokens"] = max(((dx.grad.full_tensor() - x.grad).abs().max() / x.grad.abs().max()).item(),
-                                      ((dw.grad.full_tensor() - w.grad).abs().max() / w.grad.abs().max()).item())
+        errors["linear_tokens"] = max(((d.grad.full_tensor() - t.grad).abs().max() / t.grad.abs().max()).item()
+                                      for d, t in ((dx, x), (dw, w)))
 
         # data-dependent output size
         m = torch.where(torch.randn(5, 4, dtype=dt, generator=g) > 0, 1.0, 0.0).to(dt)
