@@ -25,7 +25,7 @@ Under `enable()` each view-family entry of DTensor's strategy table is wrapped:
 An uneven Shard(a) -> Shard(b) move (S(0) -> S(1) of ViT's [10, 17, 32] tokens on 4 ranks)
 leaves the local tensor a narrowed slice of torch's padded all-to-all buffer, which a
 local view merging dims cannot read; `_compat`'s routed `redistribute_local_args`
-makes every tensor DTensor moves for an op contiguous where its spec says so.
+makes every tensor DTensor moves for an op contiguous.
 
 The backward of a view is a view of the gradient, so it goes through the same path.
 In-place view ops (`squeeze_`) keep DTensor's answer: their `self` cannot be moved

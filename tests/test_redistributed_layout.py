@@ -77,6 +77,22 @@ def test_flatten_of_an_uneven_batch_matches_one_device_on_every_rank():
     assert len(got) == 4 and all(torch.equal(v, x.view(170, 32)) for v in got.values())
 
 
+def test_flatten_of_a_permuted_uneven_batch_matches_one_device_on_every_rank():
+    # a global layout that is not contiguous but takes the view ([10, 17, 32] strides
+    # (17, 1, 170)): the moved local tensor must take it too
+    x = torch.randn(32, 10, 17, dtype=DT, generator=torch.Generator().manual_seed(2)).permute(1, 2, 0)
+    mesh = device_mesh((4,))
+    decompshard.enable()
+    try:
+        with LocalTensorMode(4), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            z = distribute_tensor(x, mesh, [Shard(0)]).view(170, 32)
+            got = rank_locals(z.full_tensor(), mesh)
+    finally:
+        decompshard.disable()
+    assert len(got) == 4 and all(torch.equal(v, x.view(170, 32)) for v in got.values())
+
+
 @pytest.mark.parametrize("name", ["vit-hf", "vit-timm"])
 def test_vit_uneven_batch_step_matches_one_device(name):
     from decompshard.check.model import SHARDINGS, run_training_step
