@@ -267,7 +267,8 @@ def unsharded_dtensor(local: torch.Tensor, mesh: Any, placements: Any) -> Any:
 # them: the strategy records its keyword targets with `stage_kwarg_targets` while the
 # propagator runs, the propagator's answer (cached with it, so cache hits carry it too)
 # gets a redistribution schema naming the moves, and the dispatcher's
-# redistribute_local_args performs them after the positional ones.
+# redistribute_local_args performs them after the positional ones. The same wrapper lays
+# every moved tensor out contiguously (`_densify_moved_args`).
 
 _staged = threading.local()
 _routing: dict[str, Any] = {}
@@ -318,7 +319,8 @@ def _with_kwarg_moves(op_schema: Any, sharding: Any, targets: dict[str, Any]) ->
 def route_kwarg_redistribution() -> None:
     """Wrap DTensor's sharding propagator and its redistribute_local_args (instance
     attributes, so `unroute_kwarg_redistribution` restores the originals exactly) so
-    that keyword tensor targets staged by a strategy are redistributed. Idempotent."""
+    that keyword tensor targets staged by a strategy are redistributed, and every moved
+    tensor is contiguous (`_densify_moved_args`). Idempotent."""
     from torch.distributed.tensor._redistribute import redistribute_local_tensor
     from torch.distributed.tensor._sharding_prop import LocalLRUCache
 
@@ -341,13 +343,54 @@ def route_kwarg_redistribution() -> None:
     def redistribute_local_args(op_info: Any, suggested_input_schema: Any, use_val: bool) -> None:
         original_redistribute(op_info, suggested_input_schema, use_val)
         for name, (src, dst) in getattr(suggested_input_schema, "kwarg_moves", {}).items():
-            op_info.local_kwargs[name] = redistribute_local_tensor(op_info.local_kwargs[name], src, dst)
+            op_info.local_kwargs[name] = _dense_after_move(
+                suggested_input_schema.op, redistribute_local_tensor(op_info.local_kwargs[name], src, dst), dst)
+        _densify_moved_args(op_info, suggested_input_schema)
 
     _routing["cache"] = sp.propagate_op_sharding
     sp.propagate_op_sharding_non_cached = propagate_op_sharding_non_cached
     sp.propagate_op_sharding = LocalLRUCache(propagate_op_sharding_non_cached)
     dispatcher.redistribute_local_args = redistribute_local_args
     clear_dtensor_caches()
+
+
+def _densify_moved_args(op_info: Any, suggested_input_schema: Any) -> None:
+    """The positional tensors DTensor just redistributed for an op, each made contiguous.
+
+    Moving an uneven Shard(a) to Shard(b) (an all-to-all) pads both dims, then narrows
+    the result: the local tensor is a slice of a padded buffer ([10, 17, 30] from S(0)
+    to S(1) on 4 ranks: rank 3 holds rows 2 of 5, strides (150, 30, 1)). A local `view`
+    that merges the narrowed dim with the one before it then fails on that rank ("view
+    size is not compatible ...", ViT under an uneven batch, whose 17 tokens the
+    uneven-view redistribution shards), though the view is valid on the global tensor.
+    A contiguous local tensor takes every view; it is what DTensor's own
+    `distribute_tensor` and collectives produce, and what enable()'s `_LocalLayoutSpec`
+    assumes of a moved input."""
+    from torch.utils._pytree import tree_leaves
+
+    if op_info.args_tree_spec is not None:
+        targets = tuple(tree_leaves(suggested_input_schema.args_schema))
+    else:
+        targets = suggested_input_schema.args_schema
+    local_args = list(op_info.local_args)
+    for i, spec in enumerate(op_info.flat_args_schema):
+        target = targets[i] if i < len(targets) else None
+        if isinstance(spec, DTensorSpec) and isinstance(target, DTensorSpec) and spec != target:
+            local_args[i] = _dense_after_move(suggested_input_schema.op, local_args[i], target)
+    op_info.local_args = tuple(local_args)
+
+
+def _dense_after_move(op: Any, local: Any, target: Any) -> Any:
+    """`local`, just redistributed to `target`, made contiguous if the move left it
+    otherwise. A copy changes no value. Mutating ops keep DTensor's tensor (their write
+    must land where DTensor put it); symbolic shapes are left alone (asking would
+    specialize a compiled graph)."""
+    if not isinstance(local, torch.Tensor) or op._schema.is_mutable:
+        return local
+    tm = target.tensor_meta
+    if tm is not None and any(not isinstance(v, int) for v in (*tm.shape, *tm.stride)):
+        return local
+    return local if local.is_contiguous() else local.contiguous()
 
 
 def unroute_kwarg_redistribution() -> None:

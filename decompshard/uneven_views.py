@@ -22,6 +22,11 @@ Under `enable()` each view-family entry of DTensor's strategy table is wrapped:
    priced by DTensor's own `redistribute_cost` from the input's current layout and
    DTensor takes the cheapest, then redistributes the input as it does for any op.
 
+An uneven Shard(a) -> Shard(b) move (S(0) -> S(1) of ViT's [10, 17, 32] tokens on 4 ranks)
+leaves the local tensor a narrowed slice of torch's padded all-to-all buffer, which a
+local view merging dims cannot read; `_compat`'s routed `redistribute_local_args`
+makes every tensor DTensor moves for an op contiguous.
+
 The backward of a view is a view of the gradient, so it goes through the same path.
 In-place view ops (`squeeze_`) keep DTensor's answer: their `self` cannot be moved
 (DTensor would squeeze a redistributed copy and relabel the untouched `self`).

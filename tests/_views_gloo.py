@@ -35,6 +35,17 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
         errors["linear"] = max((dx.grad.full_tensor() - x.grad).abs().max().item(),
                                (dw.grad.full_tensor() - w.grad).abs().max().item())
 
+        # the same with 17 tokens: the input moves S(0) -> S(1), an uneven all-to-all whose
+        # result is a narrowed slice of its padded buffer (the local flatten needs it dense)
+        x = torch.randn(10, 17, 32, dtype=dt, generator=g, requires_grad=True)
+        w = torch.randn(12, 32, dtype=dt, generator=g, requires_grad=True)
+        F.linear(x, w).pow(2).sum().backward()
+        dx = distribute_tensor(x.detach(), mesh, [Shard(0)]).requires_grad_()
+        dw = distribute_tensor(w.detach(), mesh, [Replicate()]).requires_grad_()
+        F.linear(dx, dw).pow(2).sum().backward()
+        errors["linear_tokens"] = max(((d.grad.full_tensor() - t.grad).abs().max() / t.grad.abs().max()).item()
+                                      for d, t in ((dx, x), (dw, w)))
+
         # data-dependent output size
         m = torch.where(torch.randn(5, 4, dtype=dt, generator=g) > 0, 1.0, 0.0).to(dt)
         got = torch.nonzero(distribute_tensor(m, mesh, [Shard(0)])).full_tensor()
