@@ -445,12 +445,33 @@ def _distribute_model(model: torch.nn.Module, plan: dict[str, str], mesh: Any, s
                 pl[sh.tp] = tp_placement(style, tname, p, mod)
             made[id(p)] = torch.nn.Parameter(_place(p.detach(), mesh, pl), p.requires_grad)
         _set_param(model, name, made[id(p)])
+    n = math.prod(mesh.shape)
     for name, b in list(model.named_buffers(remove_duplicate=False)):
         if not isinstance(b, DTensor):
             if id(b) not in made:
-                made[id(b)] = distribute_tensor(b, mesh, rep)
+                # each simulated rank its own copy: kernels write buffers in place
+                made[id(b)] = own_copies(distribute_tensor(b, mesh, rep), n)
             *path, leaf = name.split(".")
             model.get_submodule(".".join(path))._buffers[leaf] = made[id(b)]
+
+
+def own_copies(d: Any, n: int) -> Any:
+    """`d` with a separate local tensor per simulated rank (`n` ranks).
+
+    Why: a replicated DTensor distributed from a plain tensor under LocalTensorMode holds
+    ONE plain tensor that stands for every rank, so a kernel that updates it in place
+    (batch norm's running statistics) updates it once per rank: n updates where real
+    processes make one each. With a copy per rank the simulation is what gloo does.
+    A DTensor whose local is already per rank is returned as it is."""
+    from torch.distributed._local_tensor import LocalTensor
+    from torch.distributed.tensor import DTensor
+
+    local = d._local_tensor
+    if isinstance(local, LocalTensor):
+        return d
+    per_rank = LocalTensor({r: local.clone() for r in range(n)})
+    return DTensor.from_local(per_rank, d.device_mesh, d.placements, run_check=False, shape=d.shape,
+                              stride=d.stride())
 
 
 def _place(x: torch.Tensor, mesh: Any, placements: list) -> Any:
