@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any, Callable, Sequence
 
-__all__ = ["PATHS", "run_zoo", "zoo_case", "render", "failures", "expand_names"]
+__all__ = ["PATHS", "run_zoo", "zoo_case", "render", "failures", "versus_torch", "expand_names"]
 
 PATHS = ("enable", "torch")  # decompshard.enable(), torch alone
 _WARMED = False
@@ -138,11 +138,37 @@ def render(rows: Sequence[dict[str, Any]], tablefmt: str = "github") -> str:
                "collectives / bytes, torch", "first step s, enable()", "first step s, torch", "first ratio",
                "warm ratio"]
     out = [tabulate(table, headers=headers, tablefmt=tablefmt)]
+    both = [r for r in rows if r.get("torch") and r["enable"] and r["enable"]["verdict"] == "OK"
+            and r["torch"]["verdict"] == "OK"]
+    if both:
+        out += ["", f"Both paths run ({len(both)} cases): enable() vs torch alone:", ""]
+        out += [f"- {line}" for line in versus_torch(both)] or ["- the same or fewer collectives and bytes, "
+                                                                 "first step within 1.5x, everywhere"]
     fails = failures(rows)
     if fails:
         out += ["", "Failures:", ""]
         out += [f"- {f}" for f in fails]
     return "\n".join(out)
+
+
+def versus_torch(rows: Sequence[dict[str, Any]], slow: float = 1.5) -> list[str]:
+    """Where both paths give one-device numbers, what the issue asks of enable(): one line
+    per case where it makes more collectives or bytes than torch alone (never expected:
+    enable() only adds strategies), or whose first step takes more than `slow` times
+    torch alone's."""
+    lines = []
+    for row in rows:
+        e, t = row.get("enable"), row.get("torch")
+        if not (e and t and e["verdict"] == "OK" and t["verdict"] == "OK"):
+            continue
+        where = f"{row['model']} / {row['sharding']}"
+        if None not in (e["collectives"], t["collectives"]) and \
+                (e["collectives"] > t["collectives"] or e["bytes"] > t["bytes"]):
+            lines.append(f"{where}: MORE COMMUNICATION with enable(): {_comm(e)} vs torch alone's {_comm(t)}")
+        if e.get("first_s") and t.get("first_s") and e["first_s"] > slow * t["first_s"]:
+            lines.append(f"{where}: first step {_ratio(e['first_s'], t['first_s'])} torch alone's "
+                         f"({e['first_s']:.2f} s vs {t['first_s']:.2f} s)")
+    return lines
 
 
 def failures(rows: Sequence[dict[str, Any]]) -> list[str]:
