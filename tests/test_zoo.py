@@ -153,6 +153,21 @@ def test_versus_torch_flags_more_communication_and_a_slow_first_step():
     assert "MORE COMMUNICATION" in lines[0] and "2.00x" in lines[1], lines
 
 
+def test_table_gives_ratios_only_where_both_paths_match_one_device():
+    """A torch alone that skipped a collective (ResNet tp: WRONG, 0 bytes) is no baseline."""
+    from decompshard.check.zoo_run import render
+
+    def path(verdict, first, warm):
+        return {"verdict": verdict, "detail": "", "op": "", "stage": "", "collectives": 1, "bytes": 8,
+                "first_s": first, "warm_s": warm}
+
+    rows = [{"model": "a", "sharding": "tp", "enable": path("OK", 3.0, 1.0), "torch": path("OK", 1.0, 1.0)},
+            {"model": "b", "sharding": "tp", "enable": path("OK", 3.0, 1.0), "torch": path("WRONG", 1.0, 1.0)}]
+    cells = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[9:11]]
+             for line in render(rows).splitlines() if line.startswith("| a ") or line.startswith("| b ")}
+    assert cells == {"a": ["3.00x", "1.00x"], "b": ["-", "-"]}, cells
+
+
 def test_an_op_without_a_strategy_is_an_error_naming_it(world):
     """Torch alone has no strategy for hardswish's backward (decompshard derives one)."""
     run = run_training_step(_tiny(), "dp", enable=False, measure=False)

@@ -101,6 +101,15 @@ def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x" if a and b else "-"
 
 
+def _ratios(e: dict[str, Any] | None, t: dict[str, Any] | None) -> list[str]:
+    """First and warm step ratios, enable() / torch alone, where both match one device
+    (a torch alone that skipped a collective and got the wrong numbers, ResNet tp's, is
+    no time to compare with)."""
+    if not (e and t and e["verdict"] == "OK" and t["verdict"] == "OK"):
+        return ["-", "-"]
+    return [_ratio(e.get("first_s"), t.get("first_s")), _ratio(e.get("warm_s"), t.get("warm_s"))]
+
+
 def _verdict(r: dict[str, Any] | None) -> str:
     if r is None:
         return "-"
@@ -132,8 +141,7 @@ def render(rows: Sequence[dict[str, Any]], tablefmt: str = "github") -> str:
         e, t = row["enable"], row["torch"]
         table.append([row["model"], row["sharding"], _verdict(e), _verdict(t), _comm(e), _comm(t),
                       _secs(e, "first_s"), _secs(t, "first_s"),
-                      _ratio(e and e.get("first_s"), t and t.get("first_s")),
-                      _ratio(e and e.get("warm_s"), t and t.get("warm_s"))])
+                      *_ratios(e, t)])
     headers = ["model", "sharding", "enable()", "torch alone", "collectives / bytes, enable()",
                "collectives / bytes, torch", "first step s, enable()", "first step s, torch", "first ratio",
                "warm ratio"]
