@@ -1,12 +1,14 @@
 """The model zoo table: one training step of every zoo model (decompshard/check/zoo.py)
-on every sharding (dp, dp-uneven, tp, 2d, 2d-uneven), with `decompshard.enable()` and
-with torch alone, against one device (float64, simulated ranks, loss and every gradient
-and buffer on every rank).
+on every sharding (dp, dp-uneven, tp, tp-local, 2d, 2d-uneven), with `decompshard.enable()`
+and with torch alone, against one device (float64, simulated ranks, loss and every gradient
+and buffer on every rank). tp-local is Megatron with use_local_output=True (attention on
+local tensors): where torch alone runs too, the table says whether enable() makes more
+collectives or bytes, or a first step over 1.5x torch alone's (`zoo_run.versus_torch`).
 
 Per case and path: the verdict (OK / WRONG / ERROR / n/a), collectives and the bytes each
 rank puts into them over one step, the first step's time (decompshard's and DTensor's
 sharding caches cleared) and the ratio enable()/torch alone where both run, and the warm
-step's ratio. Each case runs in a worker process with a deadline (--timeout), one at a
+step's ratio (the faster of two warm steps). Each case runs in a worker process with a deadline (--timeout), one at a
 time by default so the times do not compete for cores. Markdown (README-ready) on
 stdout, failures (op and error) under the table.
 
@@ -31,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="all", help="'all' or comma-separated zoo names (default all)")
-    parser.add_argument("--shardings", default=",".join(SHARDINGS), help="comma-separated (default: all five)")
+    parser.add_argument("--shardings", default=",".join(SHARDINGS), help="comma-separated (default: all)")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1: clean timings)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per case and path (default 120)")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")

@@ -18,6 +18,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from decompshard.check.model import own_copies as _own_copies  # one implementation: the zoo runner's
+
 
 @dataclass
 class StepResult:
@@ -100,22 +102,6 @@ def dtensor_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, mesh:
         out.grads = {name: full(p.grad) for name, p in m.named_parameters() if p.grad is not None}
         out.buffers = {name: full(b) for name, b in m.named_buffers() if b.dtype.is_floating_point}
     return out
-
-
-def _own_copies(d: Any, n: int) -> Any:
-    """`d` with a separate local tensor per simulated rank. A replicated DTensor made
-    under LocalTensorMode holds one plain tensor that stands for every rank, so a kernel
-    that updates it in place (batch norm's running statistics) would update it once per
-    rank; on real processes each rank has its own."""
-    from torch.distributed._local_tensor import LocalTensor
-    from torch.distributed.tensor import DTensor
-
-    local = d._local_tensor
-    if isinstance(local, LocalTensor):
-        return d
-    per_rank = LocalTensor({r: local.clone() for r in range(n)})
-    return DTensor.from_local(per_rank, d.device_mesh, d.placements, run_check=False, shape=d.shape,
-                              stride=d.stride())
 
 
 def mismatches(got: StepResult, ref: StepResult, rtol: float = 1e-7, atol: float = 1e-9) -> list[str]:

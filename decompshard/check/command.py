@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "--sharding returns an nn.Module or (module, example_inputs), checked on one --mesh with "
                         "--placements, naming the first op that diverges")
     parser.add_argument("--sharding", metavar="NAMES",
-                        help="with a zoo --model: comma-separated among dp, dp-uneven, tp, 2d, 2d-uneven "
+                        help="with a zoo --model: comma-separated among dp, dp-uneven, tp, tp-local, 2d, 2d-uneven "
                         "(default: all)")
     parser.add_argument("--input-shapes", metavar="SHAPES", help="with --model: ';'-separated input shapes")
     parser.add_argument("--format", choices=("text", "json"), default="text", help="report format (default text)")

@@ -48,6 +48,9 @@ class Built:
     # layer norm takes its variance in float32): results are compared at that dtype's
     # tolerance, since a sharded reduction rounds differently there
     compute_dtype: torch.dtype = torch.float64
+    # why the model cannot run Megatron's local-output TP (sharding tp-local) as built,
+    # '' when it can: e.g. attention that views q/k/v with the global head count
+    no_local_tp: str = ""
 
 
 @dataclass(frozen=True)
@@ -176,7 +179,12 @@ def _t5(batch: int, seed: int) -> Built:
     plan["*.block.*.layer.*.DenseReluDense.wo"] = "rowwise"
     # T5LayerNorm computes the variance in float32 (checked: with it in float64 the 2d
     # step matches one device to 1e-14; as shipped, to ~5e-8)
-    return Built(model, {"input_ids": ids, "labels": labels}, _hf_loss, plan, compute_dtype=torch.float32)
+    # tp-local: T5Attention views q/k/v as (batch, -1, n_heads, d_kv) with the global
+    # n_heads, so a local [.., 8] projection becomes a wrong sequence length; running it
+    # needs n_heads, inner_dim and the relative-bias embedding made per rank
+    return Built(model, {"input_ids": ids, "labels": labels}, _hf_loss, plan, compute_dtype=torch.float32,
+                 no_local_tp="T5Attention views q/k/v with the global n_heads (local heads need n_heads, "
+                             "inner_dim and the relative bias made per rank)")
 
 
 def _hf_vit(batch: int, seed: int) -> Built:

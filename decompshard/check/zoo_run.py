@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any, Callable, Sequence
 
-__all__ = ["PATHS", "run_zoo", "zoo_case", "render", "failures", "expand_names"]
+__all__ = ["PATHS", "run_zoo", "zoo_case", "render", "failures", "versus_torch", "expand_names"]
 
 PATHS = ("enable", "torch")  # decompshard.enable(), torch alone
 _WARMED = False
@@ -101,6 +101,15 @@ def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x" if a and b else "-"
 
 
+def _ratios(e: dict[str, Any] | None, t: dict[str, Any] | None) -> list[str]:
+    """First and warm step ratios, enable() / torch alone, where both match one device
+    (a torch alone that skipped a collective and got the wrong numbers, ResNet tp's, is
+    no time to compare with)."""
+    if not (e and t and e["verdict"] == "OK" and t["verdict"] == "OK"):
+        return ["-", "-"]
+    return [_ratio(e.get("first_s"), t.get("first_s")), _ratio(e.get("warm_s"), t.get("warm_s"))]
+
+
 def _verdict(r: dict[str, Any] | None) -> str:
     if r is None:
         return "-"
@@ -132,17 +141,42 @@ def render(rows: Sequence[dict[str, Any]], tablefmt: str = "github") -> str:
         e, t = row["enable"], row["torch"]
         table.append([row["model"], row["sharding"], _verdict(e), _verdict(t), _comm(e), _comm(t),
                       _secs(e, "first_s"), _secs(t, "first_s"),
-                      _ratio(e and e.get("first_s"), t and t.get("first_s")),
-                      _ratio(e and e.get("warm_s"), t and t.get("warm_s"))])
+                      *_ratios(e, t)])
     headers = ["model", "sharding", "enable()", "torch alone", "collectives / bytes, enable()",
                "collectives / bytes, torch", "first step s, enable()", "first step s, torch", "first ratio",
                "warm ratio"]
     out = [tabulate(table, headers=headers, tablefmt=tablefmt)]
+    both = [r for r in rows if r.get("torch") and r["enable"] and r["enable"]["verdict"] == "OK"
+            and r["torch"]["verdict"] == "OK"]
+    if both:
+        out += ["", f"Both paths run ({len(both)} cases): enable() vs torch alone:", ""]
+        out += [f"- {line}" for line in versus_torch(both)] or ["- the same or fewer collectives and bytes, "
+                                                                 "first step within 1.5x, everywhere"]
     fails = failures(rows)
     if fails:
         out += ["", "Failures:", ""]
         out += [f"- {f}" for f in fails]
     return "\n".join(out)
+
+
+def versus_torch(rows: Sequence[dict[str, Any]], slow: float = 1.5) -> list[str]:
+    """Where both paths give one-device numbers, what the issue asks of enable(): one line
+    per case where it makes more collectives or bytes than torch alone (never expected:
+    enable() only adds strategies), or whose first step takes more than `slow` times
+    torch alone's."""
+    lines = []
+    for row in rows:
+        e, t = row.get("enable"), row.get("torch")
+        if not (e and t and e["verdict"] == "OK" and t["verdict"] == "OK"):
+            continue
+        where = f"{row['model']} / {row['sharding']}"
+        if None not in (e["collectives"], t["collectives"]) and \
+                (e["collectives"] > t["collectives"] or e["bytes"] > t["bytes"]):
+            lines.append(f"{where}: MORE COMMUNICATION with enable(): {_comm(e)} vs torch alone's {_comm(t)}")
+        if e.get("first_s") and t.get("first_s") and e["first_s"] > slow * t["first_s"]:
+            lines.append(f"{where}: first step {_ratio(e['first_s'], t['first_s'])} torch alone's "
+                         f"({e['first_s']:.2f} s vs {t['first_s']:.2f} s)")
+    return lines
 
 
 def failures(rows: Sequence[dict[str, Any]]) -> list[str]:
