@@ -184,6 +184,29 @@ def torch_decomposition(op: Any) -> Any:
         return None
 
 
+def custom_op_implementation(op: Any) -> Any:
+    """The Python implementation of a `torch.library.custom_op` (torch's CustomOpDef):
+    its CPU kernel, else its default (all-device) kernel, else the function it was
+    defined with; None for any other op, and for a custom op that mutates or aliases
+    its arguments (its implementation writes into inputs; not traced)."""
+    if not isinstance(op, torch._ops.OpOverload) or op.namespace in ("aten", "prims"):
+        return None
+    try:
+        from torch._library.custom_ops import _maybe_get_opdef
+
+        opdef = _maybe_get_opdef(op)
+    except Exception:  # an op torch's custom-op registry does not know how to look up
+        return None
+    if opdef is None:
+        return None
+    schema = op._schema
+    if any(a.alias_info is not None for a in schema.arguments) or any(
+            r.alias_info is not None for r in schema.returns):
+        return None
+    backend = getattr(opdef, "_backend_fns", {}) or {}
+    return backend.get("cpu") or backend.get(None) or getattr(opdef, "_init_fn", None)
+
+
 def from_torch_placement(p: Any):
     """torch placement (or single-dim placeholder) -> decompshard's alphabet.
 

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .._compat import TensorMeta, torch_decomposition
+from .._compat import TensorMeta, custom_op_implementation, torch_decomposition
 from ..errors import DataDependent, UnsupportedOp
 from . import signs
 from .graph import CONST, INPUT, NODE, PrimGraph, PrimNode, ValueInfo, _is_container, leaves, map_leaves
@@ -127,7 +127,35 @@ def find_decomposition(op: OpOverload) -> Callable | None:
 
     if op in PROJECT_OVERRIDES:
         return PROJECT_OVERRIDES[op]
-    return torch_decomposition(op) or PROJECT_DECOMPOSITIONS.get(op)
+    return torch_decomposition(op) or PROJECT_DECOMPOSITIONS.get(op) or custom_op_decomposition(op)
+
+
+@functools.lru_cache(maxsize=None)
+def custom_op_decomposition(op: OpOverload) -> Callable | None:
+    """A `torch.library.custom_op`'s own implementation, as its decomposition: traced
+    like any other (on meta tensors, primitives recorded), so plain-torch custom ops
+    (a fused RMSNorm) derive like aten ops. The strategy DTensor runs still calls the
+    custom op's real kernel on local shards. An implementation that cannot run on meta
+    tensors (numpy, `.item()`, an opaque kernel) fails the trace with a reason that
+    names the op. None for other ops (`_compat.custom_op_implementation`)."""
+    fn = custom_op_implementation(op)
+    if fn is None:
+        return None
+
+    def decomposition(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except DataDependent as e:
+            raise DataDependent(f"data-dependent: custom op {op}'s implementation reads tensor values "
+                                f"({e.reason})") from e
+        except UnsupportedOp:
+            raise
+        except Exception as e:
+            raise UnsupportedOp(f"custom op {op}'s implementation is not traceable torch code "
+                                f"(on meta tensors: {_one_line(e)})") from e
+
+    decomposition.__name__ = decomposition.__qualname__ = f"custom_op_implementation[{op}]"
+    return decomposition
 
 
 def has_decomposition(op: OpOverload) -> bool:
