@@ -147,7 +147,7 @@ def custom_op_decomposition(op: OpOverload) -> Callable | None:
             return fn(*args, **kwargs)
         except DataDependent as e:
             raise DataDependent(f"data-dependent: custom op {op}'s implementation reads tensor values "
-                                f"({e.reason})") from e
+                                f"({e.reason.removeprefix('data-dependent: ')})") from e
         except UnsupportedOp:
             raise
         except Exception as e:
