@@ -119,7 +119,8 @@ def to_meta(x: Any) -> Any:
 
 
 def find_decomposition(op: OpOverload) -> Callable | None:
-    """Lookup order: torch's decomposition table, CompositeImplicitAutograd, then ours —
+    """Lookup order: torch's decomposition table, CompositeImplicitAutograd, ours, then a
+    `torch.library.custom_op`'s own implementation (custom_op_decomposition) —
     except for the few ops whose torch decomposition hides what makes a rule valid
     (as_strided, aliasing writes, prelu's masked sign), where decompshard's override
     comes first (decomps.PROJECT_OVERRIDES)."""
