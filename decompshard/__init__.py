@@ -25,11 +25,14 @@ _HOME = {
     "explain": "explain",
     "P": "placements", "R": "placements", "S": "placements", "SingleDimRule": "placements",
     "parse_rule": "placements",
+    "ReferenceMismatch": "reference", "reference": "reference", "register_reference": "reference",
+    "registered_reference": "reference", "unregister_reference": "reference",
 }
 
 __all__ = [
     "DerivedRules", "P", "R", "S", "SingleDimRule", "cache_info", "clear_caches", "derive_rules",
     "disable", "enable", "enabled", "explain", "is_enabled", "parse_rule", "resolve_op",
+    "ReferenceMismatch", "reference", "register_reference", "registered_reference", "unregister_reference",
 ]
 
 if TYPE_CHECKING:
@@ -38,6 +41,9 @@ if TYPE_CHECKING:
     from .enable import disable, enable, enabled, is_enabled
     from .explain import explain
     from .placements import P, R, S, SingleDimRule, parse_rule
+    from .reference import (
+        ReferenceMismatch, reference, register_reference, registered_reference, unregister_reference,
+    )
 
 
 def __getattr__(name: str) -> Any:

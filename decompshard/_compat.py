@@ -17,7 +17,7 @@ __all__ = [
     "DTensor", "DTensorSpec", "DecompShardingStrategy", "OpSchema", "OpSpec", "OpStrategy",
     "TensorMeta", "TorchPartial", "TorchReplicate", "TorchShard", "TorchStridedShard",
     "TupleStrategy", "_ShardingPlaceholder", "_compute_local_shape_and_global_offset", "aten_ops_tagged",
-    "clear_dtensor_caches", "custom_op_handlers", "dtensor_default_dispatch", "dtensor_local_results",
+    "clear_dtensor_caches", "custom_op_handlers", "custom_op_overload", "dtensor_default_dispatch", "dtensor_local_results",
     "dtensor_output_spec", "fake_one_rank_mesh", "from_torch_placement", "has_native_strategy", "is_dispatchable",
     "kwarg_routing_active", "local_tensor", "op_strategy_func", "redistribute_cost", "redistribute_local_tensor",
     "return_and_correct_aliasing", "route_kwarg_redistribution", "set_dtensor_layout", "sharding_propagator",
@@ -207,6 +207,14 @@ def custom_op_implementation(op: Any) -> Any:
     return backend.get("cpu") or backend.get(None) or getattr(opdef, "_init_fn", None)
 
 
+def custom_op_overload(obj: Any) -> Any:
+    """The OpOverload behind a `torch.library.custom_op` object (torch's CustomOpDef);
+    None for anything else."""
+    from torch._library.custom_ops import CustomOpDef
+
+    return obj._opoverload if isinstance(obj, CustomOpDef) else None
+
+
 def from_torch_placement(p: Any):
     """torch placement (or single-dim placeholder) -> decompshard's alphabet.
 
@@ -359,6 +367,13 @@ def route_kwarg_redistribution() -> None:
         stack.append(None)
         try:
             sharding = original_propagate(op_schema)
+        except NotImplementedError as e:
+            # DTensor turns any error of the decomposition fallback into "does not have a
+            # sharding strategy registered"; a refusal the user must act on (a wrong
+            # registered reference) reaches them as itself
+            if getattr(e.__cause__, "reaches_caller", False):
+                raise e.__cause__ from None
+            raise
         finally:
             targets = stack.pop()
         return sharding if not targets else _with_kwarg_moves(op_schema, sharding, targets)

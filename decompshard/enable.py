@@ -83,6 +83,7 @@ class DerivedStrategy:
         if not has_decomposition(op):
             _warn_once(f"nodecomp:{op}", f"decompshard: {op} has no sharding strategy and no decomposition; running replicated")
             return _replicated(op_schema, specs, mesh)
+        _check_reference(op, flat, spec, mesh)
         current = [tuple(s.placements) for s in specs]
         n_args = len(op_schema.args_spec)
         movable, pinned = _kwarg_tensors(op_schema, n_args, len(specs))
@@ -125,6 +126,26 @@ class DerivedStrategy:
         _warn_once(f"dyn:{op}", f"decompshard: {op} has symbolic shapes; running replicated "
                    "(derived strategies are proven per shape)")
         return _replicated(op_schema, specs, specs[0].mesh)
+
+
+def _check_reference(op, flat, spec, mesh) -> None:
+    """An op with a registered plain-torch reference (decompshard.register_reference):
+    before its derived strategy is used, its real kernel and the reference must agree on
+    one device on random inputs of these shapes (reference.check_reference, cached);
+    otherwise ReferenceMismatch, naming the op, reaches the caller."""
+    from .reference import check_reference, reference_of
+
+    if reference_of(op) is None:
+        return
+    with clean_dispatch_state():
+        meta_flat = [
+            torch.empty_strided(x.tensor_meta.shape, x.tensor_meta.stride, dtype=x.tensor_meta.dtype, device="meta")
+            if isinstance(x, DTensorSpec) else x
+            for x in flat
+        ]
+        args, kwargs = tree_unflatten(meta_flat, spec)
+        device = "cpu" if mesh.device_type in ("cpu", "meta") else mesh.device_type
+        check_reference(op, args, kwargs, device=device)
 
 
 def _kwarg_tensors(op_schema: Any, n_args: int, n_specs: int) -> tuple[dict[str, int], frozenset[int]]:

@@ -128,7 +128,33 @@ def find_decomposition(op: OpOverload) -> Callable | None:
 
     if op in PROJECT_OVERRIDES:
         return PROJECT_OVERRIDES[op]
+    from ..reference import reference_of
+
+    reference = reference_of(op)
+    if reference is not None:  # a registered reference wins over the op's own implementation
+        return reference_decomposition(op, reference)
     return torch_decomposition(op) or PROJECT_DECOMPOSITIONS.get(op) or custom_op_decomposition(op)
+
+
+@functools.lru_cache(maxsize=None)
+def reference_decomposition(op: OpOverload, fn: Callable) -> Callable:
+    """A registered plain-torch reference (decompshard.register_reference), as `op`'s
+    decomposition; a reference that cannot be traced says so and names the op."""
+
+    def decomposition(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except UnsupportedOp:
+            raise
+        except Exception as e:
+            raise UnsupportedOp(f"custom op {op}'s registered reference is not traceable torch code "
+                                f"(on meta tensors: {_one_line(e)})") from e
+
+    decomposition.__name__ = decomposition.__qualname__ = f"reference[{op}]"
+    return decomposition
+
+
+_REGISTER_HINT = "; register a plain-torch reference with decompshard.register_reference(op, fn)"
 
 
 @functools.lru_cache(maxsize=None)
@@ -148,12 +174,12 @@ def custom_op_decomposition(op: OpOverload) -> Callable | None:
             return fn(*args, **kwargs)
         except DataDependent as e:
             raise DataDependent(f"data-dependent: custom op {op}'s implementation reads tensor values "
-                                f"({e.reason.removeprefix('data-dependent: ')})") from e
+                                f"({e.reason.removeprefix('data-dependent: ')}){_REGISTER_HINT}") from e
         except UnsupportedOp:
             raise
         except Exception as e:
             raise UnsupportedOp(f"custom op {op}'s implementation is not traceable torch code "
-                                f"(on meta tensors: {_one_line(e)})") from e
+                                f"(on meta tensors: {_one_line(e)}){_REGISTER_HINT}") from e
 
     decomposition.__name__ = decomposition.__qualname__ = f"custom_op_implementation[{op}]"
     return decomposition
