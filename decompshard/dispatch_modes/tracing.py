@@ -136,22 +136,10 @@ def find_decomposition(op: OpOverload) -> Callable | None:
     return torch_decomposition(op) or PROJECT_DECOMPOSITIONS.get(op) or custom_op_decomposition(op)
 
 
-@functools.lru_cache(maxsize=None)
 def reference_decomposition(op: OpOverload, fn: Callable) -> Callable:
     """A registered plain-torch reference (decompshard.register_reference), as `op`'s
-    decomposition; a reference that cannot be traced says so and names the op."""
-
-    def decomposition(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except UnsupportedOp:
-            raise
-        except Exception as e:
-            raise UnsupportedOp(f"custom op {op}'s registered reference is not traceable torch code "
-                                f"(on meta tensors: {_one_line(e)})") from e
-
-    decomposition.__name__ = decomposition.__qualname__ = f"reference[{op}]"
-    return decomposition
+    decomposition. Not cached: a cache would keep an unregistered reference alive."""
+    return _as_decomposition(op, fn, "registered reference")
 
 
 _REGISTER_HINT = "; register a plain-torch reference with decompshard.register_reference(op, fn)"
@@ -164,24 +152,29 @@ def custom_op_decomposition(op: OpOverload) -> Callable | None:
     (a fused RMSNorm) derive like aten ops. The strategy DTensor runs still calls the
     custom op's real kernel on local shards. An implementation that cannot run on meta
     tensors (numpy, `.item()`, an opaque kernel) fails the trace with a reason that
-    names the op. None for other ops (`_compat.custom_op_implementation`)."""
+    names the op and what to register. None for other ops
+    (`_compat.custom_op_implementation`)."""
     fn = custom_op_implementation(op)
-    if fn is None:
-        return None
+    return None if fn is None else _as_decomposition(op, fn, "implementation", _REGISTER_HINT)
+
+
+def _as_decomposition(op: OpOverload, fn: Callable, what: str, hint: str = "") -> Callable:
+    """`fn` standing in for a custom op's decomposition: a trace that fails says so,
+    naming the op and whose code failed (its implementation, or its reference)."""
 
     def decomposition(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except DataDependent as e:
-            raise DataDependent(f"data-dependent: custom op {op}'s implementation reads tensor values "
-                                f"({e.reason.removeprefix('data-dependent: ')}){_REGISTER_HINT}") from e
+            raise DataDependent(f"data-dependent: custom op {op}'s {what} reads tensor values "
+                                f"({e.reason.removeprefix('data-dependent: ')}){hint}") from e
         except UnsupportedOp:
             raise
         except Exception as e:
-            raise UnsupportedOp(f"custom op {op}'s implementation is not traceable torch code "
-                                f"(on meta tensors: {_one_line(e)}){_REGISTER_HINT}") from e
+            raise UnsupportedOp(f"custom op {op}'s {what} is not traceable torch code "
+                                f"(on meta tensors: {_one_line(e)}){hint}") from e
 
-    decomposition.__name__ = decomposition.__qualname__ = f"custom_op_implementation[{op}]"
+    decomposition.__name__ = decomposition.__qualname__ = f"{what.replace(' ', '_')}[{op}]"
     return decomposition
 
 
