@@ -28,6 +28,8 @@ def _worker_main(conn: Any) -> None:
     import torch
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C for all
+    if hasattr(signal, "pthread_sigmask"):  # a spawned worker inherits _Worker's mask
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     try:
@@ -65,7 +67,17 @@ class _Worker:
     def __init__(self, ctx: Any):
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_worker_main, args=(child,), daemon=True)
-        self.proc.start()
+        # A fork request to the forkserver is a connect then a send of fds; a Ctrl-C between
+        # the two closes the socket and the server dies printing an EOFError traceback
+        # (multiprocessing catches only OSError there). SIGINT waits until the request is sent.
+        blocked = hasattr(signal, "pthread_sigmask")
+        if blocked:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            self.proc.start()
+        finally:
+            if blocked:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         child.close()
         self.ready = False
         self.job: str | None = None
