@@ -95,7 +95,15 @@ def spawn(fn, args: tuple, nprocs: int, deadline: float = 420.0, hash_seeds: lis
     import os
     import time
 
-    ctx = multiprocessing.get_context("spawn")
+    # Fresh interpreters (spawn) each import torch, decompshard and the models: most of a
+    # gloo test's time on a 2-core machine. Forked from a server that imported torch and
+    # decompshard once, a process starts in milliseconds. Distinct hash seeds need fresh
+    # interpreters (a forked child keeps its server's seed).
+    if hash_seeds is None and "forkserver" in multiprocessing.get_all_start_methods():
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "decompshard", "decompshard._workers"])
+    else:
+        ctx = multiprocessing.get_context("spawn")
     procs = []
     saved = os.environ.get("PYTHONHASHSEED")
     try:

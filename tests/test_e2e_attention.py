@@ -18,6 +18,7 @@ import torch
 from torch.distributed._local_tensor import LocalTensorMode
 
 import _e2e_model as M
+import _gloo_cases as G
 import _tp_block as T
 import decompshard
 
@@ -55,9 +56,7 @@ def test_torch_alone_has_no_strategy_for_it(mesh):
 
 
 def test_gloo_four_processes(tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.spawn(T.gloo_worker, args=(4, M.free_port(), str(tmp_path)), nprocs=4, join=True)
+    G.spawn(T.gloo_worker, (4, M.free_port(), str(tmp_path)), 4)
     for rank in range(4):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert "__error__" not in report, f"rank {rank}: {report.get('__error__')}"

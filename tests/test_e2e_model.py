@@ -121,10 +121,10 @@ def test_whole_model_at_once(world, model_and_inputs, counts):
 def test_gloo_four_processes(tmp_path, counts):
     """Real collectives: 4 processes, gloo, a 2x2 mesh. Same numbers as single device and
     the same per-op collective counts as the LocalTensorMode run."""
-    import torch.multiprocessing as mp
+    import _gloo_cases as G
 
     start = time.perf_counter()
-    mp.spawn(M.gloo_worker, args=(4, M.free_port(), str(tmp_path)), nprocs=4, join=True)
+    G.spawn(M.gloo_worker, (4, M.free_port(), str(tmp_path)), 4)
     elapsed = time.perf_counter() - start
     _, ours = counts
     for rank in range(4):

@@ -272,11 +272,11 @@ def test_gloo_four_processes(tmp_path):
     rank that counts no target)."""
     import json
 
-    import torch.multiprocessing as mp
+    import _gloo_cases as G
 
     from _e2e_model import free_port
 
-    mp.spawn(L.gloo_worker, args=(free_port(), str(tmp_path)), nprocs=W, join=True)
+    G.spawn(L.gloo_worker, (free_port(), str(tmp_path)), W)
     for rank in range(W):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert "__error__" not in report, report.get("__error__")

@@ -269,12 +269,12 @@ def test_gloo_four_processes(tmp_path):
     import json
     import socket
 
-    import torch.multiprocessing as mp
+    import _gloo_cases as G
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_gloo_worker, args=(4, port, str(tmp_path)), nprocs=4, join=True)
+    G.spawn(_gloo_worker, (4, port, str(tmp_path)), 4)
     for rank in range(4):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert "__error__" not in report, f"rank {rank}: {report.get('__error__')}"

@@ -214,11 +214,11 @@ def test_gloo_four_processes(tmp_path):
     """Real collectives: the conv cases with the guard, forward and backward; the wrong
     table rules and batch norm's running statistics without the guard (wrong) and with
     it (right)."""
-    import torch.multiprocessing as mp
+    import _gloo_cases as G
 
     from _e2e_model import free_port
 
-    mp.spawn(C.gloo_worker, args=(free_port(), str(tmp_path), True), nprocs=C.W, join=True)
+    G.spawn(C.gloo_worker, (free_port(), str(tmp_path), True), C.W)
     for rank in range(C.W):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert "__error__" not in report, report.get("__error__")
