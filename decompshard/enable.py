@@ -368,8 +368,10 @@ def enable(guard_native: bool | None = None) -> None:
     It also lets valid programs run that DTensor refuses: view-family ops on uneven
     shards redistribute instead of raising (uneven_views.py), ops whose output size
     depends on values run replicated (data_dependent.py), in-place ops without a native
-    strategy write an out-of-place result back into self (inplace.py), and
-    `as_strided_` runs where it moves no element (as_strided.py). `disable()` undoes all.
+    strategy write an out-of-place result back into self (inplace.py),
+    `as_strided_` runs where it moves no element (as_strided.py), and in-place view
+    ops (`transpose_`, `unsqueeze_`) follow their twin's native strategy
+    (inplace_views.py). `disable()` undoes all.
 
     Also keeps DTensor away from native behaviour proved wrong (the native guard,
     guard.py): on unless `guard_native=False`, or, when the argument is not given, the
@@ -378,7 +380,7 @@ def enable(guard_native: bool | None = None) -> None:
     crash (convolution handlers, batch norm's running statistics, weighted nll_loss).
     Each call sets the guard as it says: `enable(guard_native=False)` after `enable()`
     removes it."""
-    from . import as_strided, data_dependent, guard, inplace, uneven_views
+    from . import as_strided, data_dependent, guard, inplace, inplace_views, uneven_views
     from ._compat import DecompShardingStrategy
 
     if guard.wanted(guard_native):
@@ -398,12 +400,13 @@ def enable(guard_native: bool | None = None) -> None:
         data_dependent.install()
         inplace.install()
         as_strided.install()
+        inplace_views.install()
         clear_dtensor_caches()
 
 
 def disable() -> None:
     """Restore DTensor exactly as it was before `enable()`. Idempotent."""
-    from . import as_strided, data_dependent, guard, inplace, uneven_views
+    from . import as_strided, data_dependent, guard, inplace, inplace_views, uneven_views
     from ._compat import DecompShardingStrategy
 
     guard.uninstall()
@@ -417,6 +420,7 @@ def disable() -> None:
         data_dependent.uninstall()
         inplace.uninstall()
         as_strided.uninstall()
+        inplace_views.uninstall()
         clear_dtensor_caches()
 
 
