@@ -50,6 +50,7 @@ CASES = {  # op: (args, kwargs); every tensor with a dim goes in as Shard(0)
     "aten.histogram.bin_ct": ((_sparse().flatten(),), {"bins": 5}),
     "aten.histogram.bins_tensor": ((_sparse().flatten(), torch.linspace(-2, 2, 6, dtype=torch.float64)), {}),
     "aten._histogramdd_from_bin_cts.default": ((_values(), [3, 4]), {}),
+    "aten._histogramdd_bin_edges.default": ((_values(), [3, 4]), {}),  # returns Tensor[]
     "aten._histogramdd_from_bin_tensors.default": (
         (_values(), [torch.linspace(0, 1, 4, dtype=torch.float64), torch.linspace(0, 1, 3, dtype=torch.float64)]), {}),
 }
