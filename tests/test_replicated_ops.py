@@ -53,6 +53,9 @@ CASES = {  # op: (args, kwargs); every tensor with a dim goes in as Shard(0)
     "aten._histogramdd_bin_edges.default": ((_values(), [3, 4]), {}),  # returns Tensor[]
     "aten._histogramdd_from_bin_tensors.default": (
         (_values(), [torch.linspace(0, 1, 4, dtype=torch.float64), torch.linspace(0, 1, 3, dtype=torch.float64)]), {}),
+    # in place, no decomposition: inplace.py runs the functional twin replicated, writes self
+    "aten.embedding_renorm_.default": (
+        (torch.randn(7, 4, dtype=torch.float64, generator=_g()) * 2, torch.tensor([0, 3, 3, 6, 1]), 1.0, 2.0), {}),
 }
 
 
