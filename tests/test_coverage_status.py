@@ -16,7 +16,8 @@ import torch
 
 from decompshard.cli import main
 from decompshard.coverage.runtime_probe import probe
-from decompshard.coverage.sweep import FACTORY, STATUSES, is_factory
+from decompshard.coverage import report
+from decompshard.coverage.sweep import FACTORY, STATUS_MEANINGS, STATUSES, is_factory
 
 aten = torch.ops.aten
 
@@ -91,3 +92,10 @@ def test_the_probe_refuses_what_the_runtime_gets_wrong():
     assert not ok and "sparse" in why
     ok, why = probe(aten.normal.Tensor_float, [((x,), {}, "")])  # each rank draws its own numbers
     assert not ok and "differs from one device" in why
+
+
+def test_summary_table_counts_and_explains_each_status(doc):
+    assert set(STATUS_MEANINGS) == set(STATUSES)
+    text = report.render_summary(report.summarize(list(doc.values())), "text")
+    row = next(line for line in text.splitlines() if line.startswith("factory "))
+    assert row.split()[1] == "4" and "DTensor never dispatches it" in row

@@ -50,6 +50,14 @@ from .opinfo_samples import _exact_clone
 from .torch_fallback import torch_fallback_rules
 
 STATUSES = ("native", "derived", "torch-fallback", "replicate-only", "factory", "unsupported")
+STATUS_MEANINGS = {  # the summary table's legend, one line each (see the module docstring)
+    "native": "DTensor's own registered strategy",
+    "derived": "runs sharded under enable(): rules derived by decompshard (or an in-place view on its twin's)",
+    "torch-fallback": "only torch's own decomposition fallback finds a rule",
+    "replicate-only": "runs under enable(), on replicated inputs only",
+    "factory": "n/a: no tensor argument, DTensor never dispatches it",
+    "unsupported": "not claimed to run right on DTensors under enable(); the reason says why",
+}
 REGISTRY_LABELS = {"single-dim": "single-dim strategy", "op-strategy": "op strategy", "rule": "propagation rule"}
 NO_SAMPLE = "no sample inputs (OpInfo does not reach it; derivation needs example arguments)"
 FACTORY = ("n/a: no tensor argument, so DTensor never dispatches it; create sharded tensors with "
