@@ -4,7 +4,9 @@ For each op the sweep answers "how does DTensor handle it?":
 
     native          DTensor has a registered strategy (single-dim, op-strategy or rule);
                     nothing is derived or verified, which keeps the default sweep fast
-    derived         decompshard derives at least one non-trivial rule
+    derived         decompshard derives at least one non-trivial rule (or, for an in-place
+                    view op, enable() relabels self by its twin's native strategy: no rule
+                    of its own, probed like the replicated ones below)
     torch-fallback  torch's own decomposition fallback finds a non-trivial rule, we don't
     replicate-only  the op can run, but only with every input Replicate: no derived rule
                     survives, or enable() runs it replicated without deriving (its output
@@ -355,8 +357,10 @@ def run_jobs(jobs: Sequence[tuple[str, bytes]], workers: int, timeout: float,
 def needs_worker(op: torch._ops.OpOverload, samples: Sequence[Any]) -> bool:
     """Only ops with samples and no DTensor strategy that derive or need a runtime probe
     do real work; the rest are registry lookups done in the parent."""
-    return (bool(samples) and registry_of(op) is None and not is_factory(op)
-            and (has_decomposition(op) or runtime_route(op) is not None))
+    if not samples or registry_of(op) is not None or is_factory(op):
+        return False
+    route = runtime_route(op)
+    return route[0] != "unsupported" if route is not None else has_decomposition(op)
 
 
 def make_job(name: str, samples: Sequence[Sample], verify: bool) -> tuple[str, bytes]:
