@@ -18,9 +18,11 @@ __all__ = [
     "TensorMeta", "TorchPartial", "TorchReplicate", "TorchShard", "TorchStridedShard",
     "TupleStrategy", "_ShardingPlaceholder", "_compute_local_shape_and_global_offset", "aten_ops_tagged",
     "clear_dtensor_caches", "custom_op_handlers", "custom_op_overload", "dtensor_default_dispatch", "dtensor_local_results",
-    "dtensor_output_spec", "fake_one_rank_mesh", "from_torch_placement", "has_native_strategy", "is_dispatchable",
-    "kwarg_routing_active", "local_tensor", "op_strategy_func", "redistribute_cost", "redistribute_local_tensor",
-    "return_and_correct_aliasing", "route_kwarg_redistribution", "set_dtensor_layout", "sharding_propagator",
+    "dtensor_output_sharding", "dtensor_output_spec", "fake_one_rank_mesh", "from_torch_placement",
+    "has_native_strategy", "is_dispatchable",
+    "kwarg_routing_active", "local_tensor", "op_strategy_func", "rebind_dtensor", "redistribute_cost",
+    "redistribute_local_tensor", "return_and_correct_aliasing", "route_kwarg_redistribution", "set_dtensor_layout",
+    "sharding_propagator",
     "single_dim_strategy_info", "stage_kwarg_targets", "to_torch_placement", "torch_decomposition_table",
     "unroute_kwarg_redistribution", "unsharded_dtensor", "view_family_ops", "view_shape_arg_index",
 ]
@@ -271,6 +273,25 @@ def dtensor_output_spec(op_call: Any, args: tuple, kwargs: dict) -> Any:
     op_info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
     dispatcher.sharding_propagator.propagate(op_info)
     return op_info.output_sharding.output_spec
+
+
+def dtensor_output_sharding(op_call: Any, args: tuple, kwargs: dict) -> tuple[Any, bool]:
+    """DTensor's sharding propagation for this call, not run: (output spec with its
+    tensor meta, whether the chosen strategy redistributes an input first)."""
+    dispatcher = DTensor._op_dispatcher
+    op_info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
+    dispatcher.sharding_propagator.propagate(op_info)
+    sharding = op_info.output_sharding
+    return sharding.output_spec, bool(sharding.needs_redistribute or sharding.redistribute_schema is not None)
+
+
+def rebind_dtensor(dt: Any, local: torch.Tensor, spec: Any) -> None:
+    """Give a DTensor a new local tensor (a view of its own storage, so writes still
+    reach every alias) and a whole new spec (placements and global metadata), as
+    DTensor's own in-place path does for the spec. The wrapper's sizes and strides are
+    set by `return_and_correct_aliasing`."""
+    dt._local_tensor = local
+    dt._spec = spec
 
 
 def dtensor_default_dispatch(op_call: Any, args: tuple, kwargs: dict) -> Any:

@@ -33,6 +33,10 @@ __all__ = ["install", "is_installed", "uninstall"]
 
 OP = torch.ops.aten.as_strided_.default
 OUT_OF_PLACE = torch.ops.aten.as_strided.default
+LIMITS = ("enable() runs it only where it moves no element (a restride of size-1 dims: any placement) or on a "
+          "Replicate input within its own elements (as_strided.py); anything else on a sharded or Partial input "
+          "raises: it addresses the global storage, which no shard holds, and its result must alias the input, "
+          "so a view of an all-gathered copy would lose writes. Redistribute to Replicate() first")
 _lock = threading.RLock()
 _patches = TablePatches()
 

@@ -1,5 +1,6 @@
-"""Ops whose output size depends on values (nonzero, masked_select, unique, ...) run
-replicated under `enable()`.
+"""Ops whose output size depends on values (nonzero, masked_select, unique, ...), and
+ops that return a Python value computed from whole tensors (allclose), run replicated
+under `enable()`.
 
 DTensor computes every op's output shape from the global shapes before it runs the op
 (a fake-tensor run). For these ops the shape is in the data, the fake run raises
@@ -12,8 +13,11 @@ On replicated inputs every rank holds the whole tensor and computes the whole an
 so the op is always right there. Under `enable()` each such op gets a DTensor handler
 that does exactly that: all-gather (redistribute to Replicate) every DTensor argument,
 run the op on the local tensors, and return replicated DTensors of the shapes the kernel
-produced; one warning per op. The ops are found by torch's own tag for them
-(`torch.Tag.dynamic_output_shape`, the one its fake tensors raise on), not by a list.
+produced; one warning per op. The ops are found by torch's own tags for them, not by a
+list: `torch.Tag.dynamic_output_shape` (the one its fake tensors raise on) and
+`torch.Tag.data_dependent_output` (a Python scalar out of tensor data: `allclose`, which
+otherwise stops with "does not have a sharding strategy registered"; each rank computes
+the same value from the same whole tensors, a bool no shard could give alone).
 Out= and in-place overloads, ops DTensor already handles (a custom handler, or a
 strategy: `index.Tensor` is data-dependent only with bool indices) are left alone.
 `disable()` removes the handlers.
@@ -41,7 +45,7 @@ from ._compat import (
 
 from .table_patches import TablePatches
 
-__all__ = ["data_dependent_ops", "install", "is_installed", "uninstall"]
+__all__ = ["data_dependent_ops", "install", "is_installed", "replicated_reason", "uninstall"]
 
 _lock = threading.RLock()
 _patches = TablePatches()
@@ -50,11 +54,12 @@ _warned: set[str] = set()
 
 @functools.lru_cache(maxsize=1)
 def data_dependent_ops() -> tuple[torch._ops.OpOverload, ...]:
-    """Every functional aten overload tagged `dynamic_output_shape` that DTensor has no
-    strategy or handler for."""
+    """Every functional aten overload tagged `dynamic_output_shape` or
+    `data_dependent_output` that DTensor has no strategy or handler for."""
     handlers = custom_op_handlers()
     found = []
-    for op in aten_ops_tagged(torch.Tag.dynamic_output_shape):
+    tagged = aten_ops_tagged(torch.Tag.dynamic_output_shape) + aten_ops_tagged(torch.Tag.data_dependent_output)
+    for op in dict.fromkeys(tagged):
         schema = op._schema
         if any(a.alias_info is not None for a in schema.arguments) or any(
                 r.alias_info is not None for r in schema.returns):
@@ -63,6 +68,14 @@ def data_dependent_ops() -> tuple[torch._ops.OpOverload, ...]:
             continue
         found.append(op)
     return tuple(sorted(found, key=str))
+
+
+def replicated_reason(op: torch._ops.OpOverload) -> str:
+    """Why `enable()` runs `op` (one of `data_dependent_ops()`) on replicated inputs."""
+    if torch.Tag.dynamic_output_shape in op.tags:
+        return "output size depends on values: runs on replicated inputs under enable() (data_dependent.py)"
+    return ("returns a Python value computed from whole tensors: runs on replicated inputs under enable() "
+            "(data_dependent.py)")
 
 
 def is_installed() -> bool:
@@ -96,7 +109,7 @@ def _replicated_handler(op: torch._ops.OpOverload) -> Callable:
             raise RuntimeError(f"decompshard: {op} got DTensors on different meshes")
         if any(not p.is_replicate() for x in dts for p in x.placements) and str(op) not in _warned:
             _warned.add(str(op))
-            warnings.warn(f"decompshard: {op} has a data-dependent output size; running it replicated "
+            warnings.warn(f"decompshard: {op} has a data-dependent output; running it replicated "
                           "(its DTensor inputs are all-gathered)", stacklevel=2)
         local = [x.full_tensor() if isinstance(x, DTensor) else x for x in flat]
         l_args, l_kwargs = tree_unflatten(local, spec)

@@ -238,9 +238,28 @@ def _replicated(op_schema, specs, mesh) -> OpStrategy:
         kw_ins.append(spec)
     if movable:
         stage_kwarg_targets({name: kw_ins[i - n_args] for name, i in movable.items()})
-    n_out = sum(1 for r in op_schema.op._schema.returns if "Tensor" in str(r.type))
+    n_out = _n_tensor_outputs(op_schema)
     outs = _output_specs(op_schema, specs, ins + kw_ins, [rep] * max(n_out, 1))
     return OpStrategy([OpSpec(outs[0] if n_out <= 1 else tuple(outs), input_specs=ins, redistribute_cost=[[0.0] for _ in ins])])
+
+
+def _n_tensor_outputs(op_schema: Any) -> int:
+    """How many tensors the op returns: one per `Tensor` in the schema, and for a
+    `Tensor[]` return (`_histogramdd_bin_edges`) as many as a fake run gives (fake, as
+    DTensor's own propagation runs it: some such ops have no meta kernel). DTensor wants
+    one output spec per tensor; one spec for a list failed the call."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    returns = op_schema.op._schema.returns
+    if not any(isinstance(r.type, torch.ListType) for r in returns):
+        return sum(1 for r in returns if "Tensor" in str(r.type))
+    flat, spec = tree_flatten((op_schema.args_schema, op_schema.kwargs_schema))
+    with clean_dispatch_state(), FakeTensorMode():
+        metas = [torch.empty_strided(x.tensor_meta.shape, x.tensor_meta.stride, dtype=x.tensor_meta.dtype)
+                 if isinstance(x, DTensorSpec) else x for x in flat]
+        args, kwargs = tree_unflatten(metas, spec)
+        out = op_schema.op(*args, **kwargs)
+    return sum(1 for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor))
 
 
 class _LocalLayoutSpec(DTensorSpec):
@@ -368,8 +387,10 @@ def enable(guard_native: bool | None = None) -> None:
     It also lets valid programs run that DTensor refuses: view-family ops on uneven
     shards redistribute instead of raising (uneven_views.py), ops whose output size
     depends on values run replicated (data_dependent.py), in-place ops without a native
-    strategy write an out-of-place result back into self (inplace.py), and
-    `as_strided_` runs where it moves no element (as_strided.py). `disable()` undoes all.
+    strategy write an out-of-place result back into self (inplace.py),
+    `as_strided_` runs where it moves no element (as_strided.py), and in-place view
+    ops (`transpose_`, `unsqueeze_`) follow their twin's native strategy
+    (inplace_views.py). `disable()` undoes all.
 
     Also keeps DTensor away from native behaviour proved wrong (the native guard,
     guard.py): on unless `guard_native=False`, or, when the argument is not given, the
@@ -378,7 +399,7 @@ def enable(guard_native: bool | None = None) -> None:
     crash (convolution handlers, batch norm's running statistics, weighted nll_loss).
     Each call sets the guard as it says: `enable(guard_native=False)` after `enable()`
     removes it."""
-    from . import as_strided, data_dependent, guard, inplace, uneven_views
+    from . import as_strided, data_dependent, guard, inplace, inplace_views, uneven_views
     from ._compat import DecompShardingStrategy
 
     if guard.wanted(guard_native):
@@ -398,12 +419,13 @@ def enable(guard_native: bool | None = None) -> None:
         data_dependent.install()
         inplace.install()
         as_strided.install()
+        inplace_views.install()
         clear_dtensor_caches()
 
 
 def disable() -> None:
     """Restore DTensor exactly as it was before `enable()`. Idempotent."""
-    from . import as_strided, data_dependent, guard, inplace, uneven_views
+    from . import as_strided, data_dependent, guard, inplace, inplace_views, uneven_views
     from ._compat import DecompShardingStrategy
 
     guard.uninstall()
@@ -417,6 +439,7 @@ def disable() -> None:
         data_dependent.uninstall()
         inplace.uninstall()
         as_strided.uninstall()
+        inplace_views.uninstall()
         clear_dtensor_caches()
 
 

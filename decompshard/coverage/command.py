@@ -33,14 +33,14 @@ if TYPE_CHECKING:
 __all__ = ["add_arguments", "run", "select_ops", "sweep"]
 
 # torch is imported when the command runs, not when the CLI builds its parser
-STATUSES = ("native", "derived", "torch-fallback", "replicate-only", "unsupported")  # = sweep.STATUSES
+STATUSES = ("native", "derived", "torch-fallback", "replicate-only", "factory", "unsupported")  # = sweep.STATUSES
 FORMATS = ("text", "markdown", "csv", "json")
 _GLOB = set("*?[")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = "Op coverage tables: how DTensor shards each aten op (native, derived, " \
-                         "torch-fallback, replicate-only, unsupported) and why not."
+                         "torch-fallback, replicate-only, factory, unsupported) and why not."
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = "examples:\n" + __doc__.split("\n\n")[1] + "\n\n" + __doc__.split("\n\n")[3]
     parser.add_argument("--ops", metavar="PATTERNS",

@@ -46,7 +46,7 @@ import torch
 from tabulate import tabulate
 
 from .progress import Progress  # noqa: F401 - re-exported: model_audit imports it from here
-from .sweep import STATUSES
+from .sweep import STATUS_MEANINGS, STATUSES
 
 SCHEMA_VERSION = 1
 SIDES = (("decompshard", ""), ("torch_fallback", "torch_fallback"))
@@ -269,7 +269,7 @@ def render_summary(summary: dict[str, Any], fmt: str = "text", width: int | None
     """The totals block: status counts, then both sides' precision and recall."""
     tf = "github" if fmt == "markdown" else "simple"
     st = summary["status"]
-    status_rows = [[s, st.get(s, 0)] for s in STATUSES] + [["total", summary["ops"]]]
+    status_rows = [[s, st.get(s, 0), STATUS_MEANINGS[s]] for s in STATUSES] + [["total", summary["ops"], ""]]
     a, b = summary["decompshard"], summary["torch_fallback"]
     lines = [
         ("ops with >= 1 rule", "ops_with_rules", str), ("rules claimed", "rules", str),
@@ -285,7 +285,7 @@ def render_summary(summary: dict[str, Any], fmt: str = "text", width: int | None
         note = (f"precision/recall over the {summary['verified_ops']} non-native ops the numerical "
                 f"checker could judge ({summary['decompshard']['truth']} valid rules in all)")
     side_rows = [[label, f(a[key]), f(b[key])] for label, key, f in lines]
-    status_table = tabulate(status_rows, ["status", "ops"], tablefmt=tf, disable_numparse=True)
+    status_table = tabulate(status_rows, ["status", "ops", "meaning"], tablefmt=tf, disable_numparse=True)
     side_table = tabulate(side_rows, ["", "decompshard", "torch fallback"], tablefmt=tf,
                           colalign=("left", "right", "right"), disable_numparse=True)
     title = ["## Summary", ""] if fmt == "markdown" else ["Summary", "======="]

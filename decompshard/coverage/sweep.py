@@ -4,11 +4,20 @@ For each op the sweep answers "how does DTensor handle it?":
 
     native          DTensor has a registered strategy (single-dim, op-strategy or rule);
                     nothing is derived or verified, which keeps the default sweep fast
-    derived         decompshard derives at least one non-trivial rule
+    derived         decompshard derives at least one non-trivial rule (or, for an in-place
+                    view op, enable() relabels self by its twin's native strategy: no rule
+                    of its own, probed like the replicated ones below)
     torch-fallback  torch's own decomposition fallback finds a non-trivial rule, we don't
-    replicate-only  the op can run, but only with every input Replicate
+    replicate-only  the op can run, but only with every input Replicate: no derived rule
+                    survives, or enable() runs it replicated without deriving (its output
+                    size depends on values, or it has no decomposition); the latter are
+                    claimed only after a DTensor run under enable() matched one device
+                    (runtime_probe.py)
+    factory         no tensor argument (arange, zeros, rand, ...): DTensor never dispatches
+                    it, so nothing to shard; sharded tensors come from
+                    torch.distributed.tensor's own factories or distribute_tensor
     unsupported     nothing can run it sharded; `reason` says why (no decomposition, the
-                    blocking primitive, data-dependent, random, a crash or a timeout)
+                    blocking primitive, random, a probe that failed, a crash or a timeout)
 
 For a non-native op we derive on its best samples (`pick_samples`), run torch's fallback
 on the same samples, and judge both rule sets against ONE numerical ground truth
@@ -42,9 +51,19 @@ from ..verify import VerifyReport, check_rules
 from .opinfo_samples import _exact_clone
 from .torch_fallback import torch_fallback_rules
 
-STATUSES = ("native", "derived", "torch-fallback", "replicate-only", "unsupported")
+STATUSES = ("native", "derived", "torch-fallback", "replicate-only", "factory", "unsupported")
+STATUS_MEANINGS = {  # the summary table's legend, one line each (see the module docstring)
+    "native": "DTensor's own registered strategy",
+    "derived": "runs sharded under enable(): rules derived by decompshard (or an in-place view on its twin's)",
+    "torch-fallback": "only torch's own decomposition fallback finds a rule",
+    "replicate-only": "runs under enable(), on replicated inputs only",
+    "factory": "n/a: no tensor argument, DTensor never dispatches it",
+    "unsupported": "not claimed to run right on DTensors under enable(); the reason says why",
+}
 REGISTRY_LABELS = {"single-dim": "single-dim strategy", "op-strategy": "op strategy", "rule": "propagation rule"}
 NO_SAMPLE = "no sample inputs (OpInfo does not reach it; derivation needs example arguments)"
+FACTORY = ("n/a: no tensor argument, so DTensor never dispatches it; create sharded tensors with "
+           "torch.distributed.tensor.zeros/ones/full/empty/rand/randn or distribute_tensor")
 
 Sample = tuple[tuple, dict, str]  # (args, kwargs, label) as shipped to a worker
 
@@ -63,6 +82,51 @@ def registry_of(op: torch._ops.OpOverload) -> str | None:
         return "op-strategy"
     if op in sp.op_to_rules:
         return "rule"
+    return None
+
+
+def is_factory(op: torch._ops.OpOverload) -> bool:
+    """No tensor argument in the schema (Tensor, Tensor?, Tensor[]): DTensor dispatches
+    only calls that carry a DTensor, so no DTensor program ever reaches the op. Decided
+    by the schema, so an OpInfo sample that happens to pass no tensor does not count."""
+    return not any("Tensor" in str(a.type) for a in op._schema.arguments)
+
+
+def runtime_route(op: torch._ops.OpOverload) -> tuple[str, str] | None:
+    """(status, reason) for an op `enable()` runs without deriving its rules, in the order
+    DTensor consults them: a handler (as_strided's limits, data-dependent ops, in-place
+    view ops), then, for an op with no decomposition, the replicated fallback
+    (`enable.reaches_decompshard`), reached directly or through an in-place op's
+    functional twin; an in-place metadata op none of these takes is unsupported with
+    its reason. None: derivation decides. A route other than unsupported is a claim only
+    once `runtime_probe` ran it."""
+    from .. import as_strided
+    from ..data_dependent import data_dependent_ops, replicated_reason
+    from ..enable import reaches_decompshard
+    from ..inplace import written_back_ops
+    from ..inplace_views import in_place_view_ops
+
+    if op in (as_strided.OP, as_strided.OUT_OF_PLACE):
+        return "unsupported", as_strided.LIMITS
+    if op in data_dependent_ops():
+        return "replicate-only", replicated_reason(op)
+    twin = dict(in_place_view_ops()).get(op)
+    if twin is not None:
+        return "derived", (f"in-place view: enable() applies {twin}'s native strategy to self's spec and local "
+                           "tensor, no data moved (inplace_views.py)")
+    if has_decomposition(op):
+        return None
+    twin = dict(written_back_ops()).get(op)
+    if twin is not None and registry_of(twin) is None and not has_decomposition(twin) and reaches_decompshard(twin):
+        return "replicate-only", (f"no decomposition: enable() runs its functional twin {twin} on replicated inputs "
+                                  "and writes the result into self (inplace.py)")
+    if reaches_decompshard(op):
+        return "replicate-only", "no decomposition: runs on replicated inputs under enable()"
+    if torch.Tag.inplace_view in op.tags:
+        return "unsupported", (
+            "changes self's metadata in place (inplace_view) and has no out-of-place twin with a DTensor strategy "
+            "to relabel self by (resize_ reallocates self to a new global shape: no placement says how a shard "
+            "grows); DTensor cannot move an in-place op's self")
     return None
 
 
@@ -198,6 +262,22 @@ def analyse_op(name: str, samples: Sequence[Sample], verify: bool = True) -> dic
     if reg is not None:
         rec.update(status="native", registry=reg, reason=f"registered {REGISTRY_LABELS[reg]}")
         return rec
+    if is_factory(op):
+        rec.update(status="factory", reason=FACTORY)
+        return rec
+    route = runtime_route(op)
+    if route is not None and route[0] == "unsupported":
+        rec["reason"] = route[1]
+        return rec
+    if route is not None:
+        rec["reason"] = f"{route[1]}; unchecked: {NO_SAMPLE}"
+        if samples:
+            from .runtime_probe import probe
+
+            ok, why = probe(op, samples)
+            rec["status"], rec["reason"] = (route[0], route[1]) if ok else ("unsupported", f"{route[1]}, but {why}")
+        rec["seconds"] = round(time.perf_counter() - t0, 3)
+        return rec
     if not has_decomposition(op):
         rec["reason"] = "no decomposition (and no DTensor strategy)"
         return rec
@@ -238,7 +318,7 @@ def _classify(per: list[dict[str, Any]], tf_status: str) -> tuple[str, str]:
         notes = [f"on [{s['shapes']}]: {s['reason']}" for s in per if s["reason"]]
         return "derived", "; ".join(notes)
     if not any(s["shapes"] != "no tensors" for s in per):
-        return "unsupported", "no tensor inputs (a factory call: DTensor never dispatches it)"
+        return "unsupported", "its samples pass no tensor (nothing to shard or check)"
     reason = reasons[0] if reasons else "no non-trivial rule survives"
     if tf_status == "supported":
         return "torch-fallback", reason
@@ -275,9 +355,12 @@ def run_jobs(jobs: Sequence[tuple[str, bytes]], workers: int, timeout: float,
 
 
 def needs_worker(op: torch._ops.OpOverload, samples: Sequence[Any]) -> bool:
-    """Only decomposable ops with samples and no DTensor strategy do real work; the rest
-    are registry lookups done in the parent."""
-    return bool(samples) and registry_of(op) is None and has_decomposition(op)
+    """Only ops with samples and no DTensor strategy that derive or need a runtime probe
+    do real work; the rest are registry lookups done in the parent."""
+    if not samples or registry_of(op) is not None or is_factory(op):
+        return False
+    route = runtime_route(op)
+    return route[0] != "unsupported" if route is not None else has_decomposition(op)
 
 
 def make_job(name: str, samples: Sequence[Sample], verify: bool) -> tuple[str, bytes]:
