@@ -202,7 +202,9 @@ def _normalize(pattern: str) -> str:
     p = pattern.strip().replace("::", ".")
     if p.startswith("torch.ops."):
         p = p[len("torch.ops."):]
-    return p if p.startswith("aten.") or p.startswith("aten*") else f"aten.{p}"
+    if p.startswith("aten.") or p.startswith("aten*") or p.count(".") >= 2:  # ns.name.overload: a custom op too
+        return p
+    return f"aten.{p}"
 
 
 def _parts(patterns: str) -> list[str]:
