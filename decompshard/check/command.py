@@ -180,11 +180,19 @@ def _op_samples(args: argparse.Namespace, n: int) -> list[tuple[Any, list]]:
         return _given_sample(args)
     if args.op_args or args.op_kwargs:
         raise UsageError("--args and --kwargs go with --shapes")
+    if args.ops and not any(c in args.ops for c in "*?[") and all(
+            _namespace(name) not in ("aten", "prims") for name in args.ops.split(",") if name.strip()):
+        raise UsageError(f"--ops {args.ops}: a custom op has no OpInfo samples; give its inputs with --shapes")
     per_op = _samples_for(args.ops, n, getattr(args, 'verbosity', 0) >= 0)
     if args.ops and not per_op:  # never an empty, successful check
         raise UsageError(f"--ops {args.ops}: no OpInfo sample reaches it; give its inputs with --shapes "
                          "(a custom op: --import the module defining it)")
     return per_op
+
+
+def _namespace(name: str) -> str:
+    parts = name.strip().replace("::", ".").removeprefix("torch.ops.").split(".")
+    return parts[0] if len(parts) >= 3 else "aten"  # 'addmv.default' is aten's
 
 
 def _sweep(args: argparse.Namespace, meshes: list) -> dict[str, Any]:
