@@ -43,7 +43,8 @@ def test_explain_custom_op_derives_from_its_implementation(capsys):
                      "--shapes", "4,6,16;16;", "--args", "1e-6", "--placements", "S(0);R")
     assert rc == 0, out
     assert "ACCEPTED" in out and "S(0), R -> S(0)" in out
-    assert "mean.dim" in out  # the trace of its implementation
+    assert "mean.dim" in out  # the trace of its implementation, which explain names
+    assert "(traced: custom op dstest_lib.rmsnorm.default's implementation)" in out
     # the normalized dim is reduced over: sharding it needs redistribution (exit 3)
     rc, out, _ = cli(capsys, "explain", "--import", LIB, "dstest_lib.rmsnorm.default",
                      "--shapes", "4,6,16;16;", "--args", "1e-6", "--placements", "S(2);S(0)", "-q")
@@ -54,10 +55,11 @@ def test_explain_custom_op_derives_from_its_implementation(capsys):
                                                      ("S(3);S(3);R;R", 3, "REJECTED")],
                          ids=["heads", "head_dim"])
 def test_explain_opaque_custom_op_uses_its_reference(capsys, placements, rc, verdict):
-    """np_rotary's kernel is numpy: explain traces its registered reference."""
+    """np_rotary's kernel is numpy: explain traces its registered reference, and says so."""
     got, out, _ = cli(capsys, "explain", "--import", LIB, "dstest_lib.np_rotary.default", *ROTARY,
-                      "--placements", placements, "-q")
+                      "--placements", placements)
     assert got == rc and verdict in out, out
+    assert "(traced: custom op dstest_lib.np_rotary.default's registered reference np_rotary_reference)" in out
 
 
 def test_explain_opaque_custom_op_without_reference_names_register_reference(capsys):

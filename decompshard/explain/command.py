@@ -532,7 +532,7 @@ class ExplainShell(cmd.Cmd):
         if d.graph is None:
             self._say(f"unsupported: {d.unsupported_reason}")
         else:
-            self._say("\n".join(decomposition_lines(d.graph)))
+            self._say("\n".join(decomposition_lines(d.graph, call.op)))
         return False
 
     def do_mesh(self, arg: str) -> bool:
