@@ -259,14 +259,15 @@ class Block(nn.Module):
         self.k = nn.Linear(dim, dim, bias=False)
         self.w_gate = nn.Parameter(torch.randn(dim, hidden) / dim ** 0.5)
         self.w_up = nn.Parameter(torch.randn(dim, hidden) / dim ** 0.5)
+        self.inv_freq = nn.Parameter(1.0 / (100.0 ** (torch.arange(dim // heads) / (dim // heads))), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         h = rmsnorm(x, self.norm_w, 1e-6)
         q = self.q(h).view(b, s, self.heads, d // self.heads)
         k = self.k(h).view(b, s, self.heads, d // self.heads)
-        pos = torch.arange(s, dtype=x.dtype)[:, None] * torch.arange(1, d // self.heads + 1, dtype=x.dtype)
-        cos, sin = pos.cos().expand(b, s, -1), pos.sin().expand(b, s, -1)
+        pos = torch.ones_like(x[:, :, :1]).cumsum(1) * self.inv_freq  # [b, s, head_dim], from x: a DTensor with x
+        cos, sin = pos.cos(), pos.sin()
         q, k = rotary(q, k, cos, sin, 2)
         return swiglu(h + (q * k).reshape(b, s, d), self.w_gate, self.w_up)
 

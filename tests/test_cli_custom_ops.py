@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import _custom_ops_lib  # noqa: F401  (registers the dstest_lib ops in this process)
 from decompshard import user_modules
@@ -128,3 +129,18 @@ def test_coverage_model_lists_custom_ops_with_status_and_rules(capsys, tmp_path)
     assert "S(0), S(0), R -> S(0), P(sum)" in rules["dstest_lib.rmsnorm_backward.default"]
     assert "S(2), S(2), R, R -> S(2), S(2)" in rules["dstest_lib.rotary.default"]
     assert not any("S(3)" in r for r in rules["dstest_lib.rotary.default"])  # head_dim: rotate_half pairs
+
+
+def test_check_model_with_custom_ops_compares_them_too(capsys):
+    """check --model: one training step of a model calling rmsnorm, rotary and swiglu
+    (and rmsnorm_backward in its backward), sharded on the sequence over 2 ranks: the
+    custom ops' own outputs are compared with one device, not only the aten ops after
+    them, and the step matches."""
+    from decompshard.check.model import _Record
+
+    x = torch.randn(2, 3, 4, dtype=torch.float64)
+    with _Record() as rec:
+        _custom_ops_lib.silu_mul(x, x)
+    assert [c[0] for c in rec.calls] == ["dstest_lib.silu_mul.default"]
+    rc, out, _ = cli(capsys, "check", "--model", f"{LIB}:build_model", "--mesh", "2", "--placements", "S(1)")
+    assert rc == 0 and "forward and backward match one device" in out, out
