@@ -15,19 +15,10 @@ import pytest
 import torch
 
 import _custom_ops_lib  # noqa: F401  (registers the dstest_lib ops in this process)
-from decompshard import user_modules
 from decompshard.cli import main
 
 LIB = "_custom_ops_lib"
 ROTARY = ["--shapes", "4,5,2,8;4,5,2,8;4,5,8;4,5,8;", "--args", "2"]
-
-
-@pytest.fixture(autouse=True)
-def _forget_imports():
-    """--import in this process is remembered for worker processes: not past a test."""
-    before = list(user_modules._IMPORTED)
-    yield
-    user_modules._IMPORTED[:] = before
 
 
 def cli(capsys, *argv):
@@ -144,3 +135,23 @@ def test_check_model_with_custom_ops_compares_them_too(capsys):
     assert [c[0] for c in rec.calls] == ["dstest_lib.silu_mul.default"]
     rc, out, _ = cli(capsys, "check", "--model", f"{LIB}:build_model", "--mesh", "2", "--placements", "S(1)")
     assert rc == 0 and "forward and backward match one device" in out, out
+
+
+def test_import_user_module_file_once(tmp_path):
+    """A .py file named twice (--import and --model, or again in a worker) runs once: a
+    second run would register its custom ops again, which torch refuses."""
+    from decompshard import user_modules
+    from decompshard.cli import UsageError
+
+    path = tmp_path / "ops_once.py"
+    path.write_text(
+        "import torch\n"
+        "@torch.library.custom_op('dstest_once::double', mutates_args=())\n"
+        "def double(x: torch.Tensor) -> torch.Tensor:\n"
+        "    return x * 2\n")
+    first = user_modules.import_user_module(str(path))
+    assert user_modules.import_user_module(str(path)) is first
+    assert user_modules.imported()[-1] == str(path)
+    assert torch.ops.dstest_once.double.default(torch.ones(2)).tolist() == [2.0, 2.0]
+    with pytest.raises(UsageError, match="--import: cannot import .*no such file"):
+        user_modules.import_user_module(str(tmp_path / "missing.py"))
