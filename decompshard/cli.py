@@ -5,7 +5,8 @@ they run), so `decompshard --help` answers at once.
 
 Every command takes `-v/--verbose` and `-q/--quiet` (`args.verbosity`: 1, 0 or -1; a
 command may redefine them), and `--import MODULE` (repeatable): the user's module that
-defines custom ops, imported before the command runs (decompshard.user_modules). A misspelled option prints that command's usage.
+defines custom ops, imported before the command runs (decompshard.user_modules). A
+misspelled option prints that command's usage.
 
 Exit codes: 0 success, 2 bad arguments (one-line message on stderr), 1 internal error,
 130 interrupted (Ctrl-C: one line on stderr); commands document their own on top.

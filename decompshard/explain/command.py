@@ -6,7 +6,7 @@
     decompshard explain aten.addmv.default --shapes "4;4,12;12" --mesh 2x4 \\
         --mesh-placements "R,S(0);S(1),S(0);S(0),R"
     decompshard explain aten.addmv.default --shapes "4;4,12;12" -i     # a small REPL
-    decompshard explain --import mypkg.kernels mylib.rmsnorm.default --shapes "8,16;16;" --args 1e-6 \
+    decompshard explain --import mypkg.kernels mylib.rmsnorm.default --shapes "8,16;16;" --args 1e-6 \\
         --placements "S(0);R"                                          # a custom op
 
 `--shapes` has one `;`-separated entry per positional argument, from the first: a
