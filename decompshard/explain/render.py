@@ -24,8 +24,8 @@ from ..propagate import input_alphabet
 from ..rules import rules_for
 from .analysis import Analysis
 
-__all__ = ["DEFAULT_WIDTH", "came_from", "decomposition_heading", "decomposition_lines", "display_env", "display_path", "input_rows",
-           "node_rows", "render_lines", "verdict_line"]
+__all__ = ["DEFAULT_WIDTH", "came_from", "decomposition_heading", "decomposition_lines", "display_env",
+           "display_path", "input_rows", "node_rows", "render_lines", "verdict_line"]
 
 DEFAULT_WIDTH = 120  # str(explanation); the CLI passes the terminal's width
 CALL_WIDTH = 58  # a primitive call in a one-line mention is cut here
