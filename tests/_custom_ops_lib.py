@@ -41,7 +41,8 @@ def _(x, w, eps):
 
 
 @torch.library.custom_op("dstest_lib::rmsnorm_backward", mutates_args=())
-def rmsnorm_backward(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rmsnorm_backward(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad x, grad w): grad w sums over every leading dim, so a batch-sharded x gives a
     partial grad w (derived: Partial(sum), reduced only when someone needs it whole)."""
     r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
@@ -113,6 +114,10 @@ def _rotary_bwd(ctx, gq, gk):
 rotary.register_autograd(_rotary_bwd, setup_context=_rotary_setup)
 
 
+def _from_numpy(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
 @torch.library.custom_op("dstest_lib::np_rotary", mutates_args=(), device_types="cpu")
 def np_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               unsqueeze_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,7 +128,7 @@ def np_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
         x1, x2 = np.split(x, 2, axis=-1)
         return x * c + np.concatenate((-x2, x1), axis=-1) * s
 
-    return torch.from_numpy(np.ascontiguousarray(rot(q.numpy()))), torch.from_numpy(np.ascontiguousarray(rot(k.numpy())))
+    return _from_numpy(rot(q.numpy())), _from_numpy(rot(k.numpy()))
 
 
 @np_rotary.register_fake
@@ -141,7 +146,7 @@ def np_rotary_backward(gq: torch.Tensor, gk: torch.Tensor, cos: torch.Tensor, si
         g1, g2 = np.split(g * s, 2, axis=-1)
         return g * c - np.concatenate((-g2, g1), axis=-1)
 
-    return torch.from_numpy(np.ascontiguousarray(back(gq.numpy()))), torch.from_numpy(np.ascontiguousarray(back(gk.numpy())))
+    return _from_numpy(back(gq.numpy())), _from_numpy(back(gk.numpy()))
 
 
 @np_rotary_backward.register_fake
@@ -259,7 +264,8 @@ class Block(nn.Module):
         self.k = nn.Linear(dim, dim, bias=False)
         self.w_gate = nn.Parameter(torch.randn(dim, hidden) / dim ** 0.5)
         self.w_up = nn.Parameter(torch.randn(dim, hidden) / dim ** 0.5)
-        self.inv_freq = nn.Parameter(1.0 / (100.0 ** (torch.arange(dim // heads) / (dim // heads))), requires_grad=False)
+        hd = dim // heads
+        self.inv_freq = nn.Parameter(1.0 / (100.0 ** (torch.arange(hd) / hd)), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape

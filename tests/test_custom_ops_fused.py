@@ -61,10 +61,11 @@ def _assert_every_rank(dt, expected, mesh, what):
 
 
 def run_sharded(fn, tensors, placements, extra, mesh_shape, grads_placements, strict=True):
-    """fn(*tensors, *extra) with the tensors sharded as `placements`, forward then backward with random output grads placed as
-    `grads_placements`; checks forward outputs and input grads against one device and
-    returns (forward comm counts, backward comm counts, output placements). `strict`:
-    any warning (decompshard's "running replicated" or "redistributing") fails."""
+    """fn(*tensors, *extra) with the tensors sharded as `placements`, forward then
+    backward with random output grads placed as `grads_placements`; checks forward
+    outputs and input grads against one device and returns (forward comm counts,
+    backward comm counts, output placements). `strict`: any warning (decompshard's
+    "running replicated" or "redistributing") fails."""
     needs_grad = [t.dtype.is_floating_point for t in tensors]
     ref_in = [t.clone().requires_grad_(g) for t, g in zip(tensors, needs_grad)]
     ref_out = fn(*ref_in, *extra)
