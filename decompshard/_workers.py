@@ -110,6 +110,11 @@ def run_jobs(jobs: Sequence[Job], workers: int, timeout: float,
             on_result(name, value)
         return
     ctx = _context()
+    from .user_modules import call_with_user_modules, imported
+
+    modules = imported()  # the user's --import/--model modules: their custom ops, in every worker
+    if modules:
+        jobs = [(name, call_with_user_modules, (modules, fn, args)) for name, fn, args in jobs]
     pending = collections.deque((name, pickle.dumps((fn, args))) for name, fn, args in jobs)
     pool = [_Worker(ctx) for _ in range(min(workers, len(pending)))]
     early_deaths = 0

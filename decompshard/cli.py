@@ -4,7 +4,9 @@ Only the chosen command's module is imported (torch is imported by the commands,
 they run), so `decompshard --help` answers at once.
 
 Every command takes `-v/--verbose` and `-q/--quiet` (`args.verbosity`: 1, 0 or -1; a
-command may redefine them). A misspelled option prints that command's usage.
+command may redefine them), and `--import MODULE` (repeatable): the user's module that
+defines custom ops, imported before the command runs (decompshard.user_modules). A
+misspelled option prints that command's usage.
 
 Exit codes: 0 success, 2 bad arguments (one-line message on stderr), 1 internal error,
 130 interrupted (Ctrl-C: one line on stderr); commands document their own on top.
@@ -59,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        _import_user_modules(args)
         return int(modules[args.command].run(args) or 0)
     except (UsageError, ValueError) as e:
         print(f"decompshard {args.command}: error: {e}", file=sys.stderr)
@@ -75,6 +78,20 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
                       help="more detail on stderr")
     loud.add_argument("--quiet", "-q", dest="verbosity", action="store_const", const=-1,
                       help="less output: no progress, only results")
+    parser.add_argument("--import", dest="imports", action="append", metavar="MODULE", default=[],
+                        help="import MODULE first (a dotted name importable from the working directory, or a "
+                        "path to a .py file; repeatable): the module that defines your custom ops "
+                        "(torch.library.custom_op) and registers their references, so they are named like aten "
+                        "ops, e.g. --import mypkg.kernels with mylib.rmsnorm.default")
+
+
+def _import_user_modules(args: argparse.Namespace) -> None:
+    """--import MODULE, in order, before the command runs (its worker processes repeat them)."""
+    if getattr(args, "imports", None):
+        from .user_modules import import_user_module
+
+        for spec in args.imports:
+            import_user_module(spec)
 
 
 def _unrecognized(parser: argparse.ArgumentParser, extra: list[str]) -> None:

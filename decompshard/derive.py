@@ -184,7 +184,10 @@ def resolve_op(op: OpOverload | str) -> OpOverload:
     try:
         resolved = getattr(getattr(getattr(torch.ops, ns), packet), overload)
     except (AttributeError, RuntimeError):
-        raise ValueError(f"unknown op {op!r}: no such operator overload in torch.ops") from None
+        hint = "" if ns in ("aten", "prims") else (
+            " (a custom op exists once the module defining it is imported: decompshard's commands take "
+            "--import MODULE)")
+        raise ValueError(f"unknown op {op!r}: no such operator overload in torch.ops{hint}") from None
     return _dispatchable(resolved, op)
 
 

@@ -123,7 +123,9 @@ def reference_of(op: Any) -> Callable | None:
 # ------------------------------------------------------------------ the numerical check
 
 
-def _random_like(meta: Any, device: str, gen: torch.Generator) -> torch.Tensor:
+def random_like(meta: Any, device: str, gen: torch.Generator) -> torch.Tensor:
+    """A real tensor with `meta`'s shape and dtype: standard normal for floating and
+    complex dtypes, random bools, integers in [0, 3) (valid as small indices)."""
     shape, dtype = tuple(meta.shape), meta.dtype
     if dtype.is_floating_point or dtype.is_complex:
         t = torch.randn(shape, dtype=dtype, generator=gen)
@@ -150,7 +152,7 @@ def check_reference(op: Any, args: tuple, kwargs: dict, device: str = "cpu") -> 
     if key in _CHECKED:
         return
     gen = torch.Generator().manual_seed(0)
-    real = [_random_like(x, device, gen) if isinstance(x, torch.Tensor) else x for x in flat]
+    real = [random_like(x, device, gen) if isinstance(x, torch.Tensor) else x for x in flat]
     from torch.utils._pytree import tree_unflatten
 
     r_args, r_kwargs = tree_unflatten(real, spec)

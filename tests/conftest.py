@@ -16,3 +16,14 @@ def opinfo_cache(tmp_path_factory):
     capture_aten_samples(max_samples_per_opinfo=1, cache_dir=str(folder))
     assert any(folder.iterdir()), "the capture was not kept on disk"
     return folder
+
+
+@pytest.fixture(autouse=True)
+def _user_modules_stay_in_their_test():
+    """An in-process `--import`/`--model` is remembered for the worker processes to
+    import (decompshard.user_modules): not past the test that asked for it."""
+    from decompshard import user_modules
+
+    before = list(user_modules._IMPORTED)
+    yield
+    user_modules._IMPORTED[:] = before

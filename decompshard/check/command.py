@@ -3,6 +3,7 @@
     decompshard check                                   # every derived op, meshes 6 / 2x3 / 2x2x2
     decompshard check --ops "aten.addmv.default,aten.block_diag.*" --mesh 2x3 --combos 12
     decompshard check --ops aten.addmv.default --sample 0 --mesh 2x3 --placements "R,P(sum);S(1),S(0);S(0),R"
+    decompshard check --import mypkg.kernels --ops mylib.rmsnorm.default --shapes "8,16;16;" --args 1e-6
     decompshard check --model mypkg.models:build --input-shapes 8,16 --mesh 2x2 --placements "S(0),R"
     decompshard check --model llama --sharding dp-uneven,2d     # the model zoo (check/zoo.py)
     decompshard check --model all                               # every zoo model, every sharding
@@ -25,6 +26,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 EXIT_FAILURES = 3
@@ -47,6 +49,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--placements", metavar="TEXT",
                         help="run one case with these placements (needs one op, --sample and one --mesh)")
     parser.add_argument("--sample", type=int, default=None, help="with --placements: which sample (0 = largest)")
+    parser.add_argument("--shapes", metavar="SHAPES",
+                        help="with one exact op in --ops: run it on random inputs of these shapes instead of OpInfo "
+                        "samples (the op's only sample, number 0), as explain takes them: one ';'-separated entry "
+                        "per positional arg, empty for a non-tensor arg given in --args. The way to check a custom "
+                        "op (--import the module defining it), e.g. --import mypkg.kernels --ops "
+                        "mylib.rmsnorm.default --shapes '8,16;16;' --args 1e-6")
+    parser.add_argument("--args", dest="op_args", default="", metavar="ARGS",
+                        help="with --shapes: non-tensor positional args as comma-separated Python literals")
+    parser.add_argument("--kwargs", dest="op_kwargs", default="", metavar="KWARGS",
+                        help="with --shapes: keyword args as Python literals, e.g. 'keepdim=True'")
+    parser.add_argument("--dtype", default="float32", help="with --shapes: dtype of every tensor (default float32)")
     parser.add_argument("--no-backward", action="store_true", help="forward only")
     parser.add_argument("--no-torch", action="store_true", help="skip torch's own fallback (half the time)")
     parser.add_argument("--model", metavar="NAME|all|MODULE:CALLABLE",
@@ -133,11 +146,60 @@ def _samples_for(patterns: str | None, n: int, progress: bool) -> list[tuple[Any
     return [(op, pick_samples(captured.get(op, []), n)) for op in ops if captured.get(op)]
 
 
+@dataclass(frozen=True)
+class _GivenSample:
+    args: tuple
+    kwargs: dict
+
+
+def _given_sample(args: argparse.Namespace) -> list[tuple[Any, list]]:
+    """--shapes/--args/--kwargs/--dtype: the one sample of the one op in --ops, random
+    values of the shapes given (always the same: a reproducer line rebuilds them),
+    checked against the op's schema as explain checks them."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    from ..cli import UsageError
+    from ..explain.command import build_call
+    from ..reference import random_like
+
+    if not args.ops or any(c in args.ops for c in ",*?["):
+        raise UsageError("--shapes gives one op's inputs: name one exact op in --ops")
+    call = build_call(args.ops, args.shapes, args.op_args, args.dtype, args.op_kwargs)
+    gen = torch.Generator().manual_seed(0)
+    real = tree_map(lambda x: random_like(x, "cpu", gen) if isinstance(x, torch.Tensor) else x,
+                    (call.args, call.kwargs))
+    return [(call.op, [_GivenSample(*real)])]
+
+
+def _op_samples(args: argparse.Namespace, n: int) -> list[tuple[Any, list]]:
+    """(op, samples) to check: the --shapes sample, or up to `n` OpInfo samples per op."""
+    from ..cli import UsageError
+
+    if args.shapes is not None:
+        return _given_sample(args)
+    if args.op_args or args.op_kwargs:
+        raise UsageError("--args and --kwargs go with --shapes")
+    if args.ops and not any(c in args.ops for c in "*?[") and all(
+            _namespace(name) not in ("aten", "prims") for name in args.ops.split(",") if name.strip()):
+        raise UsageError(f"--ops {args.ops}: a custom op has no OpInfo samples; give its inputs with --shapes")
+    per_op = _samples_for(args.ops, n, getattr(args, 'verbosity', 0) >= 0)
+    if args.ops and not per_op:  # never an empty, successful check
+        raise UsageError(f"--ops {args.ops}: no OpInfo sample reaches it; give its inputs with --shapes "
+                         "(a custom op: --import the module defining it)")
+    return per_op
+
+
+def _namespace(name: str) -> str:
+    parts = name.strip().replace("::", ".").removeprefix("torch.ops.").split(".")
+    return parts[0] if len(parts) >= 3 else "aten"  # 'addmv.default' is aten's
+
+
 def _sweep(args: argparse.Namespace, meshes: list) -> dict[str, Any]:
     from .sweep import check_ops, summarize
 
     t0 = time.perf_counter()
-    per_op = _samples_for(args.ops, args.samples, getattr(args, 'verbosity', 0) >= 0)
+    per_op = _op_samples(args, args.samples)
     done = [0]
 
     def step(name: str) -> None:
@@ -147,10 +209,28 @@ def _sweep(args: argparse.Namespace, meshes: list) -> dict[str, Any]:
 
     records = check_ops(per_op, meshes=meshes, combos=args.combos, seed=args.seed, backward=not args.no_backward,
                         with_torch=not args.no_torch, jobs=args.jobs, timeout=args.timeout, on_op=step)
+    given = _given_flags(args)
+    for r in records:  # the reproducer rebuilds the same inputs
+        r["given"] = given
     summary = summarize(records)
     run_info = {"meshes": ["x".join(map(str, m)) for m in meshes], "combos": args.combos, "samples": args.samples,
                 "seed": args.seed, "backward": not args.no_backward, "seconds": round(time.perf_counter() - t0, 1)}
     return {"run": run_info, "summary": summary, "cases": records}
+
+
+def _given_flags(args: argparse.Namespace) -> str:
+    """The --import/--shapes/... flags a reproducer line needs ('' for OpInfo samples)."""
+    import shlex
+
+    if args.shapes is None:
+        return ""
+    parts = [f"--import {shlex.quote(m)}" for m in args.imports]
+    parts.append(f"--shapes {shlex.quote(args.shapes)}")
+    parts += [f"{flag} {shlex.quote(v)}" for flag, v in
+              (("--args", args.op_args), ("--kwargs", args.op_kwargs)) if v]
+    if args.dtype != "float32":
+        parts.append(f"--dtype {args.dtype}")
+    return " ".join(parts)
 
 
 def _one_case(args: argparse.Namespace, meshes: list) -> int:
@@ -160,8 +240,10 @@ def _one_case(args: argparse.Namespace, meshes: list) -> int:
 
     if len(meshes) != 1 or args.sample is None or not args.ops or any(c in args.ops for c in ",*?["):
         raise UsageError("--placements runs one case: give one exact op in --ops, --sample and one --mesh")
-    per_op = _samples_for(args.ops, args.sample + 1, getattr(args, 'verbosity', 0) >= 0)
+    per_op = _op_samples(args, args.sample + 1)
     if not per_op or len(per_op[0][1]) <= args.sample:
+        if args.shapes is not None:
+            raise UsageError(f"{args.ops}: --shapes gives one sample, number 0")
         raise UsageError(f"{args.ops}: no OpInfo sample number {args.sample}")
     op, samples = per_op[0]
     sample = samples[args.sample]

@@ -1,5 +1,5 @@
 """`decompshard check --model`: one training step of a user's model, sharded as given,
-against one device; names the first aten op whose output or gradient diverges.
+against one device; names the first aten op (or custom op) whose output or gradient diverges.
 
 Both runs (float64, same weights, same inputs, same random cotangent) record every aten
 call at the level DTensor dispatches (a TorchDispatchMode above DTensor): the op, and
@@ -64,9 +64,25 @@ class _Record(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.current = str(func)
         out = func(*args, **(kwargs or {}))
-        if func.namespace == "aten" and func is not torch.ops.aten.detach.default:
+        if _recorded(func):
             self.calls.append((str(func), self.phase, [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]))
         return out
+
+
+def _recorded(func: Any) -> bool:
+    """aten calls, and custom ops (torch.library.custom_op: one call on both sides, its
+    implementation runs below the recorder), so a custom op's wrong output is named, not
+    the op after it. Not detach, nor the calls that only read metadata: DTensor and a
+    LocalTensor ask for sizes where one device does not."""
+    from .._compat import custom_op_implementation
+
+    if func.namespace != "aten":
+        return custom_op_implementation(func) is not None
+    return func is not torch.ops.aten.detach.default and func not in _METADATA_OPS
+
+
+_METADATA_OPS = frozenset(getattr(torch.ops.aten, n).default for n in (
+    "dim", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_contiguous"))
 
 
 def _split_placements(text: str | None, n_inputs: int, ndim: int, params: dict[str, torch.Tensor],
@@ -208,7 +224,7 @@ def check_model(spec: str, input_shapes: str | None, meshes: list, placements: s
         res = run_model_check(module, inputs, meshes[0], placements, args.seed)
     mesh = "x".join(map(str, meshes[0]))
     if res.divergence is None:
-        print(f"{spec} on mesh {mesh}: {res.calls} aten calls, forward and backward match one device")
+        print(f"{spec} on mesh {mesh}: {res.calls} op calls, forward and backward match one device")
         return 0
     d = res.divergence
     print(f"{spec} on mesh {mesh}: first divergence at call #{d.index} ({d.phase}) {d.op}: {d.detail}")

@@ -184,5 +184,6 @@ def summarize(records: Sequence[dict]) -> dict[str, Any]:
 
 def reproducer(rec: dict) -> str:
     """The copy-paste command that reruns exactly this case."""
-    return (f"decompshard check --ops {rec['op']} --sample {rec['sample']} --mesh {rec['mesh']} "
+    given = f" {rec['given']}" if rec.get("given") else ""  # a custom op's --import/--shapes/...
+    return (f"decompshard check --ops {rec['op']}{given} --sample {rec['sample']} --mesh {rec['mesh']} "
             f"--placements '{rec['placements']}' --seed {rec['seed']}")

@@ -45,9 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = "examples:\n" + __doc__.split("\n\n")[1] + "\n\n" + __doc__.split("\n\n")[3]
     parser.add_argument("--ops", metavar="PATTERNS",
                         help="comma-separated fnmatch globs over 'aten.<name>.<overload>' of the ops OpInfo "
-                        "reaches, or exact overload names (any aten op); default: every op OpInfo reaches")
+                        "reaches, or exact overload names (any aten op, or a custom op ns.name.overload from "
+                        "--import MODULE: without OpInfo samples it is listed as such; --model derives a custom "
+                        "op at its calls' shapes); default: every op OpInfo reaches")
     parser.add_argument("--model", metavar="MODULE:CALLABLE",
-                        help="audit a model instead: the callable returns an nn.Module or (module, example_inputs)")
+                        help="audit a model instead: the callable returns an nn.Module or (module, example_inputs). "
+                        "Custom ops it calls (torch.library.custom_op, in forward or backward) are listed and "
+                        "derived like aten ops; the module is imported in the worker processes too")
     parser.add_argument("--input-shapes", metavar="SHAPES",
                         help="with --model: ';'-separated input shapes (float32), e.g. '8,128' or '2,3;2'")
     parser.add_argument("--format", choices=FORMATS, default="text",
@@ -202,7 +206,9 @@ def _normalize(pattern: str) -> str:
     p = pattern.strip().replace("::", ".")
     if p.startswith("torch.ops."):
         p = p[len("torch.ops."):]
-    return p if p.startswith("aten.") or p.startswith("aten*") else f"aten.{p}"
+    if p.startswith("aten.") or p.startswith("aten*") or p.count(".") >= 2:  # ns.name.overload: a custom op too
+        return p
+    return f"aten.{p}"
 
 
 def _parts(patterns: str) -> list[str]:

@@ -12,10 +12,6 @@ the traced arguments are shapes, not values.
 from __future__ import annotations
 
 import collections
-import importlib
-import importlib.util
-import os
-import sys
 from typing import Any, Callable, Sequence
 
 import torch
@@ -31,23 +27,14 @@ __all__ = ["audit_model", "build_model", "load_callable", "parse_shapes", "trace
 
 def load_callable(spec: str) -> Callable[[], Any]:
     """'pkg.module:name' (or 'path/to/file.py:name') -> the callable. The working directory
-    is importable, as with `python -m`."""
+    is importable, as with `python -m`; the module is imported in the worker processes
+    too, so the custom ops it defines resolve there (user_modules)."""
     mod_name, sep, attr = spec.partition(":")
     if not sep or not mod_name or not attr:
         raise UsageError(f"--model {spec!r}: expected MODULE:CALLABLE, e.g. mypkg.models:build_model")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        if mod_name.endswith(".py"):
-            if not os.path.isfile(mod_name):
-                raise ImportError(f"no such file: {mod_name}")
-            loader_spec = importlib.util.spec_from_file_location("_decompshard_model", mod_name)
-            module = importlib.util.module_from_spec(loader_spec)
-            loader_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(mod_name)
-    except Exception as e:  # ImportError, or the module's own import-time error
-        raise UsageError(f"--model: cannot import {mod_name!r}: {type(e).__name__}: {e}") from None
+    from ..user_modules import import_user_module
+
+    module = import_user_module(mod_name, "--model")  # the worker processes import it too
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):

@@ -139,7 +139,8 @@ def find_decomposition(op: OpOverload) -> Callable | None:
 def reference_decomposition(op: OpOverload, fn: Callable) -> Callable:
     """A registered plain-torch reference (decompshard.register_reference), as `op`'s
     decomposition. Not cached: a cache would keep an unregistered reference alive."""
-    return _as_decomposition(op, fn, "registered reference")
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+    return _as_decomposition(op, fn, f"registered reference {name}")
 
 
 _REGISTER_HINT = "; register a plain-torch reference with decompshard.register_reference(op, fn)"
@@ -175,7 +176,15 @@ def _as_decomposition(op: OpOverload, fn: Callable, what: str, hint: str = "") -
                                 f"(on meta tensors: {_one_line(e)}){hint}") from e
 
     decomposition.__name__ = decomposition.__qualname__ = f"{what.replace(' ', '_')}[{op}]"
+    decomposition.origin = f"custom op {op}'s {what}"  # what explain says it traced
     return decomposition
+
+
+def decomposition_origin(op: OpOverload) -> str:
+    """Whose code a custom op's trace is ("custom op mylib.rmsnorm.default's registered
+    reference rmsnorm_ref"): a user reading explain must know when the rules come from
+    their reference, not their kernel. '' for torch's ops."""
+    return getattr(find_decomposition(op), "origin", "")
 
 
 def has_decomposition(op: OpOverload) -> bool:

@@ -6,6 +6,8 @@
     decompshard explain aten.addmv.default --shapes "4;4,12;12" --mesh 2x4 \\
         --mesh-placements "R,S(0);S(1),S(0);S(0),R"
     decompshard explain aten.addmv.default --shapes "4;4,12;12" -i     # a small REPL
+    decompshard explain --import mypkg.kernels mylib.rmsnorm.default --shapes "8,16;16;" --args 1e-6 \\
+        --placements "S(0);R"                                          # a custom op
 
 `--shapes` has one `;`-separated entry per positional argument, from the first: a
 comma-separated shape for a tensor (`()` for a 0-d tensor, `|` between the shapes of a
@@ -58,10 +60,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         '  decompshard explain aten.native_layer_norm.default --shapes "2,8,16;;16;16" '
         '--args "[16],1e-5" --all\n'
         '  decompshard explain aten.addmv.default --shapes "4;4,12;12" --mesh 2x4 '
-        '--mesh-placements "R,S(0);S(1),S(0);S(0),R"\n\n'
+        '--mesh-placements "R,S(0);S(1),S(0);S(0),R"\n'
+        '  decompshard explain --import mypkg.kernels mylib.rmsnorm.default --shapes "8,16;16;" --args 1e-6 '
+        '--placements "S(0);R"\n\n'
         + __doc__.split("\n\n")[-2] + "\n\n" + __doc__.split("\n\n")[-1].rstrip('"\n ')
     )
-    parser.add_argument("op", nargs="?", help="the op, e.g. aten.addmv.default")
+    parser.add_argument("op", nargs="?", help="the op, e.g. aten.addmv.default, or a custom op (torch.library."
+                        "custom_op) named the same way, e.g. mylib.rmsnorm.default, with --import MODULE naming "
+                        "the module that defines it (and registers its reference, if it has one)")
     parser.add_argument(
         "--shapes", help="one ';'-separated entry per positional arg: a shape like 4,12 for a "
         "tensor, empty for a non-tensor arg taken from --args, () for a 0-d tensor, "
@@ -532,7 +538,7 @@ class ExplainShell(cmd.Cmd):
         if d.graph is None:
             self._say(f"unsupported: {d.unsupported_reason}")
         else:
-            self._say("\n".join(decomposition_lines(d.graph)))
+            self._say("\n".join(decomposition_lines(d.graph, call.op)))
         return False
 
     def do_mesh(self, arg: str) -> bool:

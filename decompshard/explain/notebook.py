@@ -21,6 +21,7 @@ from .render import (
     NODE_HEAD,
     _dtype,
     came_from,
+    decomposition_heading,
     display_env,
     input_rows,
     node_rows,
@@ -79,7 +80,7 @@ def render_html(ex: Analysis) -> str:
         out.append(_heading("op inputs"))
         out.append(_table(INPUT_HEAD, input_rows(ex, env), cls="inputs", placement_cols={5}))
         rows, notes, state = node_rows(ex, env)
-        out.append(_heading(f"decomposition: {len(ex.graph.nodes)} primitive calls"))
+        out.append(_heading(decomposition_heading(ex.op, ex.graph)))
         out.append(_table(NODE_HEAD, rows, cls="decomposition",
                           row_class=[state[r[0]].replace(" ", "-") for r in rows],
                           row_style=[ROW_STYLES.get(state[r[0]], "") for r in rows], mono_cols={1, 2}))

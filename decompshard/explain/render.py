@@ -24,8 +24,8 @@ from ..propagate import input_alphabet
 from ..rules import rules_for
 from .analysis import Analysis
 
-__all__ = ["DEFAULT_WIDTH", "came_from", "decomposition_lines", "display_env", "display_path", "input_rows",
-           "node_rows", "render_lines", "verdict_line"]
+__all__ = ["DEFAULT_WIDTH", "came_from", "decomposition_heading", "decomposition_lines", "display_env",
+           "display_path", "input_rows", "node_rows", "render_lines", "verdict_line"]
 
 DEFAULT_WIDTH = 120  # str(explanation); the CLI passes the terminal's width
 CALL_WIDTH = 58  # a primitive call in a one-line mention is cut here
@@ -70,7 +70,7 @@ def _render_lines(ex: Analysis) -> list[str]:
         out.append("")
         out += _outcome(ex, tabulate)
     elif ex.mesh is None or ex.show_all:
-        out += decomposition_lines(graph)
+        out += decomposition_lines(graph, ex.op)
         out.append("")
 
     if ex.show_all or (ex.placements is None and ex.mesh is None):
@@ -80,7 +80,16 @@ def _render_lines(ex: Analysis) -> list[str]:
     return out
 
 
-def decomposition_lines(graph: PrimGraph) -> list[str]:
+def decomposition_heading(op: Any, graph: PrimGraph) -> str:
+    """'decomposition: N primitive calls', and for a custom op whose code was traced
+    (its implementation or its registered reference)."""
+    from ..dispatch_modes.tracing import decomposition_origin
+
+    origin = decomposition_origin(op) if op is not None else ""
+    return f"decomposition: {len(graph.nodes)} primitive calls" + (f" (traced: {origin})" if origin else "")
+
+
+def decomposition_lines(graph: PrimGraph, op: Any = None) -> list[str]:
     """The recorded decomposition as a numbered list, with the source of each primitive's
     rules (no placements)."""
     from tabulate import tabulate
@@ -92,7 +101,7 @@ def decomposition_lines(graph: PrimGraph) -> list[str]:
         src = "constant" if n.constant else (source_of(n.op) or "?")
         rows.append((n.index, _call(graph, n, width=_WIDTH.get() - 40), src))
     table = tabulate(rows, headers=["#", "primitive call (output shape)", "rules from"], tablefmt="simple")
-    return [f"decomposition: {len(graph.nodes)} primitive calls"] + _indent(table)
+    return [decomposition_heading(op, graph)] + _indent(table)
 
 
 def _native_line(ex: Analysis) -> str:
@@ -235,7 +244,7 @@ def _node_table(ex: Analysis, env, tabulate) -> list[str]:
         if len(r[1]) > width:
             r[1] = r[1][: width - 3] + "..."
     table = tabulate(rows, headers=head, tablefmt="simple")
-    head = f"decomposition: {len(ex.graph.nodes)} primitive calls"
+    head = decomposition_heading(ex.op, ex.graph)
     return [head] + _indent(table) + _indent([w for note in notes for w in _wrap(note, 4)])
 
 
