@@ -261,9 +261,12 @@ PROJECT_OVERRIDES: dict[torch._ops.OpOverload, Callable] = {
 }
 
 
+from . import search  # noqa: E402  (after the helpers search.py reuses)
+
 PROJECT_DECOMPOSITIONS: dict[torch._ops.OpOverload, Callable] = {
     aten.addbmm.default: _addbmm,
     aten._cdist_forward.default: _cdist_forward,
     aten._cdist_backward.default: _cdist_backward,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _sdpa_flash_cpu_backward,
+    **search.SEARCH_DECOMPOSITIONS,
 }
