@@ -90,10 +90,14 @@ def _searchsorted(sorted_sequence: torch.Tensor, values: torch.Tensor | Any, *, 
 
 
 def _read(seq: torch.Tensor, pos: torch.Tensor, one_d: bool) -> torch.Tensor:
-    """seq[..., pos]: one boundary per value, the values' batch dims matching seq's."""
+    """seq[..., pos]: one boundary per value, the values' batch dims matching seq's. A 1-D
+    seq is expanded over the values' batch dims so that gather serves every case: its
+    rule keeps an uneven shard of the values (index.Tensor's asks for even ones)."""
     if one_d:
-        flat = aten.index_select.default(seq, 0, aten.reshape.default(pos, [-1]))
-        return aten.view.default(flat, list(pos.shape))
+        if pos.dim() == 0:  # one value: nothing to shard
+            return aten.index.Tensor(seq, [pos])
+        n = seq.shape[0]
+        seq = aten.expand.default(aten.view.default(seq, [1] * (pos.dim() - 1) + [n]), list(pos.shape[:-1]) + [n])
     return aten.gather.default(seq, -1, pos)
 
 
