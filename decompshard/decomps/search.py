@@ -135,8 +135,12 @@ def _pair_indices(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Ten
 
 
 def _pdist_forward(x: torch.Tensor, p: float = 2.0) -> torch.Tensor:
-    # pdist is cdist of each pair of rows (i < j): the project's cdist decomposition on
-    # [K, 1, M] batches, so both share one set of p cases (0, 1, 2, inf, other).
+    # pdist is the upper triangle (i < j, row-major) of cdist(x, x): the project's cdist
+    # decomposition, so both share one set of p cases (0, 1, 2, inf, other), then a
+    # constant index into the flat [N * N] matrix. Picking rows first (x[i] - x[j]) would
+    # be smaller, but index_select's rule keeps only even column shards, and gather's
+    # none with a constant index; the whole matrix keeps x's columns sharded into P(sum)
+    # (p = 0, 1) or P(max) (p = inf) at any split.
     from . import _cdist_forward
 
     if x.dim() != 2:
@@ -145,10 +149,10 @@ def _pdist_forward(x: torch.Tensor, p: float = 2.0) -> torch.Tensor:
         raise RuntimeError("pdist only supports non-negative p values")
     if x.shape[1] == 0:  # every distance over no coordinates is 0; p = 1 gives that (amax cannot)
         p = 1.0
-    i, j = _pair_indices(x.shape[0], x.device)
-    xi = aten.unsqueeze.default(aten.index_select.default(x, 0, i), 1)
-    xj = aten.unsqueeze.default(aten.index_select.default(x, 0, j), 1)
-    return aten.view.default(_cdist_forward(xi, xj, p, 0), [-1])
+    n = x.shape[0]
+    i, j = _pair_indices(n, x.device)
+    flat = aten.view.default(_cdist_forward(x, x, p, 0), [n * n])
+    return aten.index_select.default(flat, 0, aten.add.Tensor(aten.mul.Tensor(i, n), j))
 
 
 def _pdist_backward(grad: torch.Tensor, x: torch.Tensor, p: float, pdist: torch.Tensor) -> torch.Tensor:
@@ -172,12 +176,13 @@ def _pdist_backward(grad: torch.Tensor, x: torch.Tensor, p: float, pdist: torch.
 
 
 def _conj_physical(x: torch.Tensor) -> torch.Tensor:
-    # conj of a real tensor is the tensor itself (a copy, as the kernel returns).
+    # The public conj_physical has a DTensor strategy and calls this kernel for complex
+    # tensors; for real ones it is the identity (a copy here, as the kernel returns).
+    # Rebuilding the value from real and -imag parts instead would go through
+    # view_as_complex, whose rule asks for even shards and passes no Partial.
     if not x.is_complex():
         return aten.clone.default(x)
-    from . import _complex
-
-    return _complex(aten.real.default(x), aten.neg.default(aten.imag.default(x)))
+    return aten.conj_physical.default(x)
 
 
 SEARCH_DECOMPOSITIONS: dict[torch._ops.OpOverload, Callable] = {
