@@ -297,18 +297,36 @@ def test_dtensors_match_one_device_forward_and_backward(world, mesh):
         assert outcome.status == "ok", (op, kwargs, text, outcome)
 
 
-def test_searchsorted_and_pdist_keep_their_shards(world):
-    """No all-gather where the math needs none: sharded values give a sharded result,
-    pdist of column shards a Partial one."""
+def test_searchsorted_pdist_and_bilinear_keep_their_shards(world):
+    """No collective where the math needs none: sharded values give a sharded result,
+    pdist of column shards a Partial one whose backward gives column-sharded gradients,
+    bilinear of batch shards a batch-sharded result."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
     mesh = device_mesh((3,))
     g = torch.Generator().manual_seed(8)
-    seq, v, x = torch.randn(10, generator=g).sort().values, torch.randn(7, 4, generator=g), torch.randn(5, 7, generator=g)
+    seq, v = torch.randn(10, generator=g).sort().values, torch.randn(7, 4, generator=g)
+    x = torch.randn(5, 7, dtype=torch.float64, generator=g)
+    i1, w, i2 = (torch.randn(s, dtype=torch.float64, generator=g) for s in [(7, 3), (4, 3, 5), (7, 5)])
     with decompshard_on(True), LocalTensorMode(3), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = torch.searchsorted(distribute_tensor(seq, mesh, [Replicate()]), distribute_tensor(v, mesh, [Shard(0)]))
+        dseq, dv = distribute_tensor(seq, mesh, [Replicate()]), distribute_tensor(v, mesh, [Shard(0)])
+        dx = distribute_tensor(x, mesh, [Shard(1)]).requires_grad_()
+        cot = distribute_tensor(torch.ones(10, dtype=torch.float64), mesh, [Replicate()])
+        di1, dw, di2 = (distribute_tensor(t, mesh, [p]) for t, p in ((i1, Shard(0)), (w, Replicate()), (i2, Shard(0))))
+        with CommDebugMode() as comms:
+            out = torch.searchsorted(dseq, dv)
+            d = torch.nn.functional.pdist(dx, p=1)
+            d.backward(cot)
+            y = torch.nn.functional.bilinear(di1, di2, dw)
+        assert comms.get_total_counts() == 0, comms.get_comm_counts()
         assert out.placements == (Shard(0),) and out.dtype == torch.int64
         assert [t.shape[0] for t in rank_locals(out.to_local(), mesh).values()] == [3, 3, 1]
         assert torch.equal(out.full_tensor(), torch.searchsorted(seq, v))
-        d = torch.nn.functional.pdist(distribute_tensor(x, mesh, [Shard(1)]), p=1)
-        assert isinstance(d.placements[0], Partial)
+        assert isinstance(d.placements[0], Partial) and dx.grad.placements == (Shard(1),)
+        xr = x.clone().requires_grad_()
+        torch.nn.functional.pdist(xr, p=1).backward(torch.ones(10, dtype=torch.float64))
         assert torch.allclose(d.full_tensor(), torch.nn.functional.pdist(x, p=1))
+        assert torch.allclose(dx.grad.full_tensor(), xr.grad)
+        assert y.placements == (Shard(0),)
+        assert torch.allclose(y.full_tensor(), torch.nn.functional.bilinear(i1, i2, w))
