@@ -9,17 +9,19 @@ every rule against that real kernel. So they may spend memory (a [..., m, n] com
 an [N, N, M] difference), but they must compute what the kernel computes for every
 input, since a rule read off a different function would be wrong for the real one.
 
-Left out, with the reason (coverage keeps them "unsupported: no decomposition"):
+hash_tensor (an xor of the elements' 64-bit patterns) is here too: no op with a rule
+reduces with xor, so the reduction is a halving tree of bitwise_xor.
+
+Left out, with the reason (coverage keeps it "unsupported: no decomposition"):
 - linalg_lstsq: its outputs depend on the LAPACK driver (gels assumes full rank; gelsy,
   gelsd and gelss cut singular values at rcond and return rank / singular_values,
   residuals only for some shapes and drivers), and no op with a rule solves a least
   squares problem; any rewrite over pinv/svd/qr differs from the driver's result.
-- hash_tensor: an xor reduction of the elements' 64-bit patterns; see _hash_tensor's
-  comment for why it is (or is not) here.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -185,6 +187,55 @@ def _conj_physical(x: torch.Tensor) -> torch.Tensor:
     return aten.conj_physical.default(x)
 
 
+def _hash_tensor(x: torch.Tensor, dim: list[int] | None = None, *, keepdim: bool = False,
+                 mode: int = 0) -> torch.Tensor:
+    # mode 0 (the only one): each element widened to its 64-bit float or integer type,
+    # its bits read as uint64, xor-ed over `dim` (every dim when empty). The xor is a
+    # halving tree of bitwise_xor over the reduced dims gathered last, so the dims left
+    # keep their shards; a reduced dim cannot (there is no Partial for xor).
+    if mode != 0:
+        raise RuntimeError(f"hash_tensor: mode {mode} is not supported")
+    if x.dtype.is_complex or x.dtype in (torch.uint16, torch.uint32, torch.uint64) or x.element_size() == 1 and \
+            x.dtype.is_floating_point:
+        raise RuntimeError(f'"xor_sum_cpu" not implemented for {x.dtype}')
+    rank = max(x.dim(), 1)
+    if any(not -rank <= d < rank for d in dim or ()):
+        raise IndexError(f"Dimension out of range (expected to be in range of [{-rank}, {rank - 1}], but got {dim})")
+    dims = sorted({d % rank for d in dim}) if dim else list(range(x.dim()))
+    if not dim and x.numel() == 0:
+        raise RuntimeError("hash_tensor: Expected reduction dim to be specified for input.numel() == 0. "
+                           "Specify the reduction dim with the 'dim' argument.")
+    if any(x.dim() and x.shape[d] == 0 for d in dims):
+        raise RuntimeError("hash_tensor: Expected reduction dim to have non-zero size.")
+    if x.dtype.is_floating_point:
+        bits = aten.view.dtype(x.to(torch.float64), torch.int64)
+    else:
+        bits = x.to(torch.int64)  # sign-extends signed types, zero-extends uint8 and bool, as the kernel
+    if x.dim() == 0:
+        bits = aten.unsqueeze.default(bits, 0)
+        dims, keep_shape = [0], []
+    else:
+        keep_shape = [1 if d in dims else n for d, n in enumerate(x.shape)] if keepdim else \
+            [n for d, n in enumerate(x.shape) if d not in dims]
+    kept = [d for d in range(bits.dim()) if d not in dims]
+    bits = aten.permute.default(bits, kept + dims)
+    count = math.prod(bits.shape[len(kept):])
+    bits = aten.reshape.default(bits, [bits.shape[d] for d in range(len(kept))] + [count])
+    left = None  # the odd ones out, xor-ed on the side (padding's rule asks for even shards)
+    while bits.shape[-1] > 1:  # count >= 1: the kernel refuses an empty reduced dim
+        n = bits.shape[-1]
+        if n % 2:
+            last = aten.slice.Tensor(bits, -1, n - 1, n)
+            left = last if left is None else aten.bitwise_xor.Tensor(left, last)
+            n -= 1
+        half = n // 2
+        bits = aten.bitwise_xor.Tensor(aten.slice.Tensor(bits, -1, 0, half), aten.slice.Tensor(bits, -1, half, n))
+    if left is not None:
+        bits = aten.bitwise_xor.Tensor(bits, left)
+    acc = aten.select.int(bits, -1, 0)
+    return aten.view.dtype(aten.reshape.default(acc, keep_shape), torch.uint64)
+
+
 SEARCH_DECOMPOSITIONS: dict[torch._ops.OpOverload, Callable] = {
     aten.searchsorted.Tensor: _searchsorted,
     aten.searchsorted.Scalar: _searchsorted_scalar,
@@ -192,4 +243,5 @@ SEARCH_DECOMPOSITIONS: dict[torch._ops.OpOverload, Callable] = {
     aten._pdist_forward.default: _pdist_forward,
     aten._pdist_backward.default: _pdist_backward,
     aten._conj_physical.default: _conj_physical,
+    aten.hash_tensor.default: _hash_tensor,
 }
