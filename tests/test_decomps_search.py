@@ -18,6 +18,7 @@ from decompshard import derive_rules
 from decompshard.decomps.search import (
     SEARCH_DECOMPOSITIONS,
     _conj_physical,
+    _hash_tensor,
     _pdist_backward,
     _pdist_forward,
     _searchsorted,
@@ -41,6 +42,8 @@ NAN = float("nan")
 def _same(got: torch.Tensor, want: torch.Tensor, exact: bool = True) -> bool:
     if got.dtype != want.dtype or got.shape != want.shape:
         return False
+    if got.dtype == torch.uint64:  # torch.equal has no uint64 kernel
+        got, want = got.view(torch.int64), want.view(torch.int64)
     if got.is_complex():
         got, want = torch.view_as_real(got.to(torch.complex128)), torch.view_as_real(want.to(torch.complex128))
     if exact:
@@ -52,7 +55,7 @@ def _same(got: torch.Tensor, want: torch.Tensor, exact: bool = True) -> bool:
 def opinfo_samples():
     from decompshard.coverage.opinfo_samples import capture_aten_samples
 
-    names = {"searchsorted", "nn.functional.bilinear", "nn.functional.pdist", "conj_physical"}
+    names = {"searchsorted", "nn.functional.bilinear", "nn.functional.pdist", "conj_physical", "hash_tensor"}
     return capture_aten_samples(lambda o: o.name in names, None, max_samples_per_op=None)
 
 
@@ -69,7 +72,7 @@ def test_every_decomposition_matches_the_kernel_on_opinfo_samples(opinfo_samples
             ran[op] = ran.get(op, 0) + 1
     # OpInfo reaches all but the backward (autograd calls it; tested below)
     assert set(ran) >= {aten.searchsorted.Tensor, aten.searchsorted.Scalar, aten._trilinear.default,
-                        aten._pdist_forward.default}
+                        aten._pdist_forward.default, aten.hash_tensor.default}
     assert ran[aten.searchsorted.Tensor] >= 50 and ran[aten.searchsorted.Scalar] >= 20
 
 
@@ -188,6 +191,29 @@ def test_conj_physical_matches_the_kernel():
             assert got.data_ptr() != x.data_ptr()  # a copy, as the kernel's
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8,
+                                   torch.int32, torch.int64, torch.bool])
+def test_hash_tensor_matches_the_kernel(dtype):
+    g = torch.Generator().manual_seed(9)
+    checked = 0
+    for shape in [(), (1,), (5,), (3, 5), (3, 2, 1, 2), (0, 3)]:
+        x = (torch.randn(shape, generator=g) * 100).to(dtype)
+        if dtype.is_floating_point and x.numel() > 2:
+            x.view(-1)[0], x.view(-1)[1] = NAN, -0.0  # bit patterns, not values
+        rank = max(len(shape), 1)
+        for dims, keep in itertools.product([[], [0], [-1], list(range(rank))] + ([[0, -1]] if rank > 1 else []),
+                                            [False, True]):
+            try:
+                want = aten.hash_tensor.default(x, dims, keepdim=keep)
+            except (RuntimeError, IndexError) as e:  # empty reduced dim, or no dim for an empty tensor
+                with pytest.raises(type(e), match=str(e)[:30]):
+                    _hash_tensor(x, dims, keepdim=keep)
+                continue
+            assert _same(_hash_tensor(x, dims, keepdim=keep), want), (shape, dims, keep)
+            checked += 1
+    assert checked >= 40
+
+
 # ------------------------------------------------------------------ derived rules
 
 
@@ -252,6 +278,23 @@ def test_trilinear_and_conj_rules_are_exact():
     assert "S(1) -> S(1)" in _checked(aten._conj_physical.default, (torch.randn(4, 5, dtype=torch.complex128),))
 
 
+def test_hash_tensor_rules_keep_the_dims_it_does_not_reduce():
+    x = torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(10))
+    assert {"S(0) -> S(0)", "S(2) -> S(1)"} == _checked(aten.hash_tensor.default, (x, [1]))
+    assert {"S(1) -> S(1)"} == _checked(aten.hash_tensor.default, (x, [0, 2]), {"keepdim": True})
+
+
+def test_partial_max_of_uint64_parts_is_judged_not_crashed():
+    """hash_tensor's output is uint64, which has no amax/amin kernel: the checker reduces
+    it in int64 with the top bit flipped, so 2**63 stays above 1."""
+    from decompshard._rank_sim import _reduce
+
+    parts = torch.tensor([[1, 2**64 - 1, 5], [3, 0, 2**63]], dtype=torch.uint64)
+    assert _reduce(parts, "max").tolist() == [3, 2**64 - 1, 2**63]
+    assert _reduce(parts, "min").tolist() == [1, 0, 5]
+    assert _reduce(torch.tensor([[1, 65535], [3, 0]], dtype=torch.uint16), "max").tolist() == [3, 65535]
+
+
 # ------------------------------------------------------------------ real DTensors
 
 
@@ -281,6 +324,10 @@ def _runtime_cases():
         (aten._trilinear.default, bil, {}, "R;S(0);R"),
         (aten._trilinear.default, bil, {}, "S(1);S(1);R"),
         (aten._conj_physical.default, (torch.randn(7, 4, dtype=torch.complex128, generator=g),), {}, "S(0)"),
+        # 7 over 3 ranks is uneven but leaves no rank empty: LocalTensorMode runs
+        # hash_tensor on an empty shard to the wrong shape ([0] for [4, 0]), a simulator quirk
+        (aten.hash_tensor.default, (torch.randn(7, 5, 7, generator=g), [1]), {}, "S(2)", "S(0),S(2)"),
+        (aten.hash_tensor.default, (torch.randn(7, 5, 7, generator=g), [0, 1]), {"keepdim": True}, "S(2)", "R,S(2)"),
     ]
 
 
@@ -289,9 +336,9 @@ def test_dtensors_match_one_device_forward_and_backward(world, mesh):
     """run_case: every rank's full_tensor() of the outputs and of the input gradients
     (pdist and _trilinear: their backward runs _pdist_backward / _trilinear on DTensors)
     against one device, the sharded dims uneven (7 and 5 over 3 ranks)."""
-    for op, args, kwargs, text in _runtime_cases():
+    for op, args, kwargs, text, *text_2d in _runtime_cases():
         if len(mesh) == 2:
-            text = ";".join(f"{p},{p}" for p in text.split(";"))
+            text = text_2d[0] if text_2d else ";".join(f"{p},{p}" for p in text.split(";"))
         shapes = [t.shape for t in args if isinstance(t, torch.Tensor)]
         outcome = run_case(op, args, kwargs, mesh, parse_placements(text, shapes, len(mesh)))
         assert outcome.status == "ok", (op, kwargs, text, outcome)

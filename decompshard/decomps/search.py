@@ -194,10 +194,10 @@ def _hash_tensor(x: torch.Tensor, dim: list[int] | None = None, *, keepdim: bool
     # halving tree of bitwise_xor over the reduced dims gathered last, so the dims left
     # keep their shards; a reduced dim cannot (there is no Partial for xor).
     if mode != 0:
-        raise RuntimeError(f"hash_tensor: mode {mode} is not supported")
+        raise RuntimeError(f"Unknown hash_tensor mode: {mode}")
     if x.dtype.is_complex or x.dtype in (torch.uint16, torch.uint32, torch.uint64) or x.element_size() == 1 and \
             x.dtype.is_floating_point:
-        raise RuntimeError(f'"xor_sum_cpu" not implemented for {x.dtype}')
+        raise NotImplementedError(f'"xor_sum_cpu" not implemented for {x.dtype}')
     rank = max(x.dim(), 1)
     if any(not -rank <= d < rank for d in dim or ()):
         raise IndexError(f"Dimension out of range (expected to be in range of [{-rank}, {rank - 1}], but got {dim})")
@@ -205,8 +205,9 @@ def _hash_tensor(x: torch.Tensor, dim: list[int] | None = None, *, keepdim: bool
     if not dim and x.numel() == 0:
         raise RuntimeError("hash_tensor: Expected reduction dim to be specified for input.numel() == 0. "
                            "Specify the reduction dim with the 'dim' argument.")
-    if any(x.dim() and x.shape[d] == 0 for d in dims):
-        raise RuntimeError("hash_tensor: Expected reduction dim to have non-zero size.")
+    for d in dim or dims:
+        if x.dim() and x.shape[d] == 0:
+            raise IndexError(f"hash_tensor: Expected reduction dim {d} to have non-zero size.")
     if x.dtype.is_floating_point:
         bits = aten.view.dtype(x.to(torch.float64), torch.int64)
     else:
