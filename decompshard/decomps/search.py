@@ -5,9 +5,10 @@ neither a DTensor strategy nor a torch decomposition. Each function below is the
 function written over aten ops that have rules, so the tracer derives their sharding
 like any other op's. They run only on meta tensors to derive rules: DTensor runs the
 real kernel on local shards with the derived strategy, and the numerical check judges
-every rule against that real kernel. So they may spend memory (a [..., m, n] comparison,
-an [N, N, M] difference), but they must compute what the kernel computes for every
-input, since a rule read off a different function would be wrong for the real one.
+every rule against that real kernel. So they may spend time and memory (a binary search
+of log2(n) steps per value, the [N, N, M] difference of every pair of rows), but they
+must compute what the kernel computes for every input, since a rule read off a
+different function would be wrong for the real one.
 
 hash_tensor (an xor of the elements' 64-bit patterns) is here too: no op with a rule
 reduces with xor, so the reduction is a halving tree of bitwise_xor.
@@ -54,11 +55,11 @@ def _searchsorted(sorted_sequence: torch.Tensor, values: torch.Tensor | Any, *, 
     # but 0 + 1 = 1 from the shards [1] and [nan]. So the sequence's last dim stays
     # whole; every other dim, and every value, is independent and shards.
     upper = _searchsorted_side(right, side)
+    # The kernel compares in result_type(sequence, values): a 0-d or Python value against
+    # float32 boundaries is compared in float32, an int sequence against 2.5 in float.
+    common = torch.result_type(sorted_sequence, values)
     if not isinstance(values, torch.Tensor):  # the Scalar overload: a 1-D sequence, a 0-d result
-        common = torch.result_type(sorted_sequence, values)
         values = aten.scalar_tensor.default(values, dtype=common, device=sorted_sequence.device)
-    else:
-        common = torch.result_type(sorted_sequence, values)
     if sorted_sequence.dim() == 0:
         raise RuntimeError("torch.searchsorted(): boundaries tensor should have positive dimension, but got 0 dimension")
     if sorted_sequence.dim() > 1 and tuple(sorted_sequence.shape[:-1]) != tuple(values.shape[:-1]):
@@ -167,11 +168,11 @@ def _pdist_backward(grad: torch.Tensor, x: torch.Tensor, p: float, pdist: torch.
     i, j = _pair_indices(n, x.device)
     upper = aten.add.Tensor(aten.mul.Tensor(i, n), j)
     lower = aten.add.Tensor(aten.mul.Tensor(j, n), i)
-    where = aten.cat.default([upper, lower])
+    slots = aten.cat.default([upper, lower])
 
     def square(v: torch.Tensor) -> torch.Tensor:
         flat = aten.zeros.default([n * n], dtype=v.dtype, device=v.device)
-        flat = aten.index_put.default(flat, [where], aten.cat.default([v, v]))
+        flat = aten.index_put.default(flat, [slots], aten.cat.default([v, v]))
         return aten.view.default(flat, [n, n])
 
     return _cdist_backward(square(grad), x, x, p, square(pdist))
