@@ -104,7 +104,8 @@ def test_searchsorted_follows_the_kernel_on_every_input(dtype):
                 values.view(-1)[0] = NAN
             for kw, use_sorter in itertools.product(sides, [False, True]):
                 k = dict(kw, sorter=torch.argsort(seq, dim=-1, stable=True)) if use_sorter else kw
-                assert _same(_searchsorted(seq, values, **k), aten.searchsorted.Tensor(seq, values, **k)), (seq, values, k)
+                want = aten.searchsorted.Tensor(seq, values, **k)
+                assert _same(_searchsorted(seq, values, **k), want), (seq, values, k)
                 checked += 1
                 if not nd:
                     for scalar in (2, 2.5) + ((0.1, NAN) if dtype.is_floating_point else (-1,)):

@@ -61,7 +61,8 @@ def _searchsorted(sorted_sequence: torch.Tensor, values: torch.Tensor | Any, *, 
     if not isinstance(values, torch.Tensor):  # the Scalar overload: a 1-D sequence, a 0-d result
         values = aten.scalar_tensor.default(values, dtype=common, device=sorted_sequence.device)
     if sorted_sequence.dim() == 0:
-        raise RuntimeError("torch.searchsorted(): boundaries tensor should have positive dimension, but got 0 dimension")
+        raise RuntimeError("torch.searchsorted(): boundaries tensor should have positive dimension, "
+                           "but got 0 dimension")
     if sorted_sequence.dim() > 1 and tuple(sorted_sequence.shape[:-1]) != tuple(values.shape[:-1]):
         raise RuntimeError("torch.searchsorted(): boundaries tensor should be 1 dimension or the first N-1 "
                            "dimensions of boundaries tensor and input value tensor must match, but we got "
