@@ -252,6 +252,13 @@ def _reduce(stack: torch.Tensor, op: str) -> torch.Tensor:
         return stack.sum(0)
     if op == "avg":
         return stack.sum(0) / stack.shape[0]
+    if stack.dtype in (torch.uint16, torch.uint32, torch.uint64):
+        # no amax/amin kernel for these (hash_tensor's uint64 output): reduce in int64,
+        # uint64 with its top bit flipped so that signed order is unsigned order
+        flip = torch.iinfo(torch.int64).min
+        wide = stack.view(torch.int64) ^ flip if stack.dtype == torch.uint64 else stack.to(torch.int64)
+        out = wide.amax(0) if op == "max" else wide.amin(0)
+        return (out ^ flip).view(torch.uint64) if stack.dtype == torch.uint64 else out.to(stack.dtype)
     return stack.amax(0) if op == "max" else stack.amin(0)
 
 

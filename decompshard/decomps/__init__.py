@@ -30,6 +30,8 @@ def _cdist_forward(x1, x2, p, compute_mode):
     diff = aten.sub.Tensor(aten.unsqueeze.default(x1, -2), aten.unsqueeze.default(x2, -3))
     if p == 0:
         return aten.sum.dim_IntList(aten.ne.Scalar(diff, 0).to(x1.dtype), [-1])
+    if p == 1:  # the same sum as the 1-norm, which a sharded last dim turns into P(sum)
+        return aten.sum.dim_IntList(aten.abs.default(diff), [-1])
     if p == float("inf"):
         return aten.amax.default(aten.abs.default(diff), [-1])
     return aten.linalg_vector_norm.default(diff, p, [-1])
@@ -261,9 +263,12 @@ PROJECT_OVERRIDES: dict[torch._ops.OpOverload, Callable] = {
 }
 
 
+from . import search  # noqa: E402  (after the helpers search.py reuses)
+
 PROJECT_DECOMPOSITIONS: dict[torch._ops.OpOverload, Callable] = {
     aten.addbmm.default: _addbmm,
     aten._cdist_forward.default: _cdist_forward,
     aten._cdist_backward.default: _cdist_backward,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _sdpa_flash_cpu_backward,
+    **search.SEARCH_DECOMPOSITIONS,
 }
