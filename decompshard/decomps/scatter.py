@@ -145,16 +145,27 @@ def scatter_reduce_legacy(self: torch.Tensor, dim: int, index: torch.Tensor, src
 
 def scatter_value_reduce(self: torch.Tensor, dim: int, index: torch.Tensor, value: bool | int | float,
                          *, reduce: str) -> torch.Tensor:
-    """aten.scatter.value_reduce: a scalar src, converted to self's dtype as the kernel does."""
-    src = aten.full.default(list(index.shape), value, dtype=self.dtype, device=self.device)
+    """aten.scatter.value_reduce: a scalar src, converted to self's dtype as the kernel does.
+    full_like(index) rather than a constant, so src is laid out like index (a sharded index
+    keeps S(k) and the partial count of an add)."""
+    src = aten.full_like.default(index, value, dtype=self.dtype)
     return scatter_reduce_legacy(self, dim, index, src, reduce=reduce)
 
 
 def put(self: torch.Tensor, index: torch.Tensor, source: torch.Tensor, accumulate: bool = False) -> torch.Tensor:
-    """aten.put: index_put on self flattened (negative indices wrap in both)."""
+    """aten.put on self flattened. accumulate=True is a sum-scatter of source into self
+    (index wrapped to >= 0 as put does), so a source sharded with its index gives a partial
+    sum; accumulate=False is index_put (a write: which duplicate wins is the kernel's)."""
     flat = aten.reshape.default(self, [-1])
     idx = aten.reshape.default(index, [-1])
-    out = aten.index_put.default(flat, [idx], aten.reshape.default(source, [-1]), accumulate)
+    src = aten.reshape.default(source, [-1])
+    if idx.numel() == 0:
+        return aten.clone.default(self)
+    if accumulate:
+        wrapped = aten.remainder.Scalar(idx, flat.numel())  # put's range is [-numel, numel)
+        out = scatter_reduce_two(flat, 0, wrapped, src, "sum", include_self=True)
+    else:
+        out = aten.index_put.default(flat, [idx], src, False)
     return aten.view.default(out, list(self.shape))
 
 
