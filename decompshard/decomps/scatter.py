@@ -183,10 +183,56 @@ def masked_scatter(self: torch.Tensor, mask: torch.Tensor, source: torch.Tensor)
     return aten.view.default(aten.where.self(m, picked, base), shape)
 
 
+_SEGMENT_REDUCES = {"sum": "sum", "mean": "mean", "prod": "prod", "max": "amax", "min": "amin"}
+
+
+def segment_reduce(data: torch.Tensor, reduce: str, *, lengths: torch.Tensor | None = None,
+                   indices: torch.Tensor | None = None, offsets: torch.Tensor | None = None,
+                   axis: int = 0, unsafe: bool = False, initial: float | None = None) -> torch.Tensor:
+    """aten.segment_reduce: segment s of `axis` is [start_s, end_s), from lengths (a cumsum)
+    or offsets; member[..., s, i] = start_s <= i < end_s is the one-hot, data masked to the
+    identity outside it and reduced over `axis`. `initial` starts every segment (an empty one
+    is just `initial`); an empty mean without it is 0/0 = NaN, as the kernel gives."""
+    mode = _SEGMENT_REDUCES.get(reduce)
+    if mode is None or indices is not None or (lengths is None) == (offsets is None):
+        return NotImplemented  # the kernel has no `indices` path either
+    a = axis % data.dim()
+    n = data.shape[a]
+    # Dims written non-negative: DTensor's cumsum strategy takes a negative dim for
+    # another dim and lets S(0) through cumsum(x, -1) of a 1-d x (torch 2.13).
+    last = a  # lengths / offsets are data.shape[:a] + [segments]
+    if offsets is not None:
+        m = offsets.shape[last] - 1
+        start = aten.slice.Tensor(offsets, last, 0, m)
+        end = aten.slice.Tensor(offsets, last, 1, m + 1)
+    else:
+        end = aten.cumsum.default(lengths, last)
+        start = aten.sub.Tensor(end, lengths)
+    pos = aten.arange.default(n, dtype=end.dtype, device=data.device)
+    member = aten.logical_and.default(aten.le.Tensor(aten.unsqueeze.default(start, last + 1), pos),
+                                      aten.lt.Tensor(pos, aten.unsqueeze.default(end, last + 1)))
+    trail = data.dim() - a - 1
+    member = aten.view.default(member, list(member.shape) + [1] * trail)  # [..., S, N, 1...]
+    spread = aten.unsqueeze.default(data, a)  # [..., 1, N, ...]
+    fill = aten.full.default([], _identity(mode, data.dtype), dtype=data.dtype, device=data.device)
+    out = _reduce_dim(aten.where.self(member, spread, fill), mode, a + 1, data.dtype)
+    if mode == "mean":
+        count = aten.sum.dim_IntList(member, [a + 1]).to(data.dtype)
+        if initial is None:
+            return aten.div.Tensor(out, count)
+        total = aten.add.Scalar(out, initial)
+        return aten.where.self(aten.gt.Scalar(count, 0), aten.div.Tensor(total, count),
+                               aten.full_like.default(out, initial))
+    if initial is None:
+        return out
+    return _combine(out, aten.full_like.default(out, initial), mode)
+
+
 DECOMPOSITIONS = {
     aten.scatter_reduce.two: scatter_reduce_two,
     aten.scatter.reduce: scatter_reduce_legacy,
     aten.scatter.value_reduce: scatter_value_reduce,
     aten.put.default: put,
     aten.masked_scatter.default: masked_scatter,
+    aten.segment_reduce.default: segment_reduce,
 }
