@@ -72,11 +72,13 @@ def _region(x: torch.Tensor, shape: list[int], dim: int) -> torch.Tensor:
 
 def _put_region(base: torch.Tensor, part: torch.Tensor, dim: int, first: int = 0) -> torch.Tensor:
     """base with `part` written over its leading corner (dims other than `dim` may be
-    shorter in part); one slice_scatter per shorter dim, nested."""
+    shorter in part): per shorter dim, part cat the rest of base, nested. cat rather than
+    slice_scatter, whose DTensor strategy has no Partial rule (cat passes P through)."""
     for k in range(first, base.dim()):
-        if k != dim and part.shape[k] != base.shape[k]:
-            inner = _put_region(aten.slice.Tensor(base, k, 0, part.shape[k]), part, dim, k + 1)
-            return aten.slice_scatter.default(base, inner, k, 0, part.shape[k])
+        n = part.shape[k]
+        if k != dim and n != base.shape[k]:
+            inner = _put_region(aten.slice.Tensor(base, k, 0, n), part, dim, k + 1)
+            return aten.cat.default([inner, aten.slice.Tensor(base, k, n, base.shape[k])], k)
     return part
 
 
