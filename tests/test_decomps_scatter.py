@@ -120,10 +120,14 @@ def test_scatter_reduce_edge_cases():
             assert _same(scatter_reduce_two(x, 0, empty, torch.ones(0), reduce, include_self=include_self), x)
         e2 = torch.zeros(0, 4, dtype=torch.long)
         assert _same(scatter_reduce_two(torch.ones(3, 4), 0, e2, torch.ones(2, 4), reduce), torch.ones(3, 4))
-        # 0-d tensors
-        a, b = torch.tensor(5.0), torch.tensor(3.0)
-        assert _same(scatter_reduce_two(a, 0, torch.tensor(0), b, reduce, include_self=include_self),
-                     aten.scatter_reduce.two(a, 0, torch.tensor(0), b, reduce, include_self=include_self))
+        # 0-d tensors, alone or next to 1-d ones (the kernel reads them as 1-element 1-d)
+        zero_d = [(torch.tensor(5.0), torch.tensor(0), torch.tensor(3.0)),
+                  (x, torch.tensor(1), torch.tensor(5.0)),
+                  (torch.tensor(2.0), torch.tensor([0, 0]), torch.tensor([3.0, 4.0])),
+                  (x, torch.tensor([1]), torch.tensor(5.0))]
+        for a, j, b in zero_d:
+            assert _same(scatter_reduce_two(a, 0, j, b, reduce, include_self=include_self),
+                         aten.scatter_reduce.two(a, 0, j, b, reduce, include_self=include_self))
     # integer mean floor-divides (-7 + 0 + 1) / 3 = -2 and (-7 + 1) / 2 -> -3 (not -2)
     v = torch.tensor([-7, 1, 1])
     for include_self in (True, False):
@@ -327,3 +331,23 @@ def test_moe_combine_runs_with_no_collective(world):
         torch.testing.assert_close(value, want, msg=f"rank {r}")
     for r, value in rank_locals(grad, mesh).items():
         torch.testing.assert_close(value, cotangent.gather(0, index), msg=f"rank {r}")
+
+
+def test_in_place_scatter_reduce_stays_sharded(world):
+    """scatter_reduce_ runs its functional twin's derived strategy (decompshard/inplace.py):
+    along a dim the scatter leaves alone, every input S(1), no collective, self still S(1)."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(6, 5, generator=gen, dtype=torch.float64)
+    index = torch.randint(0, 6, (8, 5), generator=gen)
+    src = torch.randn(8, 5, generator=gen, dtype=torch.float64)
+    want = x.clone().scatter_reduce_(0, index, src, "amax", include_self=False)
+    mesh = device_mesh((3,))
+    with decompshard.enabled(), LocalTensorMode(3):
+        dx, di, ds = (distribute_tensor(t, mesh, [S1]) for t in (x, index, src))
+        with CommDebugMode() as comms:
+            dx.scatter_reduce_(0, di, ds, "amax", include_self=False)
+        assert comms.get_total_counts() == 0, comms.get_comm_counts()
+        assert dx.placements == (S1,)
+        full = dx.full_tensor()
+    for r, value in rank_locals(full, mesh).items():
+        torch.testing.assert_close(value, want, msg=f"rank {r}")

@@ -92,10 +92,10 @@ def scatter_reduce_two(self: torch.Tensor, dim: int, index: torch.Tensor, src: t
     other dims are left as they are (slice_scatter), as the kernel does."""
     if reduce not in _SCATTER_REDUCES:
         return NotImplemented
-    if self.dim() == 0:  # 0-d: the same op on one-element vectors
-        flat = [aten.reshape.default(t, [1]) for t in (self, index, src)]
-        out = scatter_reduce_two(flat[0], 0, flat[1], flat[2], reduce, include_self=include_self)
-        return aten.reshape.default(out, [])
+    if min(self.dim(), index.dim(), src.dim()) == 0:  # the kernel reads a 0-d tensor as 1-element 1-d
+        self1, index1, src1 = (aten.reshape.default(t, [1]) if t.dim() == 0 else t for t in (self, index, src))
+        out = scatter_reduce_two(self1, dim, index1, src1, reduce, include_self=include_self)
+        return aten.reshape.default(out, []) if self.dim() == 0 else out
     d = dim % self.dim()
     if index.numel() == 0:
         return aten.clone.default(self)
