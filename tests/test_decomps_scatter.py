@@ -136,6 +136,14 @@ def test_scatter_reduce_edge_cases():
                                                  include_self=include_self))
     got = scatter_reduce_two(v, 0, torch.tensor([0]), torch.tensor([0]), "mean", include_self=True)
     assert got.tolist() == [-4, 1, 1]
+    # the count wraps in self's dtype as the kernel's does: 200 hits in int8 count -56,
+    # 1 + 255 in uint8 counts 0 (taken as 1)
+    for dtype, hits in ((torch.int8, 200), (torch.uint8, 255)):
+        self = torch.tensor([100, 7], dtype=dtype)
+        index, src = torch.zeros(hits, dtype=torch.long), torch.full((hits,), 3, dtype=dtype)
+        for include_self in (True, False):
+            assert torch.equal(scatter_reduce_two(self, 0, index, src, "mean", include_self=include_self),
+                               self.scatter_reduce(0, index, src, "mean", include_self=include_self))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int64, torch.int8, torch.bool])

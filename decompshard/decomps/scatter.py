@@ -89,7 +89,7 @@ def scatter_reduce_two(self: torch.Tensor, dim: int, index: torch.Tensor, src: t
     One-hot form: hit[..., i, j, ...] = index[..., i, ...] == j (j over self's `dim`,
     placed right after the index's `dim`), src masked to the identity where not hit, then
     reduced over the index's `dim`. The positions of self outside the index's extent in
-    other dims are left as they are (slice_scatter), as the kernel does."""
+    other dims are left as they are (cat with the rest of self), as the kernel does."""
     if reduce not in _SCATTER_REDUCES:
         return NotImplemented
     if min(self.dim(), index.dim(), src.dim()) == 0:  # the kernel reads a 0-d tensor as 1-element 1-d
@@ -123,14 +123,19 @@ def scatter_reduce_two(self: torch.Tensor, dim: int, index: torch.Tensor, src: t
 def _mean(base: torch.Tensor, total: torch.Tensor, hit: torch.Tensor, d: int,
           include_self: bool) -> torch.Tensor:
     """The kernel's mean: (self if include_self) + sum of src, over the count of terms
-    (a count of 0 taken as 1, so untouched positions keep self); integers floor-divide."""
+    (a count of 0 taken as 1, so untouched positions keep self); integers floor-divide.
+    The count is kept in self's dtype as the kernel keeps it, so an integer count wraps
+    the same way (200 hits in int8 divide by -56; 1 + 255 in uint8 is 0, taken as 1).
+    A float16/bfloat16 count is rounded once here where the kernel adds ones one by one
+    (which stalls at 2048 / 256): past that many hits on one slot the values differ, not
+    the rules (DTensor runs the kernel)."""
     count = aten.sum.dim_IntList(hit, [d]).to(base.dtype)
     if include_self:
         total = aten.add.Tensor(base, total)
         count = aten.add.Scalar(count, 1)
     else:
         total = aten.where.self(aten.any.dim(hit, d), total, base)
-        count = aten.clamp_min.default(count, 1)
+    count = aten.masked_fill.Scalar(count, aten.eq.Scalar(count, 0), 1)
     if base.dtype.is_floating_point or base.dtype.is_complex:
         return aten.div.Tensor(total, count)
     return aten.div.Tensor_mode(total, count, rounding_mode="floor")
