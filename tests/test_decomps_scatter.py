@@ -259,6 +259,8 @@ def test_moe_combine_rules(reduce, wanted):
                         torch.arange(8.0, dtype=torch.float64), True), {}, {"P(sum), S(0), S(0) -> P(sum)"}),
     (aten.scatter.value_reduce, (torch.randn(7, 4, dtype=torch.float64), 0, torch.randint(0, 7, (9, 4)), 2.5),
      {"reduce": "add"}, {"S(1), S(1) -> S(1)", "P(sum), S(0) -> P(sum)"}),
+    (aten.scatter.value_reduce, (torch.randn(7, 4, dtype=torch.float64), 0, torch.randint(0, 7, (9, 4)), 2.5),
+     {"reduce": "multiply"}, {"S(1), S(1) -> S(1)", "P(max), R -> P(max)", "P(min), R -> P(min)"}),  # 2.5 ** k >= 0
     (aten.scatter.reduce, (torch.randn(7, 4, dtype=torch.float64), 1, torch.randint(0, 4, (5, 6)),
                            torch.randn(6, 6, dtype=torch.float64)), {"reduce": "multiply"}, {"P(sum), R, R -> P(sum)"}),
     (aten.segment_reduce.default, (torch.randn(2, 7, 3, dtype=torch.float64), "sum"),
