@@ -115,11 +115,13 @@ def test_scatter_reduce_edge_cases():
         # NaN in src: amax/amin propagate it as the kernel does
         assert _same(scatter_reduce_two(x, 0, i, nan, reduce, include_self=include_self),
                      x.scatter_reduce(0, i, nan, reduce, include_self=include_self))
-        # empty index: self unchanged
-        for empty in (torch.zeros(0, dtype=torch.long), ):
-            assert _same(scatter_reduce_two(x, 0, empty, torch.ones(0), reduce, include_self=include_self), x)
-        e2 = torch.zeros(0, 4, dtype=torch.long)
-        assert _same(scatter_reduce_two(torch.ones(3, 4), 0, e2, torch.ones(2, 4), reduce), torch.ones(3, 4))
+        # empty index (self unchanged), also next to a non-empty src
+        ones, src2 = torch.ones(3, 4), torch.ones(2, 4)
+        for a, j, b in [(x, torch.zeros(0, dtype=torch.long), torch.ones(0)),
+                        (ones, torch.zeros(0, 4, dtype=torch.long), src2),
+                        (ones, torch.zeros(2, 0, dtype=torch.long), src2)]:
+            assert _same(scatter_reduce_two(a, 0, j, b, reduce, include_self=include_self),
+                         aten.scatter_reduce.two(a, 0, j, b, reduce, include_self=include_self))
         # 0-d tensors, alone or next to 1-d ones (the kernel reads them as 1-element 1-d)
         zero_d = [(torch.tensor(5.0), torch.tensor(0), torch.tensor(3.0)),
                   (x, torch.tensor(1), torch.tensor(5.0)),
@@ -254,20 +256,31 @@ def test_moe_combine_rules(reduce, wanted):
     assert not report.missed, [str(r) for r in report.missed]
 
 
+_G = torch.Generator().manual_seed(7)  # the cases below are built at import: their own stream
+
+
+def _randn(*shape: int) -> torch.Tensor:
+    return torch.randn(shape, generator=_G, dtype=torch.float64)
+
+
+def _randint(high: int, *shape: int) -> torch.Tensor:
+    return torch.randint(0, high, shape, generator=_G)
+
+
 @pytest.mark.parametrize("op, args, kwargs, wanted", [
     (aten.put.default, (torch.zeros(7, 4, dtype=torch.float64), torch.tensor([3, -1, 3, 0, 27, -28, 9, 9]),
                         torch.arange(8.0, dtype=torch.float64), True), {}, {"P(sum), S(0), S(0) -> P(sum)"}),
-    (aten.scatter.value_reduce, (torch.randn(7, 4, dtype=torch.float64), 0, torch.randint(0, 7, (9, 4)), 2.5),
+    (aten.scatter.value_reduce, (_randn(7, 4), 0, _randint(7, 9, 4), 2.5),
      {"reduce": "add"}, {"S(1), S(1) -> S(1)", "P(sum), S(0) -> P(sum)"}),
-    (aten.scatter.value_reduce, (torch.randn(7, 4, dtype=torch.float64), 0, torch.randint(0, 7, (9, 4)), 2.5),
+    (aten.scatter.value_reduce, (_randn(7, 4), 0, _randint(7, 9, 4), 2.5),
      {"reduce": "multiply"}, {"S(1), S(1) -> S(1)", "P(max), R -> P(max)", "P(min), R -> P(min)"}),  # 2.5 ** k >= 0
-    (aten.scatter.reduce, (torch.randn(7, 4, dtype=torch.float64), 1, torch.randint(0, 4, (5, 6)),
-                           torch.randn(6, 6, dtype=torch.float64)), {"reduce": "multiply"}, {"P(sum), R, R -> P(sum)"}),
-    (aten.segment_reduce.default, (torch.randn(2, 7, 3, dtype=torch.float64), "sum"),
+    (aten.scatter.reduce, (_randn(7, 4), 1, _randint(4, 5, 6),
+                           _randn(6, 6)), {"reduce": "multiply"}, {"P(sum), R, R -> P(sum)"}),
+    (aten.segment_reduce.default, (_randn(2, 7, 3), "sum"),
      {"lengths": torch.tensor([[3, 0, 4], [1, 5, 1]]), "axis": 1},
      {"S(0), S(0) -> S(0) [even]", "S(2), R -> S(2)", "P(sum), R -> P(sum)"}),
-    (aten.masked_scatter.default, (torch.randn(5, 4, dtype=torch.float64), torch.rand(5, 4) > 0.5,
-                                   torch.randn(25, dtype=torch.float64)), {}, {"P(sum), R, P(sum) -> P(sum)"}),
+    (aten.masked_scatter.default, (_randn(5, 4), _randint(2, 5, 4).bool(),
+                                   _randn(25)), {}, {"P(sum), R, P(sum) -> P(sum)"}),
 ])
 def test_rules_worth_having(op, args, kwargs, wanted):
     # segment_reduce: no search for missed rules. Its CPU kernel does not check that
@@ -292,10 +305,11 @@ def world():
     (aten.scatter_reduce.two, _moe_args("sum"), (3,), [(Partial(),), (S0,), (S0,)]),
     (aten.scatter_reduce.two, _moe_args("amax"), (3,), [(R,), (S0,), (S0,)]),
     (aten.scatter_reduce.two, _moe_args("amax", 1), (2, 2), [(Partial("max"), S1), (S0, S1), (S0, S1)]),
-    (aten.scatter_reduce.two, _moe_args("sum", 2, "mean"), (2, 2), [(S1, Partial("avg")), (S1, R), (S1, Partial("avg"))]),
-    (aten.put.default, (torch.zeros(7, 4), torch.tensor([3, -1, 3, 0, 27, -28, 9, 9, 5]), torch.randn(9), True),
+    (aten.scatter_reduce.two, _moe_args("sum", 2, "mean"), (2, 2),
+     [(S1, Partial("avg")), (S1, R), (S1, Partial("avg"))]),
+    (aten.put.default, (torch.zeros(7, 4), torch.tensor([3, -1, 3, 0, 27, -28, 9, 9, 5]), torch.arange(9.0) - 4, True),
      (3,), [(Partial(),), (S0,), (S0,)]),
-    (aten.put.default, (torch.zeros(7, 4), torch.tensor([3, -1, 3, 0, 27]), torch.randn(5), True),
+    (aten.put.default, (torch.zeros(7, 4), torch.tensor([3, -1, 3, 0, 27]), torch.arange(5.0) + 0.5, True),
      (2, 2), [(Partial(), Partial()), (S0, R), (S0, Partial())]),
 ])
 def test_runs_sharded_forward_and_backward(world, op, args, mesh, placements):
