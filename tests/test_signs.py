@@ -67,6 +67,13 @@ CASES = [
     (aten.div.Scalar, [NONPOS], (-4.0,)),
     (aten.add.Tensor, [NONNEG, NONNEG], ()),
     (aten.add.Tensor, [NONPOS, NONPOS], ()),
+    (aten.sum.dim_IntList, [NONNEG], ([0],)),
+    (aten.sum.dim_IntList, [NONPOS], ([0],)),
+    (aten.sum.default, [ZERO], ()),
+    (aten.amax.default, [NONPOS], ([0],)),
+    (aten.amin.default, [NONNEG], ([0],)),
+    (aten.prod.dim_int, [NONNEG], (0,)),
+    (aten.prod.dim_int, [ZERO], (0,)),
 ]
 
 
@@ -88,6 +95,12 @@ def test_signs_are_conservative_where_they_must_be():
     assert sign_of(aten.sin.default, (x,), {}, (0,), (NONNEG,), f) == UNKNOWN
     assert sign_of(aten.clamp_min.default, (x, float("nan")), {}, (0,), (UNKNOWN,), f) == UNKNOWN
     assert sign_of(aten.relu.default, (x.long(),), {}, (0,), (UNKNOWN,), torch.int64) == UNKNOWN  # ints: none
+    # reductions: a sum / max / min keeps the sign, a product only ">= 0" (an empty product is 1)
+    assert sign_of(aten.sum.dim_IntList, (x, [0]), {}, (0,), (NONPOS,), f) == NONPOS
+    assert sign_of(aten.amax.default, (x, [0]), {}, (0,), (NONNEG,), f) == NONNEG
+    assert sign_of(aten.prod.dim_int, (x, 0), {}, (0,), (ZERO,), f) == NONNEG
+    assert torch.prod(torch.zeros(0, dtype=f), 0) == 1
+    assert sign_of(aten.prod.dim_int, (x, 0), {}, (0,), (NONPOS,), f) == UNKNOWN
 
 
 def test_tracer_records_signs_and_zero_constants():

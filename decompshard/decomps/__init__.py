@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from .._compat import torch_decomposition
+from . import scatter
 
 aten = torch.ops.aten
 
@@ -271,4 +272,5 @@ PROJECT_DECOMPOSITIONS: dict[torch._ops.OpOverload, Callable] = {
     aten._cdist_backward.default: _cdist_backward,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _sdpa_flash_cpu_backward,
     **search.SEARCH_DECOMPOSITIONS,
+    **scatter.DECOMPOSITIONS,
 }

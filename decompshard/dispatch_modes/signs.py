@@ -137,4 +137,11 @@ def sign_of(func, args: Sequence[Any], kwargs: dict, in_ids: Sequence[int], in_s
         return in_signs[0] & in_signs[1]  # >= 0 plus >= 0, <= 0 plus <= 0
     if func is aten.where.self and len(in_signs) == 3:
         return in_signs[1] & in_signs[2]
+    if func in _KEEPS_SIGN_REDUCTIONS:
+        return first  # a sum, max or min of values >= 0 (<= 0) is >= 0 (<= 0)
+    if func in (aten.prod.default, aten.prod.dim_int):
+        return first & NONNEG  # a product of values >= 0 is >= 0 (an empty one is 1, so not ZERO)
     return UNKNOWN
+
+
+_KEEPS_SIGN_REDUCTIONS = {aten.sum.default, aten.sum.dim_IntList, aten.amax.default, aten.amin.default}
