@@ -105,7 +105,7 @@ def test_block_diag_derived_where_torch_fallback_fails(small):
 
 def test_statuses_agree_with_derive_rules(small):
     """Re-derive every swept op on the same samples: the record is what derive_rules says."""
-    captured = capture_aten_samples(max_samples_per_opinfo=1)
+    captured = capture_aten_samples(max_samples_per_opinfo=1, backward=True)  # what the sweep captured
     checked = 0
     for r in small["ops"]:
         if r["status"] == "native" or not r["samples"]:
