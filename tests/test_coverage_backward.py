@@ -36,18 +36,10 @@ def captured(opinfo_cache) -> dict:
 
 @pytest.fixture(scope="module")
 def doc(opinfo_cache, tmp_path_factory) -> dict:
-    import os
-
     out = tmp_path_factory.mktemp("covb") / "b.json"
-    old = os.environ.get("DECOMPSHARD_CACHE_DIR")
-    os.environ["DECOMPSHARD_CACHE_DIR"] = str(opinfo_cache)
-    try:
+    with pytest.MonkeyPatch.context() as mp:  # the session's capture, never the user's cache
+        mp.setenv("DECOMPSHARD_CACHE_DIR", str(opinfo_cache))
         assert main(["coverage", "--ops", OPS, "--format", "json", "-o", str(out), *FAST]) == 0
-    finally:
-        if old is None:
-            os.environ.pop("DECOMPSHARD_CACHE_DIR")
-        else:
-            os.environ["DECOMPSHARD_CACHE_DIR"] = old
     return json.loads(out.read_text())
 
 
@@ -116,6 +108,19 @@ def test_backward_ops_are_swept_with_the_same_columns(doc):
     assert b["ops"] == 3 and b["status"]["derived"] == 2 and b["status"]["native"] == 1
     assert b["decompshard"]["incorrect"] == 0 and b["decompshard"]["rules"] > 0
     assert doc["summary"]["ops"] == 4 and doc["run"]["backward"] is True
+
+
+def test_no_backward_sweeps_the_forward_capture(opinfo_cache, tmp_path, monkeypatch):
+    """--no-backward: ops only the backward reaches have no sample (a *_backward* op is
+    still listed as one), as before the backward capture existed."""
+    monkeypatch.setenv("DECOMPSHARD_CACHE_DIR", str(opinfo_cache))
+    out = tmp_path / "f.json"
+    assert main(["coverage", "--ops", "aten.mse_loss_backward.default,aten.mul.Tensor", "--no-backward",
+                 "--format", "json", "-o", str(out), *FAST]) == 0
+    doc = json.loads(out.read_text())
+    r = _op(doc, "aten.mse_loss_backward.default")
+    assert r["backward"] and r["status"] == "unsupported" and "no sample inputs" in r["reason"]
+    assert doc["run"]["backward"] is False and doc["summary"]["backward"]["ops"] == 1
 
 
 def test_text_markdown_csv_show_the_backward_section(doc):
