@@ -367,10 +367,26 @@ def _solve(result: DerivedRules, args: tuple, kwargs: dict) -> None:
         (args, kwargs),
     )
     result._context = (meta_args, meta_kwargs, value_checked_inputs(graph.op))
+    in_place = writes_self(graph.op)
     for cand in prop.survivors:
         if all(p is None or p == R for p in cand.inputs):
             continue  # all-Replicate inputs: the op just runs replicated
+        if in_place and cand.inputs[0] != cand.outputs[0]:
+            result._rejected.append(RejectedCandidate(cand.inputs, "an in-place op's self must keep its placement"))
+            continue
         result._survivors.setdefault((cand.inputs, cand.outputs), []).append(cand)
+
+
+def writes_self(op: OpOverload) -> bool:
+    """An in-place op (`index_add_`, `tril_`): it writes its first argument and returns it.
+
+    Its result is `self` itself, so a rule must leave `self`'s placement as it came:
+    `index_add_(R, R, P(avg)) -> P(avg)` has the right reduced values, but it leaves a
+    tensor labelled Replicate holding different values on each rank."""
+    schema = op._schema
+    first = schema.arguments[0].alias_info if schema.arguments else None
+    ret = schema.returns[0].alias_info if len(schema.returns) == 1 else None
+    return bool(first is not None and first.is_write and ret is not None and ret.is_write)
 
 
 _WEAKER_THAN_R = {P("avg"), P("max"), P("min")}

@@ -7,13 +7,14 @@ import pytest
 
 @pytest.fixture(scope="session")
 def opinfo_cache(tmp_path_factory):
-    """A cache folder holding the `--opinfo-samples 1` capture, written from this
-    process's own capture (shared with test_coverage's in-process sweeps), so CLI
-    subprocesses with `--opinfo-samples 1` read it instead of capturing again."""
+    """A cache folder holding the `--opinfo-samples 1` capture with the samples' backward
+    (what `decompshard coverage` captures), written from this process's own capture
+    (shared with test_coverage's in-process sweeps; a forward-only request is served from
+    it), so CLI subprocesses with `--opinfo-samples 1` read it instead of capturing again."""
     from decompshard.coverage.opinfo_samples import capture_aten_samples
 
     folder = tmp_path_factory.mktemp("decompshard-cache")
-    capture_aten_samples(max_samples_per_opinfo=1, cache_dir=str(folder))
+    capture_aten_samples(max_samples_per_opinfo=1, backward=True, cache_dir=str(folder))
     assert any(folder.iterdir()), "the capture was not kept on disk"
     return folder
 

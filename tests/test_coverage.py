@@ -33,7 +33,7 @@ SMALL = ",".join([
     "aten.dist.default",  # replicate-only: its p-norm blocks every Partial
     "aten.normal.Tensor_Tensor",  # random: unsupported
     "aten.nonzero.default",  # no decomposition; data-dependent: replicate-only under enable()
-    "aten.hardsigmoid_backward.default",  # decomposable, never reached by OpInfo
+    "aten.soft_margin_loss_backward.default",  # decomposable, never reached by OpInfo (nor its backward)
     "aten.pixel_*",  # a glob
 ])
 FAST = ["--opinfo-samples", "1", "-j", "1", "-q"]
@@ -105,7 +105,7 @@ def test_block_diag_derived_where_torch_fallback_fails(small):
 
 def test_statuses_agree_with_derive_rules(small):
     """Re-derive every swept op on the same samples: the record is what derive_rules says."""
-    captured = capture_aten_samples(max_samples_per_opinfo=1)
+    captured = capture_aten_samples(max_samples_per_opinfo=1, backward=True)  # what the sweep captured
     checked = 0
     for r in small["ops"]:
         if r["status"] == "native" or not r["samples"]:
@@ -143,8 +143,8 @@ def test_random_and_replicate_only(small):
 def test_no_decomposition_and_no_sample(small):
     r = _op(small, "aten.nonzero.default")  # enable() runs it replicated, and a DTensor run checked it
     assert r["status"] == "replicate-only" and "output size depends on values" in r["reason"]
-    r = _op(small, "aten.hardsigmoid_backward.default")
-    assert r["status"] == "unsupported" and "no sample inputs" in r["reason"]
+    r = _op(small, "aten.soft_margin_loss_backward.default")
+    assert r["status"] == "unsupported" and "no sample inputs" in r["reason"] and r["backward"]
 
 
 # ------------------------------------------------------------------ rendering

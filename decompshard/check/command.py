@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = "examples:\n" + __doc__.split("\n\n")[1] + "\n\n" + __doc__.split("\n\n")[3]
     parser.add_argument("--ops", metavar="PATTERNS",
                         help="comma-separated globs or exact names; default: every op decompshard derives "
-                        "(no DTensor strategy, a decomposition, reached by OpInfo)")
+                        "(no DTensor strategy, a decomposition, reached by OpInfo samples or their backward)")
     parser.add_argument("--mesh", default="1d,2d,3d", metavar="MESHES",
                         help="comma-separated mesh shapes such as 6, 2x3, 2x2x2 (or 1d, 2d, 3d for those); "
                         "default 1d,2d,3d")
@@ -140,7 +140,7 @@ def _samples_for(patterns: str | None, n: int, progress: bool) -> list[tuple[Any
 
     if progress:
         print("check: capturing aten calls from torch's OpInfo samples...", file=sys.stderr, flush=True)
-    captured = capture_aten_samples()
+    captured = capture_aten_samples(backward=True)  # the backward ops a training step reaches, too
     derived = decomp_only_ops(captured)
     ops = select_ops(patterns, derived) if patterns else derived
     return [(op, pick_samples(captured.get(op, []), n)) for op in ops if captured.get(op)]

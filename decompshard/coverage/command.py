@@ -2,6 +2,7 @@
 
     decompshard coverage                         # every aten op reached by torch's OpInfo database
     decompshard coverage --ops "aten.add*,aten.addmv.default"
+    decompshard coverage --ops "*_backward*"       # the *_backward* overloads (backward section)
     decompshard coverage --model mypkg.models:build_model --input-shapes 8,128
     decompshard coverage --format markdown|csv|json --output report.md
     decompshard coverage --diff old.json new.json
@@ -47,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated fnmatch globs over 'aten.<name>.<overload>' of the ops OpInfo "
                         "reaches, or exact overload names (any aten op, or a custom op ns.name.overload from "
                         "--import MODULE: without OpInfo samples it is listed as such; --model derives a custom "
-                        "op at its calls' shapes); default: every op OpInfo reaches")
+                        "op at its calls' shapes); default: every op OpInfo reaches, forward and backward")
     parser.add_argument("--model", metavar="MODULE:CALLABLE",
                         help="audit a model instead: the callable returns an nn.Module or (module, example_inputs). "
                         "Custom ops it calls (torch.library.custom_op, in forward or backward) are listed and "
@@ -78,6 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "capture kept in $DECOMPSHARD_CACHE_DIR, else ~/.cache/decompshard, made by the "
                         "same torch and decompshard)")
     parser.add_argument("--no-verify", action="store_true", help="skip the numerical check (no precision/recall)")
+    parser.add_argument("--no-backward", action="store_true",
+                        help="forward ops only: do not run the OpInfo samples' backward (default: the ops "
+                        "autograd's backward reaches get a section of their own)")
     parser.add_argument("--status", metavar="LIST",
                         help=f"table rows to show, comma-separated among {', '.join(STATUSES)} (summary unchanged)")
     parser.add_argument("--verify-native", action="store_true",
@@ -187,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             doc = sweep(args.ops, jobs=args.jobs, timeout=args.timeout, samples_per_op=args.samples,
                         opinfo_samples=args.opinfo_samples, verify=not args.no_verify, verbosity=verbosity,
-                        cache=not args.no_cache, partial=partial)
+                        cache=not args.no_cache, partial=partial, backward=not getattr(args, "no_backward", False))
         except KeyboardInterrupt:
             if not args.output or "doc" not in partial:
                 raise
@@ -357,21 +361,30 @@ def _start_worker_server(jobs: int) -> None:
         signal.signal(signal.SIGINT, previous)
 
 
+def mark_backward(records: Sequence[dict[str, Any]], backward_names: set[str]) -> None:
+    """Set each record's "backward" field: the report's backward section is these ops."""
+    for r in records:
+        r["backward"] = r["op"] in backward_names
+
+
 def _say(text: str) -> None:
     print(f"coverage: {text}", file=sys.stderr, flush=True)
 
 
 def sweep(patterns: str | None = None, *, jobs: int = 1, timeout: float = 60.0, samples_per_op: int = 2,
           opinfo_samples: int | None = None, verify: bool = True, verbosity: int = 0, cache: bool = True,
-          partial: dict[str, Any] | None = None) -> dict[str, Any]:
+          partial: dict[str, Any] | None = None, backward: bool = True) -> dict[str, Any]:
     """Capture OpInfo samples (or read the capture kept on disk), select ops, analyse each
     (workers for the non-native ones), and return the JSON report document.
+
+    `backward`: the capture runs each differentiable sample's backward too; the ops only
+    it reaches (and every `*_backward*` op) are marked `"backward": true` (report.py).
 
     `verbosity`: -1 silent, 0 progress on stderr, 1 a line per op. On Ctrl-C the
     KeyboardInterrupt propagates after `partial["doc"]` is set to the report of the ops
     finished so far (`run.interrupted` true), when the sweep had started."""
     from . import report as rep
-    from .opinfo_samples import capture_aten_samples, capture_is_cached
+    from .opinfo_samples import capture_aten_samples, capture_is_cached, is_backward_op
     from .progress import Progress
     from .sweep import needs_worker, pick_samples, records_for
 
@@ -381,14 +394,14 @@ def sweep(patterns: str | None = None, *, jobs: int = 1, timeout: float = 60.0, 
     show = verbosity >= 0
     t0 = time.perf_counter()
     cache_dir = default_cache_dir() if cache else None
-    cached = capture_is_cached(opinfo_samples, cache_dir=cache_dir)
+    cached = capture_is_cached(opinfo_samples, backward=backward, cache_dir=cache_dir)
     if show and not cached:
         _say("capturing aten calls from torch's OpInfo samples (once"
              + (f"; kept in {cache_dir})" if cache_dir else ")"))
     bar = Progress(0, label="OpInfos", enabled=show and not cached)
     try:
         captured = capture_aten_samples(max_samples_per_opinfo=opinfo_samples, cache_dir=cache_dir,
-                                        on_opinfo=bar.update)
+                                        on_opinfo=bar.update, backward=backward)
     finally:
         bar.close()
     t_capture = time.perf_counter() - t0
@@ -396,30 +409,36 @@ def sweep(patterns: str | None = None, *, jobs: int = 1, timeout: float = 60.0, 
         _say(f"{len(captured)} aten ops with samples, {'read from the cache' if cached else 'captured'} "
              f"in {t_capture:.1f} s")
     ops = select_ops(patterns, [op for op in captured if op.namespace == "aten"])
+    backward_names = {str(op) for op in ops if is_backward_op(op, captured.get(op, []))}
     per_op = []
     for op in ops:
         best = pick_samples(captured.get(op, []), samples_per_op)
         per_op.append((op, [(s.args, s.kwargs, s.opinfo_name) for s in best]))
     run_info = {"jobs": jobs, "timeout": timeout, "samples_per_op": samples_per_op,
                 "opinfo_samples": opinfo_samples, "verify": verify, "selection": patterns or "default",
-                "capture_seconds": round(t_capture, 1), "capture_cached": cached}
+                "capture_seconds": round(t_capture, 1), "capture_cached": cached, "backward": backward}
     if show:
-        _say(f"sweeping {len(ops)} ops")
+        _say(f"sweeping {len(ops)} ops ({len(backward_names)} backward)")
     lookups = sum(1 for op, best in per_op if not needs_worker(op, best))  # instant, done first
     bar = Progress(len(ops), enabled=show, verbose=verbosity > 0, warmup=lookups + 1)
     records: list[dict[str, Any]] = []
     try:
         records_for(per_op, jobs=jobs, timeout=timeout, verify=verify, bar=bar, records=records)
     except KeyboardInterrupt:
+        mark_backward(records, backward_names)
         if partial is not None:
             partial["doc"] = rep.build_report(records, run={
                 **run_info, "seconds": round(time.perf_counter() - t0, 1), "interrupted": True,
                 "ops_selected": len(ops)})
         raise
+    mark_backward(records, backward_names)
     doc = rep.build_report(records, run={**run_info, "seconds": round(time.perf_counter() - t0, 1)})
     if show:
         st = doc["summary"]["status"]
         counts = ", ".join(f"{st[s]} {s}" for s in STATUSES if st.get(s))
+        if backward_names:
+            bst = doc["summary"]["backward"]["status"]
+            counts += "; backward ops: " + ", ".join(f"{bst[s]} {s}" for s in STATUSES if bst.get(s))
         _say(f"{len(ops)} ops in {time.perf_counter() - t0:.0f} s (OpInfo samples "
              f"{'from the cache' if cached else 'captured'} in {t_capture:.0f} s): {counts}")
     return doc

@@ -5,14 +5,18 @@ first few CPU float32 sample inputs under a `TorchDispatchMode` that records the
 calls made at the *outermost* dispatch level. A dispatch mode sees calls after
 CompositeImplicitAutograd decomposition, which is exactly the level DTensor (itself a
 `__torch_dispatch__` subclass) sees, so the recorded overloads and arguments are the
-ones a DTensor would be asked to shard.
+ones a DTensor would be asked to shard. With `backward=True` each sample of a
+differentiable OpInfo also runs its backward (`_record_backward`), recorded the same way:
+the `*_backward` overloads and whatever else autograd dispatches, as a training step
+would ask DTensor to shard them.
 
 Public API::
 
-    capture_aten_samples(opinfo_filter=None, max_samples_per_opinfo=4, cache_dir=None,
-                         on_opinfo=None) -> dict[OpOverload, list[AtenSample]]
+    capture_aten_samples(opinfo_filter=None, max_samples_per_opinfo=4, backward=False,
+                         cache_dir=None, on_opinfo=None) -> dict[OpOverload, list[AtenSample]]
     default_cache_dir() -> str    # where `decompshard coverage` keeps the full capture
     decomp_only_ops(samples) -> list[OpOverload]   # the "decomp-only OpInfo set"
+    is_backward_op(op, samples) -> bool            # *_backward*, or reached only by backward
     status_of(op) -> 'native' | 'decomp' | 'none'
 
 Importing `op_db` takes a few seconds and a full capture runs every OpInfo's samples
@@ -33,8 +37,9 @@ import pickle
 import sys
 import tempfile
 import warnings
+import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Union
+from typing import Any, Callable, Iterable, Sequence, Union
 
 import torch
 from torch._ops import OpOverload
@@ -52,6 +57,7 @@ __all__ = [
     "default_cache_dir",
     "has_decomposition",
     "has_dtensor_strategy",
+    "is_backward_op",
     "status_of",
 ]
 
@@ -75,6 +81,7 @@ class AtenSample:
     args: tuple
     kwargs: dict = field(default_factory=dict)
     opinfo_name: str = ""
+    backward: bool = False  # recorded during autograd's backward of the sample, not its forward
 
     def flat_args(self) -> list[Any]:
         """All leaves of `(args, kwargs)` in schema order (lists of tensors flattened)."""
@@ -217,6 +224,7 @@ def capture_aten_samples(
     max_samples_per_opinfo: int | None = 4,
     *,
     max_samples_per_op: int | None = 4,
+    backward: bool = False,
     cache_dir: str | None = None,
     on_opinfo: OnOpInfo | None = None,
 ) -> dict[OpOverload, list[AtenSample]]:
@@ -227,6 +235,11 @@ def capture_aten_samples(
     max_samples_per_opinfo: how many of each OpInfo's CPU float32 sample inputs to run
         (the first ones; None runs them all: ~2x slower, a few more overloads).
     max_samples_per_op: distinct samples kept per aten overload (None keeps all).
+    backward: also run each sample's backward where the OpInfo is differentiable (see
+        `_record_backward`) and keep the aten calls autograd makes, as samples with
+        `backward=True`. The forward samples are the same either way: a backward
+        sample only fills an op's bucket after the whole forward capture, so a
+        forward-only request is served from a backward capture by dropping them.
     cache_dir: keep a full capture (no filter) on disk there, and read it back when it
         is valid for this torch and this code (`default_cache_dir()` is the usual
         place); None: in-process only.
@@ -237,31 +250,45 @@ def capture_aten_samples(
     an OpInfo sample are swallowed (calls recorded before the error are kept). The
     result is cached in-process; callers get a fresh dict of fresh lists.
     """
-    key = (_filter_key(opinfo_filter), max_samples_per_opinfo, max_samples_per_op)
-    cached = _CAPTURE_CACHE.get(key)
+    fkey = _filter_key(opinfo_filter)
+    cached = _CAPTURE_CACHE.get((fkey, max_samples_per_opinfo, max_samples_per_op, backward))
+    if cached is None and not backward:  # a backward capture holds the forward one
+        cached = _forward_part(_CAPTURE_CACHE.get((fkey, max_samples_per_opinfo, max_samples_per_op, True)))
     path = None
     if cache_dir is not None and opinfo_filter is None:
-        path = os.path.join(cache_dir, _cache_file_name(max_samples_per_opinfo, max_samples_per_op))
+        path = os.path.join(cache_dir, _cache_file_name(max_samples_per_opinfo, max_samples_per_op, backward))
         if cached is None:
             cached = _load(path)
-        elif not os.path.exists(path):  # captured in this process before: keep it for the next one
+        if cached is None and not backward:
+            cached = _forward_part(_load(os.path.join(
+                cache_dir, _cache_file_name(max_samples_per_opinfo, max_samples_per_op, True))))
+        if cached is not None and not os.path.exists(path):  # captured in this process before: keep it
             _save(path, cached)
     if cached is None:
-        cached = _capture(opinfo_filter, max_samples_per_opinfo, max_samples_per_op, on_opinfo)
+        cached = _capture(opinfo_filter, max_samples_per_opinfo, max_samples_per_op, on_opinfo, backward)
         if path is not None:
             _save(path, cached)
-    _CAPTURE_CACHE[key] = cached
+    _CAPTURE_CACHE[(fkey, max_samples_per_opinfo, max_samples_per_op, backward)] = cached
     return {op: list(samples) for op, samples in cached.items()}
 
 
+def _forward_part(captured: dict[OpOverload, list[AtenSample]] | None) -> dict[OpOverload, list[AtenSample]] | None:
+    """The forward capture inside a backward one (None stays None)."""
+    if captured is None:
+        return None
+    out = {op: [s for s in samples if not s.backward] for op, samples in captured.items()}
+    return {op: samples for op, samples in out.items() if samples}
+
+
 def capture_is_cached(max_samples_per_opinfo: int | None = 4, *, max_samples_per_op: int | None = 4,
-                      cache_dir: str | None = None) -> bool:
+                      backward: bool = False, cache_dir: str | None = None) -> bool:
     """Whether a full capture with these settings is already here (in-process or on disk):
     a caller can say "capturing..." only when it will."""
-    if (None, max_samples_per_opinfo, max_samples_per_op) in _CAPTURE_CACHE:
+    modes = (backward,) if backward else (False, True)
+    if any((None, max_samples_per_opinfo, max_samples_per_op, b) in _CAPTURE_CACHE for b in modes):
         return True
-    return cache_dir is not None and os.path.isfile(
-        os.path.join(cache_dir, _cache_file_name(max_samples_per_opinfo, max_samples_per_op)))
+    return cache_dir is not None and any(os.path.isfile(
+        os.path.join(cache_dir, _cache_file_name(max_samples_per_opinfo, max_samples_per_op, b))) for b in modes)
 
 
 def _capture(
@@ -269,11 +296,14 @@ def _capture(
     max_samples_per_opinfo: int | None,
     max_samples_per_op: int | None,
     on_opinfo: OnOpInfo | None = None,
+    backward: bool = False,
 ) -> dict[OpOverload, list[AtenSample]]:
     from torch.testing._internal.common_methods_invocations import op_db  # slow import
 
     result: dict[OpOverload, list[AtenSample]] = {}
     seen: set[tuple] = set()
+    bwd: dict[OpOverload, list[AtenSample]] | None = {} if backward else None
+    bwd_seen: set[tuple] = set()  # its own: a backward call must never keep a forward one out
     chosen = [o for o in op_db if _opinfo_matches(o, opinfo_filter)]
     threads = torch.get_num_threads()
     # One intra-op thread: the samples are tiny, and extra threads only add overhead (the
@@ -284,16 +314,41 @@ def _capture(
         with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
             warnings.simplefilter("ignore")
             for done, opinfo in enumerate(chosen, 1):
-                _capture_one(opinfo, max_samples_per_opinfo, max_samples_per_op, result, seen)
+                _capture_one(opinfo, max_samples_per_opinfo, max_samples_per_op, result, seen, bwd, bwd_seen)
                 if on_opinfo is not None:
                     on_opinfo(done, len(chosen), opinfo.full_name)
     finally:
         torch.set_num_threads(threads)
+    for op, samples in (bwd or {}).items():  # after the forward: the forward buckets stay as they were
+        fresh = [s for s in samples if _dedupe_key(op, s.args, s.kwargs) not in seen]
+        bucket = result.setdefault(op, [])
+        room = len(fresh) if max_samples_per_op is None else max(0, max_samples_per_op - len(bucket))
+        bucket.extend(fresh[:room])
+        if not bucket:
+            del result[op]
     return result
 
 
+def _add(calls: list[tuple[OpOverload, tuple, dict]], opinfo_name: str, max_samples_per_op: int | None,
+         result: dict[OpOverload, list[AtenSample]], seen: set[tuple], backward: bool) -> None:
+    """Keep the recorded calls that are new (`seen`) and fit their op's bucket."""
+    for op, args, kwargs in calls:
+        if not _keep(args, kwargs):
+            continue
+        dkey = _dedupe_key(op, args, kwargs)
+        if dkey in seen:
+            continue
+        bucket = result.setdefault(op, [])
+        if max_samples_per_op is not None and len(bucket) >= max_samples_per_op:
+            continue
+        seen.add(dkey)
+        bucket.append(AtenSample(op, args, kwargs, opinfo_name, backward))
+
+
 def _capture_one(opinfo: Any, max_samples_per_opinfo: int | None, max_samples_per_op: int | None,
-                 result: dict[OpOverload, list[AtenSample]], seen: set[tuple]) -> None:
+                 result: dict[OpOverload, list[AtenSample]], seen: set[tuple],
+                 bwd: dict[OpOverload, list[AtenSample]] | None = None,
+                 bwd_seen: set[tuple] | None = None) -> None:
     # Seed per OpInfo: sample values do not depend on the filter. The global RNG state
     # is restored by fork_rng when the capture ends.
     torch.manual_seed(0)
@@ -304,7 +359,7 @@ def _capture_one(opinfo: Any, max_samples_per_opinfo: int | None, max_samples_pe
         sample_inputs = list(itertools.islice(gen, max_samples_per_opinfo))
     except Exception:
         return
-    for sample in sample_inputs:
+    for index, sample in enumerate(sample_inputs):
         recorder = _RecordOutermostAtenCalls()
         try:
             with recorder:
@@ -312,17 +367,47 @@ def _capture_one(opinfo: Any, max_samples_per_opinfo: int | None, max_samples_pe
                 opinfo.op(sample.input, *sample.args, **sample.kwargs)
         except Exception:
             pass
-        for op, args, kwargs in recorder.calls:
-            if not _keep(args, kwargs):
-                continue
-            dkey = _dedupe_key(op, args, kwargs)
-            if dkey in seen:
-                continue
-            bucket = result.setdefault(op, [])
-            if max_samples_per_op is not None and len(bucket) >= max_samples_per_op:
-                continue
-            seen.add(dkey)
-            bucket.append(AtenSample(op, args, kwargs, opinfo.full_name))
+        _add(recorder.calls, opinfo.full_name, max_samples_per_op, result, seen, False)
+        if bwd is not None and getattr(opinfo, "supports_autograd", False):
+            calls = _record_backward(opinfo, sample, index)
+            _add(calls, opinfo.full_name, max_samples_per_op, bwd, bwd_seen if bwd_seen is not None else set(), True)
+
+
+def _record_backward(opinfo: Any, sample: Any, index: int) -> list[tuple[OpOverload, tuple, dict]]:
+    """The aten calls autograd makes for one sample's backward, as DTensor would see them.
+
+    Every floating tensor of the sample is copied into a leaf that requires grad (the
+    values do not change), the forward runs unrecorded, and `torch.autograd.grad` of
+    every differentiable output against a random grad_output (seeded by the OpInfo and
+    sample index, from its own generator) runs under the recorder. The global RNG is
+    forked, so a random forward does not shift anything the forward capture draws. A
+    sample whose forward or backward raises contributes the calls made before the error.
+    """
+    leaves: list[torch.Tensor] = []
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.dtype.is_floating_point and x.layout is torch.strided:
+            y = x.detach().clone().requires_grad_(True)
+            leaves.append(y)
+            return y
+        return x
+
+    recorder = _RecordOutermostAtenCalls()
+    with torch.random.fork_rng(devices=[]), torch.enable_grad():
+        try:
+            inp, args, kwargs = tree_map(leaf, (sample.input, tuple(sample.args), dict(sample.kwargs)))
+            out = opinfo.op(inp, *args, **kwargs)
+            outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None
+                    and (t.dtype.is_floating_point or t.dtype.is_complex)]
+            if not outs:
+                return []
+            gen = torch.Generator().manual_seed(zlib.crc32(f"{opinfo.full_name}/{index}".encode()))
+            grads = [torch.randn(t.shape, dtype=t.dtype, generator=gen) for t in outs]
+            with recorder:
+                torch.autograd.grad(outs, leaves, grads, allow_unused=True)
+        except Exception:
+            pass
+    return recorder.calls
 
 
 # ----------------------------------------------------------------------------- disk cache
@@ -333,7 +418,8 @@ def default_cache_dir() -> str:
     return cache_dir()
 
 
-def _cache_file_name(max_samples_per_opinfo: int | None, max_samples_per_op: int | None) -> str:
+def _cache_file_name(max_samples_per_opinfo: int | None, max_samples_per_op: int | None,
+                     backward: bool = False) -> str:
     """Everything that decides a capture's content is in the name: a file is either valid
     or never looked at (no stale reads, no version field to forget)."""
     with open(__file__, "rb") as f:
@@ -342,7 +428,7 @@ def _cache_file_name(max_samples_per_opinfo: int | None, max_samples_per_op: int
     per_opinfo = "all" if max_samples_per_opinfo is None else max_samples_per_opinfo
     per_op = "all" if max_samples_per_op is None else max_samples_per_op
     return (f"opinfo-samples-torch{torch.__version__}-{commit}-py{sys.version_info[0]}{sys.version_info[1]}"
-            f"-{code}-{per_opinfo}-{per_op}.pkl")
+            f"-{code}-{per_opinfo}-{per_op}{'-bwd' if backward else ''}.pkl")
 
 
 def _load(path: str) -> dict[OpOverload, list[AtenSample]] | None:
@@ -352,9 +438,9 @@ def _load(path: str) -> dict[OpOverload, list[AtenSample]] | None:
         with open(path, "rb") as f:
             rows = pickle.load(f)
         out: dict[OpOverload, list[AtenSample]] = {}
-        for name, args, kwargs, opinfo_name in rows:
+        for name, args, kwargs, opinfo_name, backward in rows:
             op = _overload(name)
-            out.setdefault(op, []).append(AtenSample(op, args, kwargs, opinfo_name))
+            out.setdefault(op, []).append(AtenSample(op, args, kwargs, opinfo_name, backward))
         return out
     except Exception:  # noqa: BLE001 - any unreadable cache is a cache miss
         return None
@@ -363,7 +449,7 @@ def _load(path: str) -> dict[OpOverload, list[AtenSample]] | None:
 def _save(path: str, captured: dict[OpOverload, list[AtenSample]]) -> None:
     """Write atomically (a temporary file renamed into place), so an interrupted write or
     two concurrent runs never leave a half file; an unwritable folder only costs speed."""
-    rows = [(str(op), s.args, s.kwargs, s.opinfo_name) for op, samples in captured.items() for s in samples]
+    rows = [(str(op), s.args, s.kwargs, s.opinfo_name, s.backward) for op, samples in captured.items() for s in samples]
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
@@ -423,6 +509,12 @@ def status_of(op: OpOverload) -> str:
     if has_decomposition(op):
         return "decomp"
     return "none"
+
+
+def is_backward_op(op: OpOverload, samples: Sequence[AtenSample] = ()) -> bool:
+    """A backward op: an `*_backward*` overload, or one the capture reached only through
+    autograd's backward (no forward sample). What a training step adds to the forward."""
+    return "_backward" in op._opname or (bool(samples) and all(s.backward for s in samples))
 
 
 def _is_random(op: OpOverload) -> bool:

@@ -11,11 +11,17 @@ so `--diff` and `--from` work on files written by any earlier run::
               "verified" (the numerical check ran),
               "torch_fallback": {"status", "reason", "n_rules", "n_confirmed", "n_incorrect",
                                  "n_missed", "n_truth", "rules", "incorrect"},
-              "seconds", "samples" [per-sample detail, same counts], "calls" (--model only)}],
+              "seconds", "samples" [per-sample detail, same counts], "calls" (--model only),
+              "backward" (a backward op: `*_backward*`, or reached only by autograd's backward
+                          of the OpInfo samples; absent in reports made before it existed)}],
      "summary": {"ops", "status" {status: count}, "verified_ops",
                  "decompshard" | "torch_fallback": {"ops_with_rules", "rules", "confirmed",
                      "incorrect", "missed", "truth", "precision", "precision_mean",
-                     "recall", "recall_mean"}}}
+                     "recall", "recall_mean"},
+                 "backward": {the same summary over the backward ops alone}}}
+
+The summary's top-level counts are over every op, forward and backward; tables show the
+backward ops in a section of their own, after the forward ones.
 
 `ops` is sorted by op name. Counts are summed over an op's samples (at most 2, largest
 first); rule lists are the distinct union over them. `n_truth` counts the rules the
@@ -79,7 +85,14 @@ def _mean(values: Sequence[float]) -> float | None:
 
 def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Status totals, and precision/recall of both sides (micro: pooled counts; mean: the
-    average of per-op ratios, so a few ops with many rules do not dominate)."""
+    average of per-op ratios, so a few ops with many rules do not dominate); under
+    "backward", the same over the backward ops alone."""
+    out = _summarize(records)
+    out["backward"] = _summarize([r for r in records if r.get("backward")])
+    return out
+
+
+def _summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     status = {s: 0 for s in STATUSES}
     for r in records:
         status[r["status"]] = status.get(r["status"], 0) + 1
@@ -232,7 +245,7 @@ def _csv(records: Sequence[dict[str, Any]], calls: bool, show_rules: bool = Fals
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(["op", *(["calls"] if calls else []), "status", "registry", "n_derived", "n_confirmed",
                 "n_incorrect", "n_missed", "n_truth", "verified", "torch_status", "torch_n_rules",
-                "torch_n_confirmed", "torch_n_incorrect", "torch_n_missed", "seconds", "reason",
+                "torch_n_confirmed", "torch_n_incorrect", "torch_n_missed", "seconds", "backward", "reason",
                 *(["derived_rules"] if show_rules else [])])
     for r in records:
         tf = r.get("torch_fallback") or {}
@@ -240,7 +253,7 @@ def _csv(records: Sequence[dict[str, Any]], calls: bool, show_rules: bool = Fals
                     r.get("n_derived", 0), r.get("n_confirmed", 0), r.get("n_incorrect", 0), r.get("n_missed", 0),
                     r.get("n_truth", 0), int(bool(r.get("verified"))), tf.get("status", ""), tf.get("n_rules", 0),
                     tf.get("n_confirmed", 0), tf.get("n_incorrect", 0), tf.get("n_missed", 0), r.get("seconds", 0),
-                    r.get("reason") or "", *(["; ".join(r.get("derived_rules", []))] if show_rules else [])])
+                    int(bool(r.get("backward"))), r.get("reason") or "", *(["; ".join(r.get("derived_rules", []))] if show_rules else [])])
     return buf.getvalue().rstrip("\n")
 
 
@@ -269,7 +282,14 @@ def render_summary(summary: dict[str, Any], fmt: str = "text", width: int | None
     """The totals block: status counts, then both sides' precision and recall."""
     tf = "github" if fmt == "markdown" else "simple"
     st = summary["status"]
+    bw = summary.get("backward") or {}
+    status_head = ["status", "ops", "meaning"]
     status_rows = [[s, st.get(s, 0), STATUS_MEANINGS[s]] for s in STATUSES] + [["total", summary["ops"], ""]]
+    if bw.get("ops"):  # the backward ops' share of each count
+        bst = bw["status"]
+        status_head.insert(2, "of them backward")
+        for row, s in zip(status_rows, [*STATUSES, None]):
+            row.insert(2, bw["ops"] if s is None else bst.get(s, 0))
     a, b = summary["decompshard"], summary["torch_fallback"]
     lines = [
         ("ops with >= 1 rule", "ops_with_rules", str), ("rules claimed", "rules", str),
@@ -285,28 +305,50 @@ def render_summary(summary: dict[str, Any], fmt: str = "text", width: int | None
         note = (f"precision/recall over the {summary['verified_ops']} non-native ops the numerical "
                 f"checker could judge ({summary['decompshard']['truth']} valid rules in all)")
     side_rows = [[label, f(a[key]), f(b[key])] for label, key, f in lines]
-    status_table = tabulate(status_rows, ["status", "ops", "meaning"], tablefmt=tf, disable_numparse=True)
+    status_table = tabulate(status_rows, status_head, tablefmt=tf, disable_numparse=True)
     side_table = tabulate(side_rows, ["", "decompshard", "torch fallback"], tablefmt=tf,
                           colalign=("left", "right", "right"), disable_numparse=True)
     title = ["## Summary", ""] if fmt == "markdown" else ["Summary", "======="]
-    return "\n".join([*title, status_table, "", side_table, "", *_wrap(note, width)])
+    out = [*title, status_table, "", side_table, "", *_wrap(note, width)]
+    if bw.get("ops") and bw.get("verified_ops"):
+        b = bw["decompshard"]
+        out += _wrap(f"backward ops alone: {b['ops_with_rules']} with >= 1 rule, {b['rules']} rules claimed, "
+                     f"{b['confirmed']} confirmed valid, {b['incorrect']} incorrect, {b['missed']} valid but "
+                     f"missed", width)
+    return "\n".join(out)
+
+
+BACKWARD_TITLE = "Backward ops (what autograd's backward of the OpInfo samples adds to their forward)"
 
 
 def render(doc: dict[str, Any], fmt: str = "text", width: int | None = None,
            statuses: Sequence[str] | None = None, show_rules: bool = False) -> str:
     """The whole report in one format; `statuses` filters table rows (never the summary).
-    text/markdown: the table, its legend, the derived rules (`show_rules`), the summary;
-    csv: the table alone (one header, one row per op); json: the document."""
+    text/markdown: the forward table, the backward ops' table under a heading of its own
+    (when there are any), the derived rules (`show_rules`), the summary; csv: one table
+    (one header, one row per op, a `backward` column); json: the document."""
     if fmt == "json":
         return json.dumps(doc, indent=1)
     ops = [r for r in doc["ops"] if not statuses or r["status"] in statuses]
-    table = render_table(ops, fmt, width, show_rules)
     if fmt == "csv":
-        return table
+        return render_table(ops, fmt, width, show_rules)
+    forward = [r for r in ops if not r.get("backward")]
+    backward = [r for r in ops if r.get("backward")]
     run = doc.get("run") or {}
     partial = (_wrap(f"partial report: interrupted after {len(doc['ops'])} of {run.get('ops_selected', '?')} "
                      "ops", width) + [""] if run.get("interrupted") else [])
-    out = partial + (["## Ops", "", table] if fmt == "markdown" else [table])
+    out = list(partial)
+    if forward or not backward:
+        table = render_table(forward, fmt, width, show_rules)
+        out += ["## Ops", "", table] if fmt == "markdown" else [table]
+    if backward:
+        table = render_table(backward, fmt, width, show_rules)
+        gap = [""] if out else []
+        if fmt == "markdown":
+            out += [*gap, f"## {BACKWARD_TITLE}", "", table]
+        else:
+            title = _wrap(BACKWARD_TITLE, width)
+            out += [*gap, *title, "=" * min(max(len(t) for t in title), width or 10**6), table]
     if show_rules:
         out += ["", render_rules(ops, fmt, width)]
     out += ["", render_summary(doc["summary"], fmt, width)]
@@ -340,6 +382,14 @@ def diff_reports(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     for s in STATUSES:
         summary[s] = _delta(sa["status"].get(s, 0), sb["status"].get(s, 0))
     summary["ops"] = _delta(sa.get("ops", 0), sb.get("ops", 0))
+    ba, bb = sa.get("backward") or {}, sb.get("backward") or {}
+    if ba or bb:  # a report made before the backward section has none: its deltas are "-"
+        for s in STATUSES:
+            summary[f"backward.{s}"] = _delta((ba.get("status") or {}).get(s), (bb.get("status") or {}).get(s))
+        summary["backward.ops"] = _delta(ba.get("ops"), bb.get("ops"))
+        for key in ("rules", "incorrect"):
+            summary[f"backward.decompshard.{key}"] = _delta((ba.get("decompshard") or {}).get(key),
+                                                            (bb.get("decompshard") or {}).get(key))
     for side, _ in SIDES:
         for key in ("ops_with_rules", "rules", "confirmed", "incorrect", "missed", "precision",
                     "precision_mean", "recall", "recall_mean"):
