@@ -283,7 +283,7 @@ def render_summary(summary: dict[str, Any], fmt: str = "text", width: int | None
     tf = "github" if fmt == "markdown" else "simple"
     st = summary["status"]
     bw = summary.get("backward") or {}
-    status_head = ["status", "ops", "meaning"]
+    status_head = ["status", "ops", "meaning"]  # meaning last: it wraps (_text_table)
     status_rows = [[s, st.get(s, 0), STATUS_MEANINGS[s]] for s in STATUSES] + [["total", summary["ops"], ""]]
     if bw.get("ops"):  # the backward ops' share of each count
         bst = bw["status"]
@@ -305,7 +305,9 @@ def render_summary(summary: dict[str, Any], fmt: str = "text", width: int | None
         note = (f"precision/recall over the {summary['verified_ops']} non-native ops the numerical "
                 f"checker could judge ({summary['decompshard']['truth']} valid rules in all)")
     side_rows = [[label, f(a[key]), f(b[key])] for label, key, f in lines]
-    status_table = tabulate(status_rows, status_head, tablefmt=tf, disable_numparse=True)
+    status_rows = [[str(c) for c in row] for row in status_rows]
+    status_table = (_text_table(status_rows, status_head, width, len(status_head) - 1) if fmt == "text"
+                    else tabulate(status_rows, status_head, tablefmt=tf, disable_numparse=True))
     side_table = tabulate(side_rows, ["", "decompshard", "torch fallback"], tablefmt=tf,
                           colalign=("left", "right", "right"), disable_numparse=True)
     title = ["## Summary", ""] if fmt == "markdown" else ["Summary", "======="]
