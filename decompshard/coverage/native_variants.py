@@ -132,18 +132,21 @@ _INT_TYPES = frozenset({"int", "SymInt", "List[int]", "List[SymInt]", "Optional[
 NEGATIVE_DIMS = "negative dims"
 
 
-def dim_arguments(op: OpOverload) -> list[tuple[int, str]]:
-    """(schema position, name) of `op`'s arguments that are dims (see DIM_ARG_NAMES)."""
-    return [(i, a.name) for i, a in enumerate(op._schema.arguments)
-            if a.name in DIM_ARG_NAMES and str(a.type) in _INT_TYPES]
+def dim_arguments(op: OpOverload) -> list[tuple[int, str, object]]:
+    """(schema position, name, default) of `op`'s arguments that are dims (see
+    DIM_ARG_NAMES); default None where the schema has none."""
+    return [(i, a.name, a.default_value if a.has_default_value() else None)
+            for i, a in enumerate(op._schema.arguments) if a.name in DIM_ARG_NAMES and str(a.type) in _INT_TYPES]
 
 
 def negative_dim_samples(samples: Sequence[AtenSample], k: int) -> list[AtenSample]:
-    """The k largest of `samples` that pass a dim argument >= 0, each with every such
-    dim d replaced by d - n: the same call with negative dims. n is the ndim of the
-    first tensor input (at least 1), or one more (`unsqueeze`, `diag_embed` and
-    `stack` index their output's dims); the one that gives, on one device, exactly
-    the original sample's result, so the variant means what the sample means."""
+    """The k largest of `samples` that pass a dim argument >= 0 (a default one
+    included: `diagonal`'s dim1=0, dim2=1), each with every such dim d replaced by
+    d - n: the same call with negative dims. n is the ndim of the first tensor input
+    (at least 1), or one more (`unsqueeze`, `diag_embed` and `stack` index their
+    output's dims); the one that gives, on one device, exactly the original sample's
+    result, so the variant means what the sample means (kernels that never wrap their
+    dims, `_fft_*`, give no variant, or crash: run it in a worker)."""
     from .sweep import pick_samples
 
     out: list[AtenSample] = []
@@ -170,17 +173,19 @@ def _negated(sample: AtenSample) -> AtenSample | None:
         for n in dict.fromkeys((max(first.ndim, 1), first.ndim + 1)):
             args, kwargs = list(sample.args), dict(sample.kwargs)
             changed = []
-            for i, name in where:
+            for i, name, default in where:
                 if i < len(args):
                     args[i], what = _negate(args[i], n)
-                elif name in kwargs:
-                    kwargs[name], what = _negate(kwargs[name], n)
+                elif name in kwargs or default is not None:
+                    kwargs[name], what = _negate(kwargs.get(name, default), n)
+                    if not what and name not in sample.kwargs:
+                        del kwargs[name]
                 else:
                     continue
                 if what:
                     changed.append(f"{name}={what}")
             if not changed:
-                return None
+                continue
             variant = AtenSample(sample.op, tuple(args), kwargs, f"{sample.opinfo_name} | {NEGATIVE_DIMS}: "
                                  f"{', '.join(changed)}")
             try:
