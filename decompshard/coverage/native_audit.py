@@ -33,7 +33,8 @@ import torch
 from tabulate import tabulate
 
 from .report import Progress, package_version
-from .native_variants import NEGATIVE_DIMS, VARIANTS, dim_arguments, negative_dim_samples, variant_samples
+from ..dim_args import dim_arguments
+from .native_variants import NEGATIVE_DIMS, VARIANTS, negative_dim_samples, variant_samples
 from .opinfo_samples import AtenSample
 from .sweep import Sample, pick_samples, registry_of, run_jobs
 

@@ -21,9 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch._ops import OpOverload
 
+from ..dim_args import dim_arguments
 from .opinfo_samples import AtenSample, _dedupe_key, _keep, _RecordOutermostAtenCalls
 
-__all__ = ["DIM_ARG_NAMES", "VARIANTS", "Variant", "dim_arguments", "negative_dim_samples", "variant_samples"]
+__all__ = ["NEGATIVE_DIMS", "VARIANTS", "Variant", "negative_dim_samples", "variant_samples"]
 
 IGNORE = -100
 N, C = 8, 5
@@ -119,24 +120,10 @@ def variant_samples(max_per_op: int = 6) -> dict[OpOverload, list[AtenSample]]:
 
 # ------------------------------------------------------------------ negative dims
 
-# Schema argument names that index a tensor's dims (aten's naming, read from the
-# schemas of every op with a DTensor strategy), when their type is int, int[], int? or
-# int[]?. Every aten op accepts these negative and wraps them (`maybe_wrap_dim`); a
-# strategy that compares them with a placement's (non-negative) dim before wrapping
-# them lets a Shard on the very dim the op works along through: DTensor's
-# `scan_strategy` (cumsum(-1) on Shard(0) of a 1-D tensor: [1, 3, 3, 7, 5, 11] on 3
-# ranks). OpInfo's samples mostly pass dims >= 0, so the audit never saw it.
-DIM_ARG_NAMES = frozenset({"dim", "dims", "dim0", "dim1", "dim2", "start_dim", "end_dim", "dimension"})
-_INT_TYPES = frozenset({"int", "SymInt", "List[int]", "List[SymInt]", "Optional[int]", "Optional[SymInt]",
-                        "Optional[List[int]]", "Optional[List[SymInt]]"})
+# OpInfo's samples mostly pass dims >= 0, so the audit never saw DTensor's strategies
+# with a negative one: `scan_strategy` compares it unwrapped with the placements' dims
+# and lets a Shard on the scanned dim through (dim_args.py).
 NEGATIVE_DIMS = "negative dims"
-
-
-def dim_arguments(op: OpOverload) -> list[tuple[int, str, object]]:
-    """(schema position, name, default) of `op`'s arguments that are dims (see
-    DIM_ARG_NAMES); default None where the schema has none."""
-    return [(i, a.name, a.default_value if a.has_default_value() else None)
-            for i, a in enumerate(op._schema.arguments) if a.name in DIM_ARG_NAMES and str(a.type) in _INT_TYPES]
 
 
 def negative_dim_samples(samples: Sequence[AtenSample], k: int) -> list[AtenSample]:
