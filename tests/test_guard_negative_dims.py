@@ -161,3 +161,25 @@ def test_negative_dim_variants_mean_what_the_sample_means():
     }
     for s in made:
         assert "negative dims" in s.opinfo_name
+
+
+@pytest.mark.parametrize("guarded", [False, True])
+def test_the_audit_finds_cumsum_with_negative_dims_and_not_under_the_guard(monkeypatch, guarded):
+    """`coverage --verify-native` on an OpInfo-style cumsum sample with dim >= 0 (right
+    in DTensor): its negative-dim variant is what the audit reports, and nothing is
+    left of it with the guard (`--guard`)."""
+    from decompshard import guard
+    from decompshard.coverage import native_audit, opinfo_samples
+
+    x = torch.randn(5, 6, dtype=torch.float64)
+    sample = AtenSample(aten.cumsum.default, (x, 1), {}, "cumsum")
+    monkeypatch.setattr(opinfo_samples, "capture_aten_samples", lambda **kw: {aten.cumsum.default: [sample]})
+    guard.uninstall()
+    doc = native_audit.native_sweep("aten.cumsum.default", jobs=0, progress=False, guarded=guarded)
+    assert doc["run"]["negative_dims"] and doc["ops"][0]["n_samples"] == 2
+    found = {(w["rule"], w["sample"]) for w in doc["wrong_rules"]}
+    if guarded:
+        assert found == set()
+    else:
+        assert ("S(1) -> S(1)", "cumsum | negative dims: dim=-1") in found
+        assert all("negative dims" in s for _, s in found), found

@@ -34,7 +34,7 @@ from tabulate import tabulate
 
 from .report import Progress, package_version
 from ..dim_args import dim_arguments
-from .native_variants import NEGATIVE_DIMS, VARIANTS, negative_dim_samples, variant_samples
+from .native_variants import VARIANTS, negative_dim_samples, variant_samples
 from .opinfo_samples import AtenSample
 from .sweep import Sample, pick_samples, registry_of, run_jobs
 
@@ -137,7 +137,7 @@ def native_sweep(patterns: str | None = None, *, jobs: int = 1, timeout: float =
         print(f"native audit: {len(ops)} native ops in {seconds:.0f} s (OpInfo capture {t_capture:.0f} s)",
               file=sys.stderr, flush=True)
     run = {"jobs": jobs, "timeout": timeout, "samples_per_op": samples_per_op, "opinfo_samples": opinfo_samples,
-           "variants": [NEGATIVE_DIMS] + [v.name for v in VARIANTS], "guard": guarded,
+           "variants": [v.name for v in VARIANTS], "negative_dims": True, "guard": guarded,
            "selection": patterns or "default", "capture_seconds": round(t_capture, 1), "seconds": round(seconds, 1)}
     return build_native_report(records, run)
 
