@@ -176,7 +176,8 @@ def test_the_audit_finds_cumsum_with_negative_dims_and_not_under_the_guard(monke
     monkeypatch.setattr(opinfo_samples, "capture_aten_samples", lambda **kw: {aten.cumsum.default: [sample]})
     guard.uninstall()
     doc = native_audit.native_sweep("aten.cumsum.default", jobs=0, progress=False, guarded=guarded)
-    assert doc["run"]["negative_dims"] and doc["ops"][0]["n_samples"] == 2
+    assert doc["run"]["negative_dims"] and doc["run"]["negative_dims_failed"] == {}
+    assert doc["ops"][0]["n_samples"] == 2
     found = {(w["rule"], w["sample"]) for w in doc["wrong_rules"]}
     if guarded:
         assert found == set()

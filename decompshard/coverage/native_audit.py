@@ -8,7 +8,8 @@ in a worker process (the coverage sweep's pool:
 `sweep.run_jobs`, one job per op with a deadline, so a crash or a hang costs one op).
 The result is one JSON document, ready to report upstream::
 
-    {"schema": "decompshard-native-audit/1", "version", "torch_version", "run": {...},
+    {"schema": "decompshard-native-audit/1", "version", "torch_version",
+     "run": {..., "negative_dims_failed": {op: why no negative-dim variant was made}},
      "summary": {"ops", "checked", "ops_with_wrong", "wrong_rules", "by_kind",
                  "rules_checked", "rules_refuted", "unconfirmed", "dispatch_runs",
                  "crashed": [op], "timed_out": [op]},
@@ -111,7 +112,7 @@ def native_sweep(patterns: str | None = None, *, jobs: int = 1, timeout: float =
     variants = variant_samples()
     reached = [op for op in {**captured, **variants} if op.namespace == "aten"]
     ops = [op for op in select_ops(patterns, reached) if registry_of(op) is not None]
-    negative = negative_dim_variants(captured, ops, samples_per_op, jobs, timeout)
+    negative, unmade = negative_dim_variants(captured, ops, samples_per_op, jobs, timeout)
     records: list[dict[str, Any]] = []
     job_list = []
     for op in ops:
@@ -137,7 +138,8 @@ def native_sweep(patterns: str | None = None, *, jobs: int = 1, timeout: float =
         print(f"native audit: {len(ops)} native ops in {seconds:.0f} s (OpInfo capture {t_capture:.0f} s)",
               file=sys.stderr, flush=True)
     run = {"jobs": jobs, "timeout": timeout, "samples_per_op": samples_per_op, "opinfo_samples": opinfo_samples,
-           "variants": [v.name for v in VARIANTS], "negative_dims": True, "guard": guarded,
+           "variants": [v.name for v in VARIANTS], "negative_dims": True,
+           "negative_dims_failed": unmade, "guard": guarded,
            "selection": patterns or "default", "capture_seconds": round(t_capture, 1), "seconds": round(seconds, 1)}
     return build_native_report(records, run)
 
@@ -153,20 +155,24 @@ def audit_samples(opinfo: Sequence[Any], variants: Sequence[Any], k: int, negati
 
 
 def negative_dim_variants(captured: dict[Any, list[Any]], ops: Sequence[Any], k: int, jobs: int,
-                          timeout: float) -> dict[Any, list[Any]]:
+                          timeout: float) -> tuple[dict[Any, list[Any]], dict[str, str]]:
     """op -> the k largest of its OpInfo samples again with negative dims, for the ops
-    with a dim argument. Made in the pool: each is checked against the original on one
-    device, and some kernels that never wrap their dims (`_fft_c2r`) crash on them."""
+    with a dim argument; and op -> why none could be made, where making them failed.
+    Made in the pool: each is checked against the original on one device, and some
+    kernels that never wrap their dims (`_fft_c2r`) crash on them."""
     job_list = [_negative_job(str(op), captured[op], k) for op in ops if captured.get(op) and dim_arguments(op)]
     by_name = {str(op): op for op in ops}
     out: dict[Any, list[Any]] = {}
+    failed: dict[str, str] = {}
 
     def done(name: str, rec: dict[str, Any]) -> None:
         op = by_name[name]
+        if "negative_dims" not in rec:  # the pool's failure record
+            failed[name] = rec.get("reason", "failed")
         out[op] = [AtenSample(op, a, kw, label) for a, kw, label in rec.get("negative_dims", [])]
 
     run_jobs(job_list, jobs, timeout, done)
-    return out
+    return out, dict(sorted(failed.items()))
 
 
 def negated_job(name: str, samples: Sequence[Sample], k: int) -> dict[str, Any]:
