@@ -184,3 +184,24 @@ def test_the_audit_finds_cumsum_with_negative_dims_and_not_under_the_guard(monke
     else:
         assert ("S(1) -> S(1)", "cumsum | negative dims: dim=-1") in found
         assert all("negative dims" in s for _, s in found), found
+
+
+class _Die:
+    def __reduce__(self):
+        import os
+
+        return (os._exit, (7,))
+
+
+def test_a_kernel_crashing_on_negative_dims_costs_its_own_variants_only():
+    """Negative-dim variants are made in the crash-isolating pool (`_fft_c2r` with
+    negative dims kills the process on one device): the run record says which op got
+    none and why, and the next op's variants are made in a fresh worker."""
+    from decompshard.coverage.native_audit import negative_dim_variants
+
+    x = torch.randn(4, 5)
+    captured = {aten.cumsum.default: [AtenSample(aten.cumsum.default, (x, 1, _Die()))],
+                aten.cumprod.default: [AtenSample(aten.cumprod.default, (x, 1), {}, "cumprod")]}
+    made, failed = negative_dim_variants(captured, list(captured), 2, 1, 60.0)
+    assert list(failed) == ["aten.cumsum.default"] and made[aten.cumsum.default] == []
+    assert [(s.args[1], s.opinfo_name) for s in made[aten.cumprod.default]] == [(-1, "cumprod | negative dims: dim=-1")]
