@@ -41,6 +41,9 @@ DTensor run in the tests):
   all-reduced total weight; other reductions go to DTensor unchanged. An op that
   already has a custom handler (torch's `loss_parallel()` context installs its own) is
   left alone.
+* **Strategies that compare a negative dim unwrapped** (`cumsum`, `cumprod`,
+  `logcumsumexp`: `cumsum(-1)` on a Shard of the last dim scanned each rank's part
+  alone). The guard hands their strategy the dims wrapped to >= 0 (guard_dims.py).
 * **Reads of one rank's part** (`_local_scalar_dense`, i.e. `.item()`, which DTensor
   runs on the local tensor without asking its strategy): a handler redistributes a
   partial or sharded input to Replicate first.
@@ -72,10 +75,12 @@ from ._compat import (
 )
 from .dispatch_modes.graph import freeze, leaves
 from .guard_batchnorm import stats_writing_handler
+from .guard_dims import wrapping_op_strategy, wrapping_single_dim
 from .guard_losses import mean_loss_handler
 from .guard_table import (
     HANDLERS_SKIPPING_REDISTRIBUTION,
     MEAN_OF_MEANS_LOSSES,
+    NEGATIVE_DIMS_UNWRAPPED,
     READS_OF_ONE_RANKS_PART,
     STATS_WRITTEN,
     WRONG_RULES,
@@ -157,6 +162,14 @@ def install() -> None:
             elif op in sp.op_strategy_funcs:
                 _patches.set(sp.op_strategy_funcs, op,
                              _filtered_op_strategy(op, sp.op_strategy_funcs[op], frozenset(rules)))
+        for name in NEGATIVE_DIMS_UNWRAPPED:
+            op = _resolve(name)
+            if op in sp.op_single_dim_strategy_funcs:
+                info = sp.op_single_dim_strategy_funcs[op]
+                _patches.set(sp.op_single_dim_strategy_funcs, op, dataclasses.replace(
+                    info, func=wrapping_single_dim(op, info.func, _warn_once)))
+            elif op in sp.op_strategy_funcs:
+                _patches.set(sp.op_strategy_funcs, op, wrapping_op_strategy(op, sp.op_strategy_funcs[op], _warn_once))
         clear_dtensor_caches()
 
 

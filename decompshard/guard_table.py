@@ -56,3 +56,16 @@ STATS_WRITTEN: dict[str, tuple[tuple[int, ...], int | None]] = {
     "aten._native_batch_norm_legit.default": ((3, 4), 5),
     "aten._batch_norm_with_update.default": ((3, 4), None),
 }
+
+# Strategies that compare a dim argument with the placements' dims before wrapping it,
+# so a negative dim lets a Shard on the dim the op works along through, silently
+# wrong (torch/distributed/tensor/_ops/_math_ops.py `scan_strategy`). Found by the
+# audit's negative-dim variants (coverage/native_variants.py): of the 59 native ops
+# with a dim argument whose OpInfo samples give one, only these; confirmed by DTensor
+# runs in tests/test_guard_negative_dims.py. The guard hands the strategy the dims
+# wrapped to >= 0 (guard_dims.py).
+NEGATIVE_DIMS_UNWRAPPED: tuple[str, ...] = (
+    "aten.cumsum.default",
+    "aten.cumprod.default",
+    "aten.logcumsumexp.default",
+)

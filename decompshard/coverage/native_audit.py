@@ -2,12 +2,14 @@
 
 For each aten op with a registered strategy, `native_rules.audit_native_op_detailed` runs
 on its two largest OpInfo samples and on the argument variants OpInfo lacks that reach it
-(`native_variants.py`: ignored targets, class weights, label smoothing, padding masks)
+(`native_variants.py`: negative dims, ignored targets, class weights, label smoothing,
+padding masks)
 in a worker process (the coverage sweep's pool:
 `sweep.run_jobs`, one job per op with a deadline, so a crash or a hang costs one op).
 The result is one JSON document, ready to report upstream::
 
-    {"schema": "decompshard-native-audit/1", "version", "torch_version", "run": {...},
+    {"schema": "decompshard-native-audit/1", "version", "torch_version",
+     "run": {..., "negative_dims_failed": {op: why no negative-dim variant was made}},
      "summary": {"ops", "checked", "ops_with_wrong", "wrong_rules", "by_kind",
                  "rules_checked", "rules_refuted", "unconfirmed", "dispatch_runs",
                  "crashed": [op], "timed_out": [op]},
@@ -32,7 +34,9 @@ import torch
 from tabulate import tabulate
 
 from .report import Progress, package_version
-from .native_variants import VARIANTS, variant_samples
+from ..dim_args import dim_arguments
+from .native_variants import VARIANTS, negative_dim_samples, variant_samples
+from .opinfo_samples import AtenSample
 from .sweep import Sample, pick_samples, registry_of, run_jobs
 
 SCHEMA = "decompshard-native-audit/1"
@@ -108,10 +112,11 @@ def native_sweep(patterns: str | None = None, *, jobs: int = 1, timeout: float =
     variants = variant_samples()
     reached = [op for op in {**captured, **variants} if op.namespace == "aten"]
     ops = [op for op in select_ops(patterns, reached) if registry_of(op) is not None]
+    negative, unmade = negative_dim_variants(captured, ops, samples_per_op, jobs, timeout)
     records: list[dict[str, Any]] = []
     job_list = []
     for op in ops:
-        chosen = audit_samples(captured.get(op, []), variants.get(op, []), samples_per_op)
+        chosen = audit_samples(captured.get(op, []), variants.get(op, []), samples_per_op, negative.get(op, []))
         if not chosen:
             rec = _record(str(op), registry_of(op))
             rec.update(status="no sample", reason="no sample inputs with a tensor")
@@ -133,17 +138,61 @@ def native_sweep(patterns: str | None = None, *, jobs: int = 1, timeout: float =
         print(f"native audit: {len(ops)} native ops in {seconds:.0f} s (OpInfo capture {t_capture:.0f} s)",
               file=sys.stderr, flush=True)
     run = {"jobs": jobs, "timeout": timeout, "samples_per_op": samples_per_op, "opinfo_samples": opinfo_samples,
-           "variants": [v.name for v in VARIANTS], "guard": guarded,
+           "variants": [v.name for v in VARIANTS], "negative_dims": True,
+           "negative_dims_failed": unmade, "guard": guarded,
            "selection": patterns or "default", "capture_seconds": round(t_capture, 1), "seconds": round(seconds, 1)}
     return build_native_report(records, run)
 
 
-def audit_samples(opinfo: Sequence[Any], variants: Sequence[Any], k: int) -> list[Any]:
-    """An op's samples for the audit: its k largest OpInfo samples, then every argument
+def audit_samples(opinfo: Sequence[Any], variants: Sequence[Any], k: int, negative: Sequence[Any] = ()) -> list[Any]:
+    """An op's samples for the audit: its k largest OpInfo samples, the same calls with
+    negative dims (`negative`, from `negative_dim_variants`: where DTensor's
+    `scan_strategy` lets a Shard on the scanned dim through), then every argument
     variant that reaches it (native_variants.py: ignored targets, class weights, label
     smoothing, padding masks; values OpInfo never passes, which is where DTensor's
     mean-of-means losses go wrong)."""
-    return pick_samples(opinfo, k) + list(variants)
+    return pick_samples(opinfo, k) + list(negative) + list(variants)
+
+
+def negative_dim_variants(captured: dict[Any, list[Any]], ops: Sequence[Any], k: int, jobs: int,
+                          timeout: float) -> tuple[dict[Any, list[Any]], dict[str, str]]:
+    """op -> the k largest of its OpInfo samples again with negative dims, for the ops
+    with a dim argument; and op -> why none could be made, where making them failed.
+    Made in the pool: each is checked against the original on one device, and some
+    kernels that never wrap their dims (`_fft_c2r`) crash on them."""
+    job_list = [_negative_job(str(op), captured[op], k) for op in ops if captured.get(op) and dim_arguments(op)]
+    by_name = {str(op): op for op in ops}
+    out: dict[Any, list[Any]] = {}
+    failed: dict[str, str] = {}
+
+    def done(name: str, rec: dict[str, Any]) -> None:
+        op = by_name[name]
+        if "negative_dims" not in rec:  # the pool's failure record
+            failed[name] = rec.get("reason", "failed")
+        out[op] = [AtenSample(op, a, kw, label) for a, kw, label in rec.get("negative_dims", [])]
+
+    run_jobs(job_list, jobs, timeout, done)
+    return out, dict(sorted(failed.items()))
+
+
+def negated_job(name: str, samples: Sequence[Sample], k: int) -> dict[str, Any]:
+    """`negative_dim_samples` in a worker, as (args, kwargs, label) tuples."""
+    from ..derive import resolve_op
+
+    op = resolve_op(name)
+    made = negative_dim_samples([AtenSample(op, a, kw, label) for a, kw, label in samples], k)
+    return {"negative_dims": [(s.args, s.kwargs, s.opinfo_name) for s in made]}
+
+
+def _negative_job(name: str, samples: Sequence[Any], k: int) -> tuple[str, bytes]:
+    kept = []
+    for s in samples:
+        try:
+            pickle.dumps((s.args, s.kwargs))
+        except Exception:
+            continue
+        kept.append((s.args, s.kwargs, s.opinfo_name))
+    return name, pickle.dumps((negated_job, name, kept, k))
 
 
 def build_native_report(records: Sequence[dict[str, Any]], run: dict[str, Any]) -> dict[str, Any]:

@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch._ops import OpOverload
 
+from ..dim_args import dim_arguments
 from .opinfo_samples import AtenSample, _dedupe_key, _keep, _RecordOutermostAtenCalls
 
-__all__ = ["VARIANTS", "Variant", "variant_samples"]
+__all__ = ["NEGATIVE_DIMS", "VARIANTS", "Variant", "negative_dim_samples", "variant_samples"]
 
 IGNORE = -100
 N, C = 8, 5
@@ -115,3 +116,103 @@ def variant_samples(max_per_op: int = 6) -> dict[OpOverload, list[AtenSample]]:
                     seen.add(key)
                     bucket.append(AtenSample(op, args, kwargs, f"variant: {v.name}"))
     return out
+
+
+# ------------------------------------------------------------------ negative dims
+
+# OpInfo's samples mostly pass dims >= 0, so the audit never saw DTensor's strategies
+# with a negative one: `scan_strategy` compares it unwrapped with the placements' dims
+# and lets a Shard on the scanned dim through (dim_args.py).
+NEGATIVE_DIMS = "negative dims"
+
+
+def negative_dim_samples(samples: Sequence[AtenSample], k: int) -> list[AtenSample]:
+    """The k largest of `samples` that pass a dim argument >= 0 (a default one
+    included: `diagonal`'s dim1=0, dim2=1), each with every such dim d replaced by
+    d - n: the same call with negative dims. n is the ndim of the first tensor input
+    (at least 1), or one more (`unsqueeze`, `diag_embed` and `stack` index their
+    output's dims); the one that gives, on one device, exactly the original sample's
+    result, so the variant means what the sample means (kernels that never wrap their
+    dims, `_fft_*`, give no variant, or crash: run it in a worker)."""
+    from .sweep import pick_samples
+
+    out: list[AtenSample] = []
+    for sample in pick_samples(samples, len(samples)):
+        variant = _negated(sample)
+        if variant is not None:
+            out.append(variant)
+            if len(out) == k:
+                break
+    return out
+
+
+def _negated(sample: AtenSample) -> AtenSample | None:
+    where = dim_arguments(sample.op)
+    first = next((t for t in sample.tensors()), None)
+    if not where or first is None:
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            want = sample.run()
+        except Exception:
+            return None
+        for n in dict.fromkeys((max(first.ndim, 1), first.ndim + 1)):
+            args, kwargs = list(sample.args), dict(sample.kwargs)
+            changed = []
+            for i, name, default in where:
+                if i < len(args):
+                    args[i], what = _negate(args[i], n)
+                elif name in kwargs or default is not None:
+                    kwargs[name], what = _negate(kwargs.get(name, default), n)
+                    if not what and name not in sample.kwargs:
+                        del kwargs[name]
+                else:
+                    continue
+                if what:
+                    changed.append(f"{name}={what}")
+            if not changed:
+                continue
+            variant = AtenSample(sample.op, tuple(args), kwargs, f"{sample.opinfo_name} | {NEGATIVE_DIMS}: "
+                                 f"{', '.join(changed)}")
+            try:
+                if _same(variant.run(), want):
+                    return variant
+            except Exception:
+                continue
+    return None
+
+
+def _negate(value: object, n: int) -> tuple[object, str]:
+    """`value` (an int or a list of ints) with each dim in [0, n) made negative, and
+    what changed ('' if nothing)."""
+    if isinstance(value, bool):
+        return value, ""
+    if isinstance(value, int):
+        return (value - n, str(value - n)) if 0 <= value < n else (value, "")
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        new = [v - n if 0 <= v < n else v for v in value]
+        return (type(value)(new), str(new)) if new != list(value) else (value, "")
+    return value, ""
+
+
+def _same(a: object, b: object) -> bool:
+    """Exactly the same result (values, shapes, dtypes; NaN equal to NaN)."""
+    from torch.utils._pytree import tree_flatten
+
+    la, sa = tree_flatten(a)
+    lb, sb = tree_flatten(b)
+    if sa != sb or len(la) != len(lb):
+        return False
+    for x, y in zip(la, lb):
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            return False
+        if isinstance(x, torch.Tensor):
+            if x.shape != y.shape or x.dtype != y.dtype:
+                return False
+            floating = x.is_floating_point() or x.is_complex()
+            if not (torch.allclose(x, y, rtol=0, atol=0, equal_nan=True) if floating else torch.equal(x, y)):
+                return False
+        elif x != y:
+            return False
+    return True
