@@ -5,7 +5,7 @@ compute, no memory for activations) and with an empty decomposition table, which
 the aten overloads at the level DTensor dispatches them (after CompositeImplicitAutograd,
 before any compiler decomposition). Each overload is listed with its call count and its
 coverage status; an op that needs derivation is derived at the shapes of its actual calls
-(at most two distinct call signatures, largest first). There is no numerical check here:
+(at most two distinct call signatures, best and most varied first: `sample_pick`). There is no numerical check here:
 the traced arguments are shapes, not values.
 """
 

@@ -138,7 +138,7 @@ def _tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:
 def pick_samples(samples: Sequence[Any], k: int) -> list[Any]:
     """The k AtenSamples an op is derived and checked on: the best, then each next the best
     that adds a new tensor-rank signature or new argument values (`sample_pick`), so two
-    samples show more of the op than the two largest (pdist's p = 2 and p = 1, not p = 2
+    samples show more of the op than the two largest (pdist's p = 2 and p = 0, not p = 2
     twice). Deterministic: ties keep capture order."""
     return pick_diverse(samples, k)
 
