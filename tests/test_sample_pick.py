@@ -72,6 +72,16 @@ def test_pick_order_degenerate_last_then_new_ranks_then_new_values_then_size():
     assert pick_diverse([big, _sample((4, 4))], 1) == [big]  # ties keep the given order
 
 
+def test_a_sample_over_the_budget_comes_after_any_within_it():
+    huge = _sample((300, 300))  # 360 KB of float32
+    small = _sample((4, 4))
+    zero_d = _sample(())
+    assert pick_diverse([huge, small, zero_d], None) == [small, huge, zero_d]
+    # a view counts its whole base: the capture keeps (and pickles) the storage
+    view = AtenSample(aten.sum.dim_IntList, (torch.zeros(300, 300)[:2, :2], [0], False), {}, "test")
+    assert pick_diverse([view, small], 1) == [small]
+
+
 def test_defaults_count_as_values():
     # the dispatcher drops an argument left at its default: p = 2 reaches _pdist_forward(x)
     x = torch.zeros(5, 5)

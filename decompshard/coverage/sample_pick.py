@@ -10,11 +10,14 @@ keeps a few samples per overload) and the sweep (`sweep.pick_samples`, which der
 the best of those) choose with `pick_diverse`:
 
 1. a sample that passes tensors, all of rank >= 1, beats any that does not;
-2. then one whose tensor ranks (the tuple of `ndim`s) no chosen sample has yet;
-3. then one bringing the most non-tensor argument values (by schema name, defaults filled
+2. then one whose tensors hold at most `BUDGET_BYTES` (storage included: a view keeps its
+   base) beats any larger: bigger than that shows no more rules, only costs the capture's
+   disk file and the sweep's time (grid_sampler_3d's largest OpInfo sample is 20 MB);
+3. then one whose tensor ranks (the tuple of `ndim`s) no chosen sample has yet;
+4. then one bringing the most non-tensor argument values (by schema name, defaults filled
    in) not chosen yet;
-4. then the larger: more dims of size > 1 over its tensors, then more elements;
-5. ties keep the given order (deterministic).
+5. then the larger: more dims of size > 1 over its tensors, then more elements;
+6. ties keep the given order (deterministic).
 
 Greedy (each pick sees the ones before it), so the first pick is the best sample outright
 and each later one the best that adds something new. No per-op cases.
@@ -27,9 +30,10 @@ from typing import Any, Callable, Sequence, TypeVar
 import torch
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
-__all__ = ["features", "pick_diverse", "sample_score"]
+__all__ = ["BUDGET_BYTES", "features", "pick_diverse", "sample_bytes", "sample_score"]
 
 T = TypeVar("T")
+BUDGET_BYTES = 1 << 18  # 256 KiB: OpInfo's usual samples (sizes S, M, L) fit; the few huge ones do not
 ArgsOf = Callable[[Any], tuple[tuple, dict]]
 
 
@@ -61,6 +65,19 @@ def _by_name(op: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     return out
 
 
+def sample_bytes(args: tuple, kwargs: dict) -> int:
+    """Bytes a sample carries: each distinct storage its tensors use, whole (a view's
+    base is cloned and kept with it)."""
+    storages: dict[int, int] = {}
+    for t in _tensors(args, kwargs):
+        try:
+            st = t.untyped_storage()
+            storages[st.data_ptr() or id(st)] = st.nbytes()
+        except Exception:  # noqa: BLE001 - no plain storage: count its elements
+            storages[id(t)] = t.numel() * t.element_size()
+    return sum(storages.values())
+
+
 def features(args: tuple, kwargs: dict, op: Any = None) -> tuple[tuple[int, ...], frozenset[tuple[str, str]]]:
     """(tensor ranks, {(argument, repr of value)} of the non-tensor arguments): what makes
     two samples of one op show different rules. With the op, arguments are named by its
@@ -87,7 +104,8 @@ def pick_diverse(samples: Sequence[T], k: int | None, args_of: ArgsOf | None = N
     rows = []
     for s in samples:
         a, kw = get(s)
-        rows.append((sample_score(a, kw), *features(a, kw, getattr(s, "op", None))))
+        cheap = sample_bytes(a, kw) <= BUDGET_BYTES
+        rows.append((sample_score(a, kw), cheap, *features(a, kw, getattr(s, "op", None))))
     left = list(range(len(samples)))
     ranks_seen: set[tuple[int, ...]] = set()
     values_seen: set[tuple[str, str]] = set()
@@ -95,12 +113,12 @@ def pick_diverse(samples: Sequence[T], k: int | None, args_of: ArgsOf | None = N
     n = len(samples) if k is None else min(k, len(samples))
     while len(picked) < n:
         def key(i: int) -> tuple:
-            score, ranks, values = rows[i]
-            return (score[:2], ranks not in ranks_seen, len(values - values_seen), score[2:], -i)
+            score, cheap, ranks, values = rows[i]
+            return (score[:2], cheap, ranks not in ranks_seen, len(values - values_seen), score[2:], -i)
 
         best = max(left, key=key)
         left.remove(best)
         picked.append(best)
-        ranks_seen.add(rows[best][1])
-        values_seen |= rows[best][2]
+        ranks_seen.add(rows[best][2])
+        values_seen |= rows[best][3]
     return [samples[i] for i in picked]
