@@ -58,16 +58,17 @@ def _sample(*shapes, op=aten.sum.dim_IntList, dim=(0,), keepdim=False) -> AtenSa
     return AtenSample(op, args, {}, "test")
 
 
-def test_pick_order_degenerate_last_then_new_ranks_then_new_values_then_size():
+def test_pick_order_degenerate_last_then_new_values_then_new_ranks_then_size():
     zero_d = _sample(())
+    size_one = _sample((1, 1))
     big = _sample((4, 4))
     bigger_same = _sample((5, 5))
     other_rank = _sample((3,))
     other_value = _sample((4, 4), keepdim=True)
-    picked = pick_diverse([zero_d, big, other_value, other_rank, bigger_same], None)
-    # biggest first; then the new rank beats the bigger sample that adds nothing;
-    # then a new argument value; the 0-d sample last, whatever it adds
-    assert picked == [bigger_same, other_rank, other_value, big, zero_d]
+    picked = pick_diverse([zero_d, size_one, big, other_rank, other_value, bigger_same], None)
+    # biggest first; then a new argument value, then a new rank, each beating the bigger
+    # sample that adds nothing; the 0-d and all-size-1 samples last (between them: the new rank)
+    assert picked == [bigger_same, other_value, other_rank, big, zero_d, size_one]
     assert pick_diverse([zero_d, big], 1) == [big]
     assert pick_diverse([big, _sample((4, 4))], 1) == [big]  # ties keep the given order
 
@@ -77,6 +78,9 @@ def test_a_sample_over_the_budget_comes_after_any_within_it():
     small = _sample((4, 4))
     zero_d = _sample(())
     assert pick_diverse([huge, small, zero_d], None) == [small, huge, zero_d]
+    many = AtenSample(aten.cat.default, ([torch.zeros(5, 5) for _ in range(5)], 0), {}, "test")
+    few = AtenSample(aten.cat.default, ([torch.zeros(2, 2), torch.zeros(2, 2)], 0), {}, "test")
+    assert pick_diverse([many, few], None) == [few, many]
     # a view counts its whole base: the capture keeps (and pickles) the storage
     view = AtenSample(aten.sum.dim_IntList, (torch.zeros(300, 300)[:2, :2], [0], False), {}, "test")
     assert pick_diverse([view, small], 1) == [small]

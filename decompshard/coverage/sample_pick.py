@@ -9,13 +9,15 @@ degenerate cases first, so "the first k distinct samples" can be all degenerate
 keeps a few samples per overload) and the sweep (`sweep.pick_samples`, which derives on
 the best of those) choose with `pick_diverse`:
 
-1. a sample that passes tensors, all of rank >= 1, beats any that does not;
-2. then one whose tensors hold at most `BUDGET_BYTES` (storage included: a view keeps its
-   base) beats any larger: bigger than that shows no more rules, only costs the capture's
-   disk file and the sweep's time (grid_sampler_3d's largest OpInfo sample is 20 MB);
-3. then one whose tensor ranks (the tuple of `ndim`s) no chosen sample has yet;
-4. then one bringing the most non-tensor argument values (by schema name, defaults filled
-   in) not chosen yet;
+1. a sample that passes tensors, all of rank >= 1 and one with a dim > 1, beats any that
+   does not (a 0-d or all-size-1 sample shows no sharding);
+2. then a cheap one beats any other: at most `MAX_TENSORS` tensors holding at most
+   `BUDGET_BYTES` (storage included: a view keeps its base). Bigger shows no more rules,
+   only costs the capture's disk file and the sweep's time (grid_sampler_3d's largest
+   OpInfo sample is 20 MB; _chunk_cat's 5-tensor one takes the sweep's 60 s to derive);
+3. then one bringing the most non-tensor argument values (by schema name, defaults filled
+   in) no chosen sample has: `dim`, `p`, `reduce` change what the op computes;
+4. then one whose tensor ranks (the tuple of `ndim`s) no chosen sample has;
 5. then the larger: more dims of size > 1 over its tensors, then more elements;
 6. ties keep the given order (deterministic).
 
@@ -30,10 +32,11 @@ from typing import Any, Callable, Sequence, TypeVar
 import torch
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
-__all__ = ["BUDGET_BYTES", "features", "pick_diverse", "sample_bytes", "sample_score"]
+__all__ = ["BUDGET_BYTES", "MAX_TENSORS", "features", "pick_diverse", "sample_bytes", "sample_score"]
 
 T = TypeVar("T")
 BUDGET_BYTES = 1 << 18  # 256 KiB: OpInfo's usual samples (sizes S, M, L) fit; the few huge ones do not
+MAX_TENSORS = 4  # ops with more inputs (index lists) still get theirs, after any smaller sample
 ArgsOf = Callable[[Any], tuple[tuple, dict]]
 
 
@@ -42,12 +45,12 @@ def _tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:
 
 
 def sample_score(args: tuple, kwargs: dict) -> tuple[bool, bool, int, int]:
-    """Bigger is better: has a tensor input, every tensor has rank >= 1, most dims of size
-    > 1 (summed over the tensors), most elements. Large non-degenerate samples separate
+    """Bigger is better: has a tensor input, every tensor has rank >= 1 and some dim is > 1,
+    most dims of size > 1 (summed over the tensors), most elements. Large non-degenerate samples separate
     more candidate rules."""
     ts = _tensors(args, kwargs)
-    return (bool(ts), bool(ts) and all(t.ndim >= 1 for t in ts),
-            sum(1 for t in ts for d in t.shape if d > 1), sum(t.numel() for t in ts))
+    big_dims = sum(1 for t in ts for d in t.shape if d > 1)
+    return (bool(ts), bool(ts) and all(t.ndim >= 1 for t in ts) and big_dims > 0, big_dims, sum(t.numel() for t in ts))
 
 
 def _by_name(op: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -104,7 +107,7 @@ def pick_diverse(samples: Sequence[T], k: int | None, args_of: ArgsOf | None = N
     rows = []
     for s in samples:
         a, kw = get(s)
-        cheap = sample_bytes(a, kw) <= BUDGET_BYTES
+        cheap = len(_tensors(a, kw)) <= MAX_TENSORS and sample_bytes(a, kw) <= BUDGET_BYTES
         rows.append((sample_score(a, kw), cheap, *features(a, kw, getattr(s, "op", None))))
     left = list(range(len(samples)))
     ranks_seen: set[tuple[int, ...]] = set()
@@ -114,7 +117,7 @@ def pick_diverse(samples: Sequence[T], k: int | None, args_of: ArgsOf | None = N
     while len(picked) < n:
         def key(i: int) -> tuple:
             score, cheap, ranks, values = rows[i]
-            return (score[:2], cheap, ranks not in ranks_seen, len(values - values_seen), score[2:], -i)
+            return (score[:2], cheap, len(values - values_seen), ranks not in ranks_seen, score[2:], -i)
 
         best = max(left, key=key)
         left.remove(best)
