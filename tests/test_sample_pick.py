@@ -58,7 +58,7 @@ def _sample(*shapes, op=aten.sum.dim_IntList, dim=(0,), keepdim=False) -> AtenSa
     return AtenSample(op, args, {}, "test")
 
 
-def test_pick_order_degenerate_last_then_new_values_then_new_ranks_then_size():
+def test_pick_order_degenerate_last_then_something_new_then_size():
     zero_d = _sample(())
     size_one = _sample((1, 1))
     big = _sample((4, 4))
@@ -66,8 +66,9 @@ def test_pick_order_degenerate_last_then_new_values_then_new_ranks_then_size():
     other_rank = _sample((3,))
     other_value = _sample((4, 4), keepdim=True)
     picked = pick_diverse([zero_d, size_one, big, other_rank, other_value, bigger_same], None)
-    # biggest first; then a new argument value, then a new rank, each beating the bigger
-    # sample that adds nothing; the 0-d and all-size-1 samples last (between them: the new rank)
+    # biggest first; then a new argument value and a new rank (the larger first), both
+    # beating the bigger sample that adds nothing; the 0-d and all-size-1 samples last
+    # (between them: the one with a new rank)
     assert picked == [bigger_same, other_value, other_rank, big, zero_d, size_one]
     assert pick_diverse([zero_d, big], 1) == [big]
     assert pick_diverse([big, _sample((4, 4))], 1) == [big]  # ties keep the given order

@@ -15,11 +15,12 @@ the best of those) choose with `pick_diverse`:
    `BUDGET_BYTES` (storage included: a view keeps its base). Bigger shows no more rules,
    only costs the capture's disk file and the sweep's time (grid_sampler_3d's largest
    OpInfo sample is 20 MB; _chunk_cat's 5-tensor one takes the sweep's 60 s to derive);
-3. then one bringing the most non-tensor argument values (by schema name, defaults filled
-   in) no chosen sample has: `dim`, `p`, `reduce` change what the op computes;
-4. then one whose tensor ranks (the tuple of `ndim`s) no chosen sample has;
-5. then the larger: more dims of size > 1 over its tensors, then more elements;
-6. ties keep the given order (deterministic).
+3. then one that adds something no chosen sample has: a non-tensor argument value (by
+   schema name, defaults filled in: `dim`, `p`, `reduce` change what the op computes) or
+   a tuple of tensor ranks (batched and unbatched calls take different paths);
+4. then the larger: more dims of size > 1 over its tensors, then more elements (a new
+   value on a 1-d tensor shows less than the same on a 3-d one);
+5. ties keep the given order (deterministic).
 
 Greedy (each pick sees the ones before it), so the first pick is the best sample outright
 and each later one the best that adds something new. No per-op cases.
@@ -117,7 +118,8 @@ def pick_diverse(samples: Sequence[T], k: int | None, args_of: ArgsOf | None = N
     while len(picked) < n:
         def key(i: int) -> tuple:
             score, cheap, ranks, values = rows[i]
-            return (score[:2], cheap, len(values - values_seen), ranks not in ranks_seen, score[2:], -i)
+            new = not values <= values_seen or ranks not in ranks_seen
+            return (score[:2], cheap, new, score[2:], -i)
 
         best = max(left, key=key)
         left.remove(best)
