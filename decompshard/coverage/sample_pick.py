@@ -47,8 +47,8 @@ def _tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:
 
 def sample_score(args: tuple, kwargs: dict) -> tuple[bool, bool, int, int]:
     """Bigger is better: has a tensor input, every tensor has rank >= 1 and some dim is > 1,
-    most dims of size > 1 (summed over the tensors), most elements. Large non-degenerate samples separate
-    more candidate rules."""
+    most dims of size > 1 (summed over the tensors), most elements. Large non-degenerate
+    samples separate more candidate rules."""
     ts = _tensors(args, kwargs)
     big_dims = sum(1 for t in ts for d in t.shape if d > 1)
     return (bool(ts), bool(ts) and all(t.ndim >= 1 for t in ts) and big_dims > 0, big_dims, sum(t.numel() for t in ts))
