@@ -70,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="seconds per op before it is reported as timed out (default 60)")
     parser.add_argument("--samples", type=int, default=2,
-                        help="samples per op to derive and verify on, largest first (default 2)")
+                        help="samples per op to derive and verify on: the largest, then the largest that adds "
+                        "new tensor ranks or argument values (default 2)")
     parser.add_argument("--opinfo-samples", type=int, default=None, metavar="N",
                         help="run only the first N sample inputs of each OpInfo (faster, reaches fewer ops; "
                         "default: all)")

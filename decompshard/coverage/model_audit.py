@@ -5,7 +5,7 @@ compute, no memory for activations) and with an empty decomposition table, which
 the aten overloads at the level DTensor dispatches them (after CompositeImplicitAutograd,
 before any compiler decomposition). Each overload is listed with its call count and its
 coverage status; an op that needs derivation is derived at the shapes of its actual calls
-(at most two distinct call signatures, largest first). There is no numerical check here:
+(at most two distinct call signatures, best and most varied first: `sample_pick`). There is no numerical check here:
 the traced arguments are shapes, not values.
 """
 
@@ -20,7 +20,8 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 from ..cli import UsageError
 from . import report as rep
 from .report import Progress
-from .sweep import records_for, sample_score
+from .sample_pick import pick_diverse
+from .sweep import records_for
 
 __all__ = ["audit_model", "build_model", "load_callable", "parse_shapes", "trace_calls"]
 
@@ -147,7 +148,7 @@ def audit_model(spec: str, input_shapes: str | None, *, jobs: int = 1, timeout: 
     counts, calls = trace_calls(module, inputs)
     bar = Progress(len(counts), enabled=progress)
     per_op = [
-        (op, sorted(calls.get(op, []), key=lambda s: sample_score(s[0], s[1]), reverse=True)[:samples_per_op])
+        (op, pick_diverse(calls.get(op, []), samples_per_op, args_of=lambda s: (s[0], s[1])))
         for op in sorted(counts, key=str)
     ]
     records = records_for(per_op, jobs=jobs, timeout=timeout, verify=False, bar=bar)

@@ -8,7 +8,9 @@ CompositeImplicitAutograd decomposition, which is exactly the level DTensor (its
 ones a DTensor would be asked to shard. With `backward=True` each sample of a
 differentiable OpInfo also runs its backward (`_record_backward`), recorded the same way:
 the `*_backward` overloads and whatever else autograd dispatches, as a training step
-would ask DTensor to shard them.
+would ask DTensor to shard them. Of each overload's distinct calls a few are kept, chosen
+for size and variety (`sample_pick.pick_diverse`), not the first ones met: OpInfos list
+their degenerate cases (0-d, size-1, default arguments) first.
 
 Public API::
 
@@ -47,6 +49,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .._paths import cache_dir
+from . import sample_pick
+from .sample_pick import pick_diverse
 
 __all__ = [
     "AtenSample",
@@ -234,11 +238,14 @@ def capture_aten_samples(
         ``"linspace.tensor_overload"``), an iterable of them, or a predicate on OpInfo.
     max_samples_per_opinfo: how many of each OpInfo's CPU float32 sample inputs to run
         (the first ones; None runs them all: ~2x slower, a few more overloads).
-    max_samples_per_op: distinct samples kept per aten overload (None keeps all).
+    max_samples_per_op: distinct samples kept per aten overload, best first: chosen among
+        all the overload's distinct samples for size and variety (`sample_pick`: non-degenerate,
+        new tensor ranks, new non-tensor argument values, larger), not the first ones met
+        (None keeps all, in capture order).
     backward: also run each sample's backward where the OpInfo is differentiable (see
         `_record_backward`) and keep the aten calls autograd makes, as samples with
-        `backward=True`. The forward samples are the same either way: a backward
-        sample only fills an op's bucket after the whole forward capture, so a
+        `backward=True`. The forward samples are the same either way: backward samples
+        only fill an op's bucket (up to max_samples_per_op) after the whole forward capture, so a
         forward-only request is served from a backward capture by dropping them.
     cache_dir: keep a full capture (no filter) on disk there, and read it back when it
         is valid for this torch and this code (`default_cache_dir()` is the usual
@@ -300,7 +307,7 @@ def _capture(
 ) -> dict[OpOverload, list[AtenSample]]:
     from torch.testing._internal.common_methods_invocations import op_db  # slow import
 
-    result: dict[OpOverload, list[AtenSample]] = {}
+    pools: dict[OpOverload, list[AtenSample]] = {}  # every distinct forward candidate, cut back as it grows
     seen: set[tuple] = set()
     bwd: dict[OpOverload, list[AtenSample]] | None = {} if backward else None
     bwd_seen: set[tuple] = set()  # its own: a backward call must never keep a forward one out
@@ -314,39 +321,58 @@ def _capture(
         with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
             warnings.simplefilter("ignore")
             for done, opinfo in enumerate(chosen, 1):
-                _capture_one(opinfo, max_samples_per_opinfo, max_samples_per_op, result, seen, bwd, bwd_seen)
+                _capture_one(opinfo, max_samples_per_opinfo, max_samples_per_op, pools, seen, bwd, bwd_seen)
                 if on_opinfo is not None:
                     on_opinfo(done, len(chosen), opinfo.full_name)
     finally:
         torch.set_num_threads(threads)
-    for op, samples in (bwd or {}).items():  # after the forward: the forward buckets stay as they were
-        fresh = [s for s in samples if _dedupe_key(op, s.args, s.kwargs) not in seen]
+    result = {op: _choose(pool, max_samples_per_op) for op, pool in pools.items()}
+    for op, pool in (bwd or {}).items():  # after the forward: the forward buckets stay as they were
+        fresh = [s for s in pool if _dedupe_key(op, s.args, s.kwargs) not in seen]
         bucket = result.setdefault(op, [])
-        room = len(fresh) if max_samples_per_op is None else max(0, max_samples_per_op - len(bucket))
-        bucket.extend(fresh[:room])
+        room = None if max_samples_per_op is None else max(0, max_samples_per_op - len(bucket))
+        bucket.extend(_choose(fresh, room))
         if not bucket:
             del result[op]
     return result
 
 
+# Distinct candidates held per overload while capturing. A pool that reaches twice this is
+# cut back to its best `_POOL` by the same criterion (`pick_diverse`), so memory stays
+# bounded however many samples an OpInfo yields, and late samples (OpInfos list their
+# degenerate cases first) still compete.
+_POOL = 32
+
+
+def _choose(pool: list[AtenSample], k: int | None) -> list[AtenSample]:
+    """The k samples an overload keeps, best first (`sample_pick`); None keeps all, in
+    capture order."""
+    return list(pool) if k is None else pick_diverse(pool, k)
+
+
 def _add(calls: list[tuple[OpOverload, tuple, dict]], opinfo_name: str, max_samples_per_op: int | None,
-         result: dict[OpOverload, list[AtenSample]], seen: set[tuple], backward: bool) -> None:
-    """Keep the recorded calls that are new (`seen`) and fit their op's bucket."""
+         pools: dict[OpOverload, list[AtenSample]], seen: set[tuple], backward: bool,
+         exclude: set[tuple] | None = None) -> None:
+    """Pool the recorded calls that are new (not in `seen` nor `exclude`); a full pool is
+    cut back to its best `_POOL`, kept in capture order."""
     for op, args, kwargs in calls:
         if not _keep(args, kwargs):
             continue
         dkey = _dedupe_key(op, args, kwargs)
-        if dkey in seen:
-            continue
-        bucket = result.setdefault(op, [])
-        if max_samples_per_op is not None and len(bucket) >= max_samples_per_op:
+        if dkey in seen or (exclude is not None and dkey in exclude):
             continue
         seen.add(dkey)
-        bucket.append(AtenSample(op, args, kwargs, opinfo_name, backward))
+        pool = pools.setdefault(op, [])
+        pool.append(AtenSample(op, args, kwargs, opinfo_name, backward))
+        if max_samples_per_op is not None:
+            cap = max(_POOL, max_samples_per_op)
+            if len(pool) >= 2 * cap:
+                kept = {id(x) for x in pick_diverse(pool, cap)}
+                pool[:] = [x for x in pool if id(x) in kept]
 
 
 def _capture_one(opinfo: Any, max_samples_per_opinfo: int | None, max_samples_per_op: int | None,
-                 result: dict[OpOverload, list[AtenSample]], seen: set[tuple],
+                 pools: dict[OpOverload, list[AtenSample]], seen: set[tuple],
                  bwd: dict[OpOverload, list[AtenSample]] | None = None,
                  bwd_seen: set[tuple] | None = None) -> None:
     # Seed per OpInfo: sample values do not depend on the filter. The global RNG state
@@ -367,10 +393,11 @@ def _capture_one(opinfo: Any, max_samples_per_opinfo: int | None, max_samples_pe
                 opinfo.op(sample.input, *sample.args, **sample.kwargs)
         except Exception:
             pass
-        _add(recorder.calls, opinfo.full_name, max_samples_per_op, result, seen, False)
+        _add(recorder.calls, opinfo.full_name, max_samples_per_op, pools, seen, False)
         if bwd is not None and getattr(opinfo, "supports_autograd", False):
             calls = _record_backward(opinfo, sample, index)
-            _add(calls, opinfo.full_name, max_samples_per_op, bwd, bwd_seen if bwd_seen is not None else set(), True)
+            _add(calls, opinfo.full_name, max_samples_per_op, bwd, bwd_seen if bwd_seen is not None else set(), True,
+                 exclude=seen)
 
 
 def _record_backward(opinfo: Any, sample: Any, index: int) -> list[tuple[OpOverload, tuple, dict]]:
@@ -422,8 +449,11 @@ def _cache_file_name(max_samples_per_opinfo: int | None, max_samples_per_op: int
                      backward: bool = False) -> str:
     """Everything that decides a capture's content is in the name: a file is either valid
     or never looked at (no stale reads, no version field to forget)."""
-    with open(__file__, "rb") as f:
-        code = hashlib.sha256(f.read()).hexdigest()[:12]
+    digest = hashlib.sha256()
+    for source in (__file__, sample_pick.__file__):  # the capture's code and how it chooses
+        with open(source, "rb") as f:
+            digest.update(f.read())
+    code = digest.hexdigest()[:12]
     commit = (getattr(torch.version, "git_version", None) or "unknown")[:12]
     per_opinfo = "all" if max_samples_per_opinfo is None else max_samples_per_opinfo
     per_op = "all" if max_samples_per_op is None else max_samples_per_op

@@ -23,9 +23,9 @@ so `--diff` and `--from` work on files written by any earlier run::
 The summary's top-level counts are over every op, forward and backward; tables show the
 backward ops in a section of their own, after the forward ones.
 
-`ops` is sorted by op name. Counts are summed over an op's samples (at most 2, largest
-first); rule lists are the distinct union over them. `n_truth` counts the rules the
-numerical checker found valid (the same truth for both sides), so recall is
+`ops` is sorted by op name. Counts are summed over an op's samples (at most 2, best
+first: `sweep.pick_samples`); rule lists are the distinct union over them. `n_truth`
+counts the rules the numerical checker found valid (the same truth for both sides), so recall is
 (n_truth - n_missed) / n_truth and precision n_confirmed / (n_confirmed + n_incorrect).
 `status` is one of `sweep.STATUSES`; `torch_fallback.status` is supported |
 replicate-only | unsupported | n/a (not run: native op, or nothing to run it on).

@@ -19,7 +19,7 @@ For each op the sweep answers "how does DTensor handle it?":
     unsupported     nothing can run it sharded; `reason` says why (no decomposition, the
                     blocking primitive, random, a probe that failed, a crash or a timeout)
 
-For a non-native op we derive on its best samples (`pick_samples`), run torch's fallback
+For a non-native op we derive on its best, most varied samples (`pick_samples`), run torch's fallback
 on the same samples, and judge both rule sets against ONE numerical ground truth
 (`verify.check_rules` over the union, then split per side), so both sides are scored on
 exactly the same truth. Counts are summed over the samples.
@@ -49,6 +49,7 @@ from ..dispatch_modes.tracing import has_decomposition
 from ..placements import SingleDimRule, format_rule
 from ..verify import VerifyReport, check_rules
 from .opinfo_samples import _exact_clone
+from .sample_pick import pick_diverse
 from .torch_fallback import torch_fallback_rules
 
 STATUSES = ("native", "derived", "torch-fallback", "replicate-only", "factory", "unsupported")
@@ -134,17 +135,12 @@ def _tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:
     return [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
 
 
-def sample_score(args: tuple, kwargs: dict) -> tuple[bool, bool, int]:
-    """Bigger is better: has a tensor input, every tensor has rank >= 1, most elements.
-    Large non-degenerate samples separate more candidate rules (a 0-d or size-1 tensor
-    makes many wrong shardings look right and many right ones untestable)."""
-    ts = _tensors(args, kwargs)
-    return (bool(ts), bool(ts) and all(t.ndim >= 1 for t in ts), sum(t.numel() for t in ts))
-
-
 def pick_samples(samples: Sequence[Any], k: int) -> list[Any]:
-    """The k best AtenSamples (stable: ties keep capture order)."""
-    return sorted(samples, key=lambda s: sample_score(s.args, s.kwargs), reverse=True)[:k]
+    """The k AtenSamples an op is derived and checked on: the best, then each next the best
+    that adds a new tensor-rank signature or new argument values (`sample_pick`), so two
+    samples show more of the op than the two largest (pdist's p = 2 and p = 0, not p = 2
+    twice). Deterministic: ties keep capture order."""
+    return pick_diverse(samples, k)
 
 
 def shapes_text(args: Any, kwargs: Any) -> str:
