@@ -476,7 +476,7 @@ class OpCase:
     def _layout_dependence(self, leaves: list[Any], ref: list[Any]) -> str | None:
         """Why these values cannot witness any rule, or None: the op's kernel gives a
         different result on the same values in another memory layout (every tensor
-        input copied into a strided buffer, or made contiguous if it was not).
+        input copied into a buffer with gaps, or made contiguous if it was not: `_relaid`).
 
         CPU kernels run a vectorised loop over the bulk of a contiguous tensor and a
         scalar loop over its tail and over strided tensors, and the two do not always
@@ -597,13 +597,20 @@ class OpCase:
 
 
 def _relaid(x: Any) -> Any:
-    """The same values in another memory layout: a contiguous tensor copied into every
-    other element of a larger buffer (strided, so kernels take their scalar loops), a
-    non-contiguous one made contiguous."""
+    """The same values in another memory layout: a non-contiguous tensor made
+    contiguous; a contiguous one copied into a larger buffer with gaps, so that
+    elementwise kernels can no longer treat it as one flat run (their vectorised loop
+    then covers other elements). The last dim stays dense where there are two or more
+    dims (rows spaced apart): some kernels assume it without checking (CPU flash
+    attention's backward reads garbage from a last dim of stride 2); a 1-d tensor
+    takes every other element."""
     if not isinstance(x, torch.Tensor):
         return x
     if not x.is_contiguous():
         return x.contiguous()
+    if x.dim() >= 2:
+        n = x.shape[-1]
+        return torch.empty((*x.shape[:-1], 2 * n), dtype=x.dtype)[..., :n].copy_(x)
     return torch.empty((*x.shape, 2), dtype=x.dtype)[..., 0].copy_(x)
 
 
