@@ -21,7 +21,10 @@ bug this package can have):
 * besides the caller's data, every rule must also hold on derived samples (ties,
   negated, NaN/inf/0, a lone zero, all zeros: see VARIANTS; integer and bool inputs
   resampled: see `resample_values`) that defeat data on which a wrong rule looks right;
-* an input the op changes in place must still match its placement afterwards.
+* an input the op changes in place must still match its placement afterwards;
+* a derived sample on which the op's kernel disagrees with itself (the same values in
+  another memory layout give another result: vectorised vs scalar loops on NaN/inf)
+  is dropped with the reason: it cannot tell a right rule from a wrong one.
 
 Safety: local shapes of sharded inputs are first shown to the op's meta kernel, because
 a few CPU kernels trust sizes blindly and corrupt the heap (see `OpCase.shape_error`).
