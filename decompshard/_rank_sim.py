@@ -21,7 +21,10 @@ bug this package can have):
 * besides the caller's data, every rule must also hold on derived samples (ties,
   negated, NaN/inf/0, a lone zero, all zeros: see VARIANTS; integer and bool inputs
   resampled: see `resample_values`) that defeat data on which a wrong rule looks right;
-* an input the op changes in place must still match its placement afterwards.
+* an input the op changes in place must still match its placement afterwards;
+* a derived sample on which the op's kernel disagrees with itself (the same values in
+  another memory layout give another result: vectorised vs scalar loops on NaN/inf)
+  is dropped with the reason: it cannot tell a right rule from a wrong one.
 
 Safety: local shapes of sharded inputs are first shown to the op's meta kernel, because
 a few CPU kernels trust sizes blindly and corrupt the heap (see `OpCase.shape_error`).
@@ -419,6 +422,8 @@ class OpCase:
         self.n_mutated = len(self.tensor_pos)  # every call also returns its inputs, after
         self.mutated: list[int] = []  # tensor inputs some reference call changed in place
         self._meta_trusted: bool | None = None
+        self._reads_strides = _takes_strides(op)
+        self._probe_layouts = False  # set once the base sample is in (never for it)
         self._meta_verdicts: dict[tuple, str | None] = {}
         if torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
             self.untestable = f"{op} is random (nondeterministic_seeded): no ground truth"
@@ -436,6 +441,9 @@ class OpCase:
         self.inputs = base.inputs
         if self.untestable or not variants:
             return
+        # the layout probe is trusted only for a kernel that handles the other layout
+        # on the caller's data (see _layout_dependence)
+        self._probe_layouts = self._layout_dependence(base.leaves, base.ref_all) is None
         floats = [i for i, x in enumerate(self.inputs) if x.dtype.is_floating_point or x.is_complex()]
         discrete = [i for i in range(len(self.inputs)) if i not in floats]
         plans = [(name, fn, where_finite, floats) for name, (fn, where_finite) in VARIANTS.items()]
@@ -463,23 +471,60 @@ class OpCase:
                 return "results differ between identical calls"
         except Exception as e:
             return _err(e)
+        if self._probe_layouts:
+            why = self._layout_dependence(leaves, ref)
+            if why:
+                return why
         after = ref[len(ref) - self.n_mutated:]
         for i, pos in enumerate(self.tensor_pos):
             if i not in self.mutated and not leaves_equal([after[i]], [leaves[pos]]):
                 self.mutated.append(i)
         return Sample(name, leaves, ref, [leaves[i] for i in self.tensor_pos], where_finite, self.n_mutated)
 
+    def _layout_dependence(self, leaves: list[Any], ref: list[Any]) -> str | None:
+        """Why these values cannot witness any rule, or None: the op's kernel gives a
+        different result on the same values in another memory layout (every tensor
+        input copied into a buffer with gaps, or made contiguous if it was not: `_relaid`).
+
+        CPU kernels run a vectorised loop over the bulk of a contiguous tensor and a
+        scalar loop over its tail and over strided tensors, and the two do not always
+        agree on NaN/inf (hardtanh_backward(-inf grad, NaN self) is 0 vectorised, -inf
+        scalar). A rank's shard puts elements at other positions than the global
+        tensor, so the same element can take the other loop: one device disagreeing
+        with itself, not a wrong rule. Only derived samples are judged this way, and
+        only when the kernel agrees with itself on the caller's data: some kernels
+        ignore strides (CPU native_group_norm_backward reads any input as contiguous)
+        and give garbage in the other layout whatever the values, which says nothing
+        about the contiguous shards ranks hold. A kernel that refuses the other layout
+        (a view) proves nothing either way; ops that take strides as an argument
+        (as_strided) read memory layout by definition and are not probed."""
+        if self._reads_strides:
+            return None
+        moved = list(leaves)
+        for pos in self.tensor_pos:
+            moved[pos] = _relaid(leaves[pos])
+        try:
+            other = self._call(moved, copy=False)  # clone() would make them contiguous again
+        except Exception:
+            return None
+        if len(other) != len(ref) or all(_same_result(a, b) for a, b in zip(ref, other)):
+            return None
+        return ("the kernel's result on these values depends on memory layout (contiguous vs "
+                "strided inputs): one device disagrees with itself, so they cannot witness a rule")
+
     @property
     def ref_leaves(self) -> list[Any]:
         return self.samples[0].ref_leaves
 
-    def _call(self, leaves: list[Any]) -> list[Any]:
+    def _call(self, leaves: list[Any], *, copy: bool = True) -> list[Any]:
         """The flattened result, followed by every tensor input as it is after the call.
 
-        Inputs are copied first: schemas do not always admit mutation (legacy
-        native_batch_norm updates running stats in place), and the caches must survive.
+        Inputs are copied first (unless the caller passes fresh ones, `copy=False`):
+        schemas do not always admit mutation (legacy native_batch_norm updates running
+        stats in place), and the caches must survive.
         """
-        leaves = [v.clone() if isinstance(v, torch.Tensor) else v for v in leaves]
+        if copy:
+            leaves = [v.clone() if isinstance(v, torch.Tensor) else v for v in leaves]
         args, kwargs = tree_unflatten(leaves, self.spec)
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -561,6 +606,38 @@ class OpCase:
                 return f"rank {r} returned {len(res)} values, the single-device call {len(sample.ref_all)}"
             outs.append(res)
         return outs
+
+
+def _relaid(x: Any) -> Any:
+    """The same values in another memory layout: a non-contiguous tensor made
+    contiguous; a contiguous one copied into a larger buffer with gaps, so that
+    elementwise kernels can no longer treat it as one flat run (their vectorised loop
+    then covers other elements). The last dim stays dense where there are two or more
+    dims (rows spaced apart): some kernels assume it without checking (CPU flash
+    attention's backward reads garbage from a last dim of stride 2); a 1-d tensor
+    takes every other element."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    if not x.is_contiguous():
+        return x.contiguous()
+    if x.dim() >= 2:
+        n = x.shape[-1]
+        return torch.empty((*x.shape[:-1], 2 * n), dtype=x.dtype)[..., :n].copy_(x)
+    return torch.empty((*x.shape, 2), dtype=x.dtype)[..., 0].copy_(x)
+
+
+def _same_result(a: Any, b: Any) -> bool:
+    """Equal up to the checker's tolerance (`close`, NaN equal to NaN); non-tensors exactly."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and close(b, a, ())
+    return _same_value(a, b)
+
+
+def _takes_strides(op: Any) -> bool:
+    """Whether the op has a `stride` argument (as_strided, _reshape_alias, empty_strided):
+    its values depend on memory layout by definition."""
+    schema = getattr(op, "_schema", None)
+    return schema is not None and any(a.name == "stride" for a in schema.arguments)
 
 
 def _same_structure(a: list[Any], b: list[Any]) -> bool:

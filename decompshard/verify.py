@@ -55,7 +55,8 @@ class GroundTruth:
     world_sizes: tuple[int, ...]
     untestable: str | None = None  # why nothing could be tested (random op, op raises)
     samples: tuple[str, ...] = ()  # data samples every rule was checked on ("base", "ties", ...)
-    dropped_samples: tuple[str, ...] = ()  # variants the op could not run on, with why
+    dropped_samples: tuple[str, ...] = ()  # variants left out, with why (the op raised, or its kernel
+    # disagrees with itself across memory layouts on them)
 
     @property
     def rules(self) -> list[SingleDimRule]:

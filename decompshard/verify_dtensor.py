@@ -502,11 +502,38 @@ def _run_dtensor(op, flat, spec, tensor_idx, mesh, placements, ref: _Reference, 
     if (verdict := _agreed(verdict, "backward")) is not None:
         return verdict
     try:
-        bad = _compare_all(list(grads), ref.grads, "gradient", allow_none=True)
+        plain = _plain_gradients(list(grads), ref.grads, mesh)
+        bad = _compare_all(list(grads), ref.grads, "gradient", allow_none=True, skip=plain)
         verdict = Outcome("WRONG", "backward", *bad) if bad else None
+        if verdict is None and plain:  # a wrong number elsewhere is worse, and reported first
+            verdict = Outcome("error", "backward", (
+                f"gradient {plain[0]} is a plain torch.Tensor, not a DTensor (torch's autograd formula for "
+                f"{op} builds it from sizes); its values are right, but using it with a DTensor raises"))
     except Exception as e:
         verdict = Outcome("error", "backward", f"reading the gradients: {_one_line(e)}")
     return _agreed(verdict, "backward") or Outcome("ok")
+
+
+def _plain_gradients(grads: Sequence[Any], want: Sequence[Any], mesh: Any) -> list[int]:
+    """Indices of the gradients that are an error, not a wrong number: a plain tensor
+    (not a DTensor) that holds the one-device gradient on every rank.
+
+    An op on DTensors returns DTensors, so a plain tensor can only come from autograd
+    building it from sizes alone (reflection_pad1d_backward's formula for `self` is
+    `zeros_like(self)`, made from its saved sizes). Its numbers are right, and the
+    first use with a DTensor (adding another gradient, an optimizer step) raises
+    "mixed torch.Tensor and DTensor": a loud failure, reported as one. A plain tensor
+    with other values stays WRONG (`_compare_all`)."""
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for j, (g, w) in enumerate(zip(grads, want)):
+        if not isinstance(g, torch.Tensor) or isinstance(g, DTensor) or not isinstance(w, torch.Tensor):
+            continue
+        locs = rank_locals(g, mesh)
+        if all(v.shape == w.shape and v.dtype == w.dtype and close(v, w, []) for v in locs.values()):
+            out.append(j)
+    return out
 
 
 def _agreed(mine: Outcome | None, stage: str) -> Outcome | None:
@@ -525,7 +552,7 @@ def _agreed(mine: Outcome | None, stage: str) -> Outcome | None:
 
 
 def _compare_all(got: Sequence[Any], want: Sequence[Any], what: str, *, allow_none: bool = False,
-                 only_dtensor: bool = False) -> tuple[str, float] | None:
+                 only_dtensor: bool = False, skip: Sequence[int] = ()) -> tuple[str, float] | None:
     from torch.distributed.tensor import DTensor
 
     if len(got) != len(want):
@@ -534,6 +561,8 @@ def _compare_all(got: Sequence[Any], want: Sequence[Any], what: str, *, allow_no
     # shard, and all must run the same collectives whatever they find
     fulls = [g.full_tensor() if isinstance(g, DTensor) else None for g in got]
     for j, (g, w, full) in enumerate(zip(got, want, fulls)):
+        if j in skip:  # judged by the caller
+            continue
         if not isinstance(w, torch.Tensor):
             if isinstance(g, torch.Tensor) or (g != w and not (g != g and w != w)):
                 return f"{what} {j}: {g!r}, one device gives {w!r}", math.inf

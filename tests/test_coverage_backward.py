@@ -199,3 +199,19 @@ def test_check_sweeps_the_derived_backward_ops(captured, monkeypatch):
     assert s["ours"].get("ok", 0) >= 3 and len(records) == 4 and s["ops"] == 2, [
         (r["op"], r["placements"], r["ours"], r["torch"]) for r in records if r["ours"]["status"] != "ok"]
     assert any("P(" in r["placements"] for r in records)
+
+
+def test_a_layout_dependent_kernel_sample_is_no_incorrect_rule_and_says_why():
+    """hardtanh_backward's CPU kernel gives different values for (grad -inf, self NaN) in
+    its vectorised and scalar loops, so on the checker's NaN/inf sample its (valid)
+    elementwise rules looked incorrect. The sweep's record now confirms them and lists
+    the dropped sample with its reason."""
+    from decompshard.coverage.sweep import _analyse_sample
+
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(5, 5, generator=g), torch.randn(5, 5, generator=g), -1.0, 1.0)
+    rec = _analyse_sample(aten.hardtanh_backward.default, (args, {}, "nn.functional.hardtanh"), True)
+    assert rec["n_incorrect"] == 0, rec["incorrect"]
+    assert {"S(0), S(0) -> S(0)", "S(1), S(1) -> S(1)"} <= set(rec["derived"])
+    assert rec["n_confirmed"] == rec["n_derived"] >= 2
+    assert any(d.startswith("special: ") and "depends on memory layout" in d for d in rec["dropped_samples"])

@@ -395,3 +395,66 @@ def test_derived_samples_keep_non_contiguous_inputs_and_never_crash_the_checker(
     assert z.stride() == x.stride() and z[-1, -1] == 0 and int((z == 0).sum()) == 1
     case = OpCase(torch.ops.aten.mul.Tensor, (x, torch.randn(4, 3)), {})
     assert not case.untestable and "lone zero" in {s.name for s in case.samples}
+
+
+# ---------------------------------------------------------------- kernels that disagree with themselves
+
+
+def test_kernel_whose_value_depends_on_memory_layout_witnesses_no_rule():
+    """CPU hardtanh_backward gives 0 for (grad -inf, self NaN) in its vectorised loop and
+    -inf in its scalar loop (a strided tensor, or a contiguous tensor's tail), so on the
+    NaN/inf sample a rank's shard disagreed with the global result for S(0), S(0) -> S(0),
+    which holds elementwise by definition. That sample is now dropped with the reason;
+    the rule is judged on the other samples, where wrong rules of the same op still fail."""
+    from decompshard._rank_sim import OpCase
+
+    g = torch.full((16,), float("-inf"), dtype=torch.float64)
+    x = torch.full((16,), float("nan"), dtype=torch.float64)
+    strided = lambda t: torch.empty(t.shape + (2,), dtype=t.dtype)[..., 0].copy_(t)  # noqa: E731
+    vec = aten.hardtanh_backward.default(g, x, -1.0, 1.0)
+    scal = aten.hardtanh_backward.default(strided(g), strided(x), -1.0, 1.0)
+    assert not torch.allclose(vec, scal, equal_nan=True)  # the premise: torch disagrees with itself
+
+    args = (randn(5, 5), randn(5, 5, seed=1), -1.0, 1.0)
+    case = OpCase(aten.hardtanh_backward.default, args, {})
+    assert "special" not in {s.name for s in case.samples}
+    assert any(d.startswith("special: ") and "depends on memory layout" in d for d in case.dropped), case.dropped
+    assert {"base", "ties", "negated", "lone zero", "zeros"} <= {s.name for s in case.samples}
+    op = aten.hardtanh_backward.default
+    assert ok(op, args, "S(0), S(0) -> S(0)") is True
+    assert ok(op, args, "S(1), S(1) -> S(1)") is True
+    # deliberately wrong rules of the same op are still caught on the remaining samples
+    assert ok(op, args, "S(0), R -> S(0)") is False  # grad sharded, self not: shapes disagree
+    assert ok(op, args, "R, P(sum) -> P(sum)") is False  # not linear in self
+    assert ok(op, args, "P(max), R -> P(max)") is True  # linear in grad, where self is inside (-1, 1)
+    assert ok(op, args, "S(0), S(1) -> S(0)") is False
+
+    # the caller's own data is never dropped: a kernel that disagrees with itself there
+    # turns the probe off (nothing dropped, verdicts as before: conservative)
+    case = OpCase(op, (g, x, -1.0, 1.0), {})
+    assert not case.untestable and not any("memory layout" in d for d in case.dropped), case.dropped
+
+
+def test_layout_consistent_kernels_keep_every_sample():
+    """The layout probe must not drop samples of kernels that agree with themselves
+    (non-contiguous inputs included), nor probe ops that read strides by definition."""
+    from decompshard._rank_sim import OpCase
+
+    for op, args in [(aten.mul.Tensor, (randn(4, 6), randn(4, 6, seed=1))),
+                     (aten.mm.default, (randn(5, 3).t(), randn(5, 4))),
+                     (aten.hardtanh_backward.default, (randn(3), randn(3, seed=1), -1.0, 1.0))]:
+        case = OpCase(op, args, {})
+        assert not case.untestable and not case.dropped, (op, case.dropped)
+        assert len(case.samples) == 6
+    # CPU native_group_norm_backward reads every input as contiguous (garbage from a
+    # strided one, whatever the values): the probe is off for it, no sample is dropped
+    x = randn(2, 6, 3)
+    w = randn(6, seed=2)
+    _, mean, rstd = aten.native_group_norm.default(x, w, None, 2, 6, 3, 2, 1e-5)
+    gn_args = (randn(2, 6, 3, seed=1), x, mean, rstd, w, 2, 6, 3, 2, [True, True, True])
+    case = OpCase(aten.native_group_norm_backward.default, gn_args, {})
+    assert not case.untestable and not any("memory layout" in d for d in case.dropped), case.dropped
+    # as_strided reads x's memory layout by definition: a strided copy changes its values
+    x = randn(4, 4)
+    case = OpCase(aten.as_strided.default, (x, [2, 3], [3, 1], 1), {})
+    assert not case.untestable and not any("memory layout" in d for d in case.dropped), case.dropped

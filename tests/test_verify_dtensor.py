@@ -235,3 +235,54 @@ def test_gathers_with_empty_shards_run_in_the_simulator():
     # match"). 8 real gloo processes ran the same case fine.
     x = torch.arange(24.0).reshape(1, 2, 3, 4)
     assert _case(aten.permute_copy.default, (x, [0, 2, 3, 1]), "S(2),S(0),S(1)", "2x2x2", seed=2).status == "ok"
+
+
+# ------------------------------------------------------------------ plain-tensor gradients
+
+
+def test_plain_tensor_gradient_with_right_values_is_an_error_naming_the_cause():
+    """reflection_pad1d_backward's autograd formula for `self` is zeros_like(self), built
+    from saved sizes: a plain tensor, not a DTensor, even with every input Replicate.
+    Its values are right (zeros); what the user meets is the first DTensor op that
+    mixes it in, which raises. So: an error that says so, not WRONG (wrong numbers)."""
+    op = aten.reflection_pad1d_backward.default
+    args = (torch.randn(1, 6, dtype=torch.float64), torch.randn(1, 3, dtype=torch.float64), [2, 1])
+    for text in ("R;R", "S(1);P(sum)"):
+        out = _case(op, args, text, "6")
+        assert out.status == "error" and out.stage == "backward", out
+        assert "gradient 1 is a plain torch.Tensor, not a DTensor" in out.detail
+        assert "reflection_pad1d_backward" in out.detail and "builds it from sizes" in out.detail
+
+
+class _PlainGrad(torch.autograd.Function):
+    """x + y whose backward, given DTensors, hands back gradient 0 as a plain tensor
+    (its full value times `scale_x`) and gradient 1 as a DTensor times `scale_y`; on
+    plain tensors (the one-device reference) it is the true gradient (cot, cot)."""
+
+    @staticmethod
+    def forward(ctx, x, y, scale_x, scale_y):
+        ctx.scales = (scale_x, scale_y)
+        return x + y
+
+    @staticmethod
+    def backward(ctx, cot):
+        from torch.distributed.tensor import DTensor
+
+        if not isinstance(cot, DTensor):
+            return cot, cot, None, None
+        sx, sy = ctx.scales
+        return cot.full_tensor() * sx, cot * sy, None, None
+
+
+@pytest.mark.parametrize("scale_x, scale_y, status, detail", [
+    (1.0, 1.0, "error", "gradient 0 is a plain torch.Tensor"),  # right values: loud, not wrong
+    (3.0, 1.0, "WRONG", "gradient 0 is a"),  # a plain tensor with wrong values stays WRONG
+    (1.0, 2.0, "WRONG", "gradient 1 "),  # a wrong number elsewhere outranks the plain one
+])
+def test_plain_tensor_gradients_are_judged_by_their_values(scale_x, scale_y, status, detail):
+    def op(x, y):
+        return _PlainGrad.apply(x, y, scale_x, scale_y)
+
+    args = (torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64))
+    out = _case(op, args, "S(0);R", "6")
+    assert out.status == status and out.stage == "backward" and detail in out.detail, out

@@ -11,7 +11,10 @@ so `--diff` and `--from` work on files written by any earlier run::
               "verified" (the numerical check ran),
               "torch_fallback": {"status", "reason", "n_rules", "n_confirmed", "n_incorrect",
                                  "n_missed", "n_truth", "rules", "incorrect"},
-              "seconds", "samples" [per-sample detail, same counts], "calls" (--model only),
+              "seconds", "samples" [per-sample detail, same counts; "dropped_samples": the
+                          checker's derived data samples it left out, with why (the op raised,
+                          or its kernel's result depends on memory layout); "untestable": why
+                          nothing could be judged], "calls" (--model only),
               "backward" (a backward op: `*_backward*`, or reached only by autograd's backward
                           of the OpInfo samples; absent in reports made before it existed)}],
      "summary": {"ops", "status" {status: count}, "verified_ops",

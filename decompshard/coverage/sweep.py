@@ -238,6 +238,11 @@ def _analyse_sample(op: torch._ops.OpOverload, sample: Sample, verify: bool) -> 
             rep = check_rules(op, a, k, list(dict.fromkeys(ds_rules + tf_rules)))
             out.update(_score(ds_rules, rep))
             out["exhaustive"] = rep.exhaustive
+            truth = rep.ground_truth
+            if truth is not None:  # why data samples were left out, or nothing could be judged
+                out["dropped_samples"] = list(truth.dropped_samples)
+                if truth.untestable:
+                    out["untestable"] = truth.untestable
             tf_out.update({k: v for k, v in _score(tf_rules, rep).items() if k != "missed"})
         except Exception as e:
             out["verify_error"] = _one_line(e)
