@@ -10,13 +10,15 @@ from them and re-raises in the caller.
 from __future__ import annotations
 
 import collections
+import contextlib
 import multiprocessing as mp
+import os
 import pickle
 import signal
 import time
 import warnings
 from multiprocessing.connection import wait
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 Job = tuple[str, Callable[..., Any], tuple]  # (name, module-level function, its arguments)
 
@@ -53,12 +55,34 @@ def _worker_main(conn: Any) -> None:
             return
 
 
+@contextlib.contextmanager
+def quiet_children() -> Iterator[None]:
+    """Processes started inside inherit TORCH_CPP_LOG_LEVEL=ERROR (unless the user set it):
+    the checks run kernels on odd layouts on purpose (the numerical checker's layout
+    probe), and torch's C++ warnings about them ("input value tensor is
+    non-contiguous") would go straight to the terminal, past the workers' Python warning
+    filter. torch reads the variable when it loads, so it must be set before the worker
+    server imports torch."""
+    if "TORCH_CPP_LOG_LEVEL" in os.environ:
+        yield
+        return
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    try:
+        yield
+    finally:
+        os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
+
+
 def _context() -> Any:
     """forkserver with torch preloaded (a recycled worker starts in ~25 ms instead of ~5 s
     for a spawned one); spawn where forkserver does not exist."""
     if "forkserver" in mp.get_all_start_methods():
+        from multiprocessing import forkserver
+
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["decompshard._workers", "torch"])
+        with quiet_children():
+            forkserver.ensure_running()
         return ctx
     return mp.get_context("spawn")
 

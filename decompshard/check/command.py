@@ -135,13 +135,17 @@ def _zoo(args: argparse.Namespace) -> int:
 
 def _samples_for(patterns: str | None, n: int, progress: bool) -> list[tuple[Any, list]]:
     from ..coverage.command import select_ops
-    from ..coverage.opinfo_samples import capture_aten_samples, decomp_only_ops
+    from ..coverage.opinfo_samples import capture_aten_samples, decomp_only_ops, has_dtensor_strategy
     from ..coverage.sweep import pick_samples
+    from ..decomps import PROJECT_DECOMPOSITIONS
 
     if progress:
         print("check: capturing aten calls from torch's OpInfo samples...", file=sys.stderr, flush=True)
     captured = capture_aten_samples(backward=True)  # the backward ops a training step reaches, too
-    derived = decomp_only_ops(captured)
+    # torch's decomp-only set, plus the ops decompshard writes a decomposition for
+    # (searchsorted, scatter_reduce, ...): every op decompshard derives
+    derived = sorted(set(decomp_only_ops(captured)) | {
+        op for op in captured if op in PROJECT_DECOMPOSITIONS and not has_dtensor_strategy(op)}, key=str)
     ops = select_ops(patterns, derived) if patterns else derived
     return [(op, pick_samples(captured.get(op, []), n)) for op in ops if captured.get(op)]
 

@@ -355,9 +355,12 @@ def _start_worker_server(jobs: int) -> None:
     from multiprocessing import forkserver
 
     mp.get_context("forkserver").set_forkserver_preload(["decompshard.coverage.sweep"])
+    from .._workers import quiet_children
+
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        forkserver.ensure_running()
+        with quiet_children():
+            forkserver.ensure_running()
     finally:
         signal.signal(signal.SIGINT, previous)
 
