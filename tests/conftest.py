@@ -19,6 +19,19 @@ def opinfo_cache(tmp_path_factory):
     return folder
 
 
+@pytest.fixture(scope="module")
+def world():
+    """Four simulated ranks (a fake process group) for a module's tests, and DTensor as
+    decompshard found it afterwards. A module asks for it with
+    `pytestmark = pytest.mark.usefixtures("world")`."""
+    import decompshard
+    from decompshard.verify_dtensor import simulated_world
+
+    with simulated_world(4):
+        yield
+    decompshard.disable()
+
+
 @pytest.fixture(autouse=True)
 def _user_modules_stay_in_their_test():
     """An in-process `--import`/`--model` is remembered for the worker processes to

@@ -14,16 +14,12 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import decompshard
 from decompshard._compat import DTensor
-from decompshard.verify_dtensor import device_mesh, rank_locals, simulated_world
+from decompshard.verify_dtensor import device_mesh, rank_locals
 
 aten = torch.ops.aten
 
 
-@pytest.fixture(scope="module", autouse=True)
-def world():
-    with simulated_world(4):
-        yield
-    decompshard.disable()
+pytestmark = pytest.mark.usefixtures("world")  # 4 simulated ranks, from conftest.py
 
 
 def _pool_step(batch: int, placements) -> float:

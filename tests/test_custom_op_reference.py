@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.debug import CommDebugMode
 
 import decompshard
-from decompshard.verify_dtensor import device_mesh, rank_locals, simulated_world
+from decompshard.verify_dtensor import device_mesh, rank_locals
 
 R, S0 = Replicate(), Shard(0)
 EPS = 1e-6
@@ -57,11 +57,7 @@ def reference_without_eps(x, w, eps):
 # ------------------------------------------------------------------ fixtures and helpers
 
 
-@pytest.fixture(scope="module", autouse=True)
-def world():
-    with simulated_world(4):
-        yield
-    decompshard.disable()
+pytestmark = pytest.mark.usefixtures("world")  # 4 simulated ranks, from conftest.py
 
 
 @pytest.fixture(autouse=True)

@@ -21,7 +21,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 import decompshard
 from decompshard.derive import derive_rules
 from decompshard.placements import format_rule
-from decompshard.verify_dtensor import device_mesh, rank_locals, simulated_world
+from decompshard.verify_dtensor import device_mesh, rank_locals
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
 EPS = 1e-6
@@ -95,11 +95,7 @@ def _(x):
 # ------------------------------------------------------------------ fixtures and helpers
 
 
-@pytest.fixture(scope="module", autouse=True)
-def world():
-    with simulated_world(4):
-        yield
-    decompshard.disable()
+pytestmark = pytest.mark.usefixtures("world")  # 4 simulated ranks, from conftest.py
 
 
 @pytest.fixture(autouse=True)

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.debug import CommDebugMode
 
 import decompshard
-from decompshard.verify_dtensor import device_mesh, rank_locals, simulated_world
+from decompshard.verify_dtensor import device_mesh, rank_locals
 
 import _custom_ops_lib as lib
 
@@ -30,11 +30,7 @@ EPS = 1e-6
 MESHES = {"w2": (2,), "w3": (3,), "2x2": (2, 2)}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def world():
-    with simulated_world(4):
-        yield
-    decompshard.disable()
+pytestmark = pytest.mark.usefixtures("world")  # 4 simulated ranks, from conftest.py
 
 
 @pytest.fixture(autouse=True)

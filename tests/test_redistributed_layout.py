@@ -21,16 +21,12 @@ from torch.distributed._local_tensor import LocalTensorMode
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import decompshard
-from decompshard.verify_dtensor import device_mesh, rank_locals, simulated_world
+from decompshard.verify_dtensor import device_mesh, rank_locals
 
 DT = torch.float64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def world():
-    with simulated_world(4):
-        yield
-    decompshard.disable()
+pytestmark = pytest.mark.usefixtures("world")  # 4 simulated ranks, from conftest.py
 
 
 def _linear_errors(shape: tuple[int, ...]) -> float:
