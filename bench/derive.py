@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     ops = [op for op in sorted(decomp_only_ops(samples), key=str) if fnmatch.fnmatch(str(op), args.ops)]
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from decompshard.derive import _TRACES
+    from decompshard.solve.derive import _TRACES
     from decompshard.dispatch_modes.graph import map_leaves
     from decompshard.dispatch_modes.tracing import find_decomposition, to_meta
     class DoNothing(TorchDispatchMode):

@@ -76,7 +76,7 @@ def clear_all() -> None:
 def dtensors(build, placements, mesh):
     from torch.distributed.tensor import DTensor, Replicate
 
-    from decompshard.lift import local_shape_nd
+    from decompshard.mesh.lift import local_shape_nd
 
     args, it = [], iter(placements)
     for a in build():
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import decompshard
     from decompshard._compat import has_native_strategy
-    from decompshard.enable import DerivedStrategy
+    from decompshard.runtime.enable import DerivedStrategy
 
     shape = tuple(int(x) for x in args.mesh.split("x"))
     world = 1

@@ -220,7 +220,7 @@ def main_ops(a: argparse.Namespace, mesh: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from decompshard.verify_dtensor import device_mesh, simulated_world
+    from decompshard.verify.dtensor_case import device_mesh, simulated_world
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=5)

@@ -4,10 +4,10 @@ against a 1-D mesh of the same 16 ranks, in the same process and run.
 
 - first call: best (minimum) of --repeat calls, each after clearing every cache (as in
   bench/dispatch_overhead.py): for decompshard trace + derive + lift (the best-first
-  search of decompshard.lift.cheapest_first, validity checks); for torch, its fallback
+  search of decompshard.mesh.lift.cheapest_first, validity checks); for torch, its fallback
   re-running the decomposition per candidate placement. Fake process group of 64 ranks,
   rank 0's shards; inputs sharded on mesh dim 0, Replicate on the others.
-- selection: `decompshard.lift.choose` alone, rules already derived (best of --calls),
+- selection: `decompshard.mesh.lift.choose` alone, rules already derived (best of --calls),
   on 2x2x2x2 and on a 1-D mesh of 16 with the same placements on mesh dim 0.
 
 Minimum, not median: the machine is shared, and the least disturbed run is the one that
@@ -58,7 +58,7 @@ def selection(op, build, placements, shape: tuple[int, ...], calls: int) -> floa
     """Best seconds of `choose` on a mesh of `shape` (derivation warmed up first)."""
     from torch.distributed.tensor import Replicate
 
-    from decompshard.lift import choose
+    from decompshard.mesh.lift import choose
 
     args = build()
     current = [(p,) + (Replicate(),) * (len(shape) - 1) for p in placements]

@@ -20,13 +20,16 @@ from typing import TYPE_CHECKING, Any
 # public name -> the private module that defines it
 _HOME = {
     "cache_info": "caches",
-    "DerivedRules": "derive", "clear_caches": "derive", "derive_rules": "derive", "resolve_op": "derive",
-    "disable": "enable", "enable": "enable", "enabled": "enable", "is_enabled": "enable",
+    "DerivedRules": "solve.derive", "clear_caches": "solve.derive", "derive_rules": "solve.derive",
+    "resolve_op": "op_names",
+    "disable": "runtime.enable", "enable": "runtime.enable", "enabled": "runtime.enable",
+    "is_enabled": "runtime.enable",
     "explain": "explain",
     "P": "placements", "R": "placements", "S": "placements", "SingleDimRule": "placements",
     "parse_rule": "placements",
-    "ReferenceMismatch": "reference", "reference": "reference", "register_reference": "reference",
-    "registered_reference": "reference", "unregister_reference": "reference",
+    "ReferenceMismatch": "dispatch_modes.reference", "reference": "dispatch_modes.reference",
+    "register_reference": "dispatch_modes.reference", "registered_reference": "dispatch_modes.reference",
+    "unregister_reference": "dispatch_modes.reference",
 }
 
 __all__ = [
@@ -36,14 +39,13 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from .caches import cache_info
-    from .derive import DerivedRules, clear_caches, derive_rules, resolve_op
-    from .enable import disable, enable, enabled, is_enabled
-    from .explain import explain
-    from .placements import P, R, S, SingleDimRule, parse_rule
-    from .reference import (
-        ReferenceMismatch, reference, register_reference, registered_reference, unregister_reference,
-    )
+    from decompshard.caches import cache_info
+    from decompshard.op_names import resolve_op
+    from decompshard.solve.derive import DerivedRules, clear_caches, derive_rules
+    from decompshard.runtime.enable import disable, enable, enabled, is_enabled
+    from decompshard.explain import explain
+    from decompshard.placements import P, R, S, SingleDimRule, parse_rule
+    from decompshard.dispatch_modes.reference import ReferenceMismatch, reference, register_reference, registered_reference, unregister_reference
 
 
 def __getattr__(name: str) -> Any:
@@ -68,7 +70,7 @@ class _Package(_types.ModuleType):
     import render`, which goes through sys.modules, not this attribute."""
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if isinstance(value, _types.ModuleType) and _HOME.get(name) == name:
+        if isinstance(value, _types.ModuleType) and name in _HOME:
             return
         super().__setattr__(name, value)
 

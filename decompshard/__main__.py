@@ -2,7 +2,7 @@ import atexit
 import os
 import sys
 
-from .cli import main
+from decompshard.cli import main
 
 code = main()
 if code == 130:

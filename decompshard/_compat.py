@@ -223,7 +223,7 @@ def from_torch_placement(p: Any):
     Returns `NotImplemented` for placements the single-dim alphabet cannot express
     faithfully (a _StridedShard produced from a plain Shard, say); callers drop such rules.
     """
-    from .placements import R, Partial, ShardPlaceholder
+    from decompshard.placements import R, Partial, ShardPlaceholder
 
     if p is None:
         return None
@@ -242,7 +242,7 @@ def from_torch_placement(p: Any):
 
 def to_torch_placement(p: Any) -> Any:
     """decompshard placement -> torch placement (S(d) becomes a plain Shard(d), None stays)."""
-    from .placements import Partial, Replicate, ShardPlaceholder
+    from decompshard.placements import Partial, Replicate, ShardPlaceholder
 
     if p is None:
         return None

@@ -18,7 +18,7 @@ from typing import Any, Generic, Hashable, TypeVar
 
 V = TypeVar("V")
 
-__all__ = ["BoundedCache", "CacheInfo", "cache_info"]
+__all__ = ["BoundedCache", "CacheInfo", "cache_info", "clear_all"]
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,14 @@ def cache_info() -> dict[str, CacheInfo]:
     """Size, bound, hits, misses and evictions of every decompshard cache, by name.
     Resize one with `decompshard.caches.<NAME>.maxsize = n` (see the module constants)."""
     return {name: c.info() for name, c in _ALL.items()}
+
+
+def clear_all() -> None:
+    """Forget everything every decompshard cache holds (cold timings; a registered
+    reference that changes what an op traces to). One call, so that no stage has to know
+    which caches the stages above it keep."""
+    for c in list(_ALL.values()):
+        c.clear()
 
 
 # The caches themselves, one per thing remembered. Measured: deriving the whole

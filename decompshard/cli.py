@@ -19,15 +19,13 @@ import difflib
 import importlib
 import sys
 
+from decompshard.errors import UsageError
+
 COMMANDS = {
     "coverage": ("decompshard.coverage.command", "op coverage tables: native, derived, unsupported and why"),
     "explain": ("decompshard.explain.command", "why an op gets (or refuses) a sharding: a readable trace"),
     "check": ("decompshard.check.command", "runtime check: DTensor with enable() against one device"),
 }
-
-
-class UsageError(Exception):
-    """Bad user input: printed as one line, exit code 2."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,7 +86,7 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
 def _import_user_modules(args: argparse.Namespace) -> None:
     """--import MODULE, in order, before the command runs (its worker processes repeat them)."""
     if getattr(args, "imports", None):
-        from .user_modules import import_user_module
+        from decompshard.user_modules import import_user_module
 
         for spec in args.imports:
             import_user_module(spec)
@@ -121,7 +119,7 @@ def _version() -> str:
 
     import torch
 
-    from ._compat import SUPPORTED
+    from decompshard._compat import SUPPORTED
 
     try:
         mine = version("decompshard")

@@ -22,3 +22,8 @@ class Indeterminate(DecompShardError):
     that timed out). Tools report it as a refusal; under `enable()` it stops the program,
     because a rank that decided alone could choose differently from the others, and ranks
     that choose differently run mismatched collectives (a hang, an abort, wrong numbers)."""
+
+
+class UsageError(DecompShardError):
+    """Bad input to a command (a flag, a file, a module to import): printed as one line,
+    exit code 2."""

@@ -3,7 +3,7 @@
 A custom op (`torch.library.custom_op`) exists only once the module defining it has been
 imported, and its registered reference (decompshard.register_reference) only once the
 module registering it has. The commands import what the user names here; the worker
-processes the commands run ops in (decompshard._workers) import the same modules before
+processes the commands run ops in (decompshard.workers) import the same modules before
 their first job, so a custom op resolves by name there as in the parent.
 
 MODULE is a dotted module name importable from the working directory
@@ -26,7 +26,7 @@ _IMPORTED: list[str] = []  # specs imported in this process, in order (what work
 def import_user_module(spec: str, flag: str = "--import") -> ModuleType:
     """Import `spec` (a dotted name, or a path ending in .py) and remember it for the
     worker processes. A failure is a UsageError naming `flag` and the cause."""
-    from .cli import UsageError
+    from decompshard.errors import UsageError
 
     try:
         module = _import(spec)

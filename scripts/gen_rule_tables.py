@@ -1,5 +1,5 @@
 """Regenerate decompshard/rules/torch_tables.json: torch's primitive rules by shape class
-(how: decompshard/rules/table_build.py). Run it after upgrading torch: a table made with
+(how: decompshard/coverage/rule_tables.py). Run it after upgrading torch: a table made with
 another torch release is ignored, and tests/test_shipped_tables.py fails until then.
 
 Usage: python scripts/gen_rule_tables.py [--out PATH]   (about 15 s)
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from decompshard.rules import torch_tables
-    from decompshard.rules.table_build import build_table
+    from decompshard.coverage.rule_tables import build_table
 
     start = time.perf_counter()
     table = build_table(verbose=True)

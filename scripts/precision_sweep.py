@@ -70,7 +70,7 @@ def _cases() -> list[tuple]:
 
 def _check(op, args, kwargs) -> dict:
     from decompshard import derive_rules
-    from decompshard.verify import check_rules
+    from decompshard.verify.rule_check import check_rules
 
     derived = derive_rules(op, *args, **kwargs)
     if derived.unsupported_reason:

@@ -48,7 +48,7 @@ def dp_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], loss_of: Cal
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from decompshard.verify_dtensor import device_mesh, rank_locals
+    from decompshard.verify.dtensor_case import device_mesh, rank_locals
 
     model = model.to(torch.float64)
     ref = copy.deepcopy(model)

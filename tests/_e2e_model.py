@@ -342,7 +342,7 @@ def count_table(theirs: dict[str, OpResult], ours: dict[str, OpResult]) -> str:
 def fake_world(world_size: int):
     """A fake process group of `world_size` ranks for the duration (sharding decisions and
     collective counts are real, data moved by collectives is not): the checker's own."""
-    from decompshard.verify_dtensor import simulated_world
+    from decompshard.verify.dtensor_case import simulated_world
 
     return simulated_world(world_size)
 

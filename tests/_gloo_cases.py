@@ -15,7 +15,8 @@ def worker(rank: int, world: int, port: int, cases_path: str, out_dir: str) -> N
     import torch
     import torch.distributed as dist
 
-    from decompshard.verify_dtensor import parse_placements, run_case
+    from decompshard.runtime.enable import switched
+    from decompshard.verify.dtensor_case import parse_placements, run_case
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
@@ -27,7 +28,7 @@ def worker(rank: int, world: int, port: int, cases_path: str, out_dir: str) -> N
             op = eval(op_name, {"aten": torch.ops.aten})
             shapes = [tuple(t.shape) for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             o = run_case(op, args, kwargs, mesh, parse_placements(text, shapes, len(mesh)), seed=seed,
-                         use_decompshard=on, simulate=False)
+                         runtime=switched(on), simulate=False)
             out.append([o.status, o.stage, o.detail])
     except Exception as e:  # reported, so the parent's assertion says what broke
         out.append(["crash", "", f"{type(e).__name__}: {e}"])
@@ -101,7 +102,7 @@ def spawn(fn, args: tuple, nprocs: int, deadline: float = 420.0, hash_seeds: lis
     # interpreters (a forked child keeps its server's seed).
     if hash_seeds is None and "forkserver" in multiprocessing.get_all_start_methods():
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "decompshard", "decompshard._workers"])
+        ctx.set_forkserver_preload(["torch", "decompshard", "decompshard.workers"])
     else:
         ctx = multiprocessing.get_context("spawn")
     procs = []

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
-from decompshard.verify_dtensor import decompshard_on, device_mesh, make_dtensor, parse_placements, simulated_world
+from decompshard.verify.dtensor_case import device_mesh, make_dtensor, parse_placements, simulated_world
+from decompshard.runtime.enable import switched
 
 aten = torch.ops.aten
 picked: list[str] = []
@@ -42,6 +43,6 @@ if __name__ == "__main__":
             placements = parse_placements(text, shapes, 2)
             for label, on in (("torch", False), ("decompshard", True)):
                 picked.clear()
-                with decompshard_on(on):
+                with switched(on):
                     op(*[make_dtensor(t, mesh, p, 0, i) for i, (t, p) in enumerate(zip(tensors, placements))], *rest)
                 print(f"{label} {op}: {picked[-1]}")

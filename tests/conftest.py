@@ -25,7 +25,7 @@ def world():
     decompshard found it afterwards. A module asks for it with
     `pytestmark = pytest.mark.usefixtures("world")`."""
     import decompshard
-    from decompshard.verify_dtensor import simulated_world
+    from decompshard.verify.dtensor_case import simulated_world
 
     with simulated_world(4):
         yield

@@ -1,5 +1,5 @@
 """`as_strided_` / `as_strided` on DTensors where they move no element
-(decompshard/as_strided.py): timm's ConvNeXt head pools a channels-last-strided map,
+(decompshard/runtime/as_strided.py): timm's ConvNeXt head pools a channels-last-strided map,
 which ATen's adaptive_avg_pool2d restrides with `as_strided_`."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import decompshard
 from decompshard._compat import DTensor
-from decompshard.verify_dtensor import device_mesh, rank_locals
+from decompshard.verify.dtensor_case import device_mesh, rank_locals
 
 aten = torch.ops.aten
 

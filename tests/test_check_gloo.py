@@ -16,7 +16,8 @@ import torch
 import _e2e_model as M
 import _gloo_cases as G
 from decompshard.check.sweep import plan_cases
-from decompshard.verify_dtensor import parse_placements, run_case, simulated_world
+from decompshard.verify.dtensor_case import parse_placements, run_case, simulated_world
+from decompshard.runtime.enable import switched
 
 aten = torch.ops.aten
 
@@ -82,7 +83,7 @@ def test_gloo_agrees_with_the_simulated_check(tmp_path):
             op = eval(name, {"aten": aten})
             shapes = [tuple(t.shape) for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             simulated.append(run_case(op, args, kwargs, mesh, parse_placements(text, shapes, 2), seed=seed,
-                                      use_decompshard=on))
+                                      runtime=switched(on)))
     mismatches = []
     for i, (case, sim) in enumerate(zip(cases, simulated)):
         real = {tuple(v[:2]) for v in per_case[i]}

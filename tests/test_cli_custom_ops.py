@@ -141,7 +141,7 @@ def test_import_user_module_file_once(tmp_path):
     """A .py file named twice (--import and --model, or again in a worker) runs once: a
     second run would register its custom ops again, which torch refuses."""
     from decompshard import user_modules
-    from decompshard.cli import UsageError
+    from decompshard.errors import UsageError
 
     path = tmp_path / "ops_once.py"
     path.write_text(

@@ -1,4 +1,4 @@
-"""Pins the cost ordering of decompshard.cost on hand-checked cases.
+"""Pins the cost ordering of decompshard.mesh.cost on hand-checked cases.
 
 The absolute numbers are a model; what callers rely on is the *order* of candidates, so
 most tests compare two costs rather than checking a value.
@@ -15,21 +15,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
-from decompshard.cost import (
-    A100,
-    ALL_GATHER,
-    ALL_REDUCE,
-    ALL_TO_ALL,
-    H100,
-    REDUCE_SCATTER,
-    CollectiveCost,
-    Cost,
-    MeshShape,
-    bus_bandwidth,
-    collective_seconds,
-    redistribute_cost,
-    redistribute_lower_bound,
-)
+from decompshard.mesh.cost import A100, ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, H100, REDUCE_SCATTER, CollectiveCost, Cost, MeshShape, bus_bandwidth, collective_seconds, redistribute_cost, redistribute_lower_bound
 
 R, P = Replicate(), Partial()
 KINDS = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL)

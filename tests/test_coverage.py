@@ -420,13 +420,13 @@ def test_progress_eta_leaves_out_the_instant_lookups():
 def test_glob_checks_read_the_kept_op_list_without_torch(tmp_path):
     """The list of aten overloads a glob is checked against is the dispatcher's, kept on
     disk for the installed torch; read back, it is the same list."""
-    from decompshard.coverage.command import all_aten_overloads
+    from decompshard.coverage.op_select import all_aten_overloads
 
     fresh = all_aten_overloads(str(tmp_path))
     kept = list(tmp_path.glob("aten-overloads-*.txt"))
     assert len(kept) == 1 and "aten.addmv.default" in fresh and "aten.add.Tensor" in fresh
     assert sorted(all_aten_overloads(str(tmp_path))) == sorted(fresh) == sorted(all_aten_overloads(None))
-    code = ("import sys; from decompshard.coverage.command import validate_globs; "
+    code = ("import sys; from decompshard.coverage.op_select import validate_globs; "
             f"validate_globs('aten.addmv*,aten.pixel_*', {str(tmp_path)!r}); print('torch' in sys.modules)")
     import subprocess
     import sys

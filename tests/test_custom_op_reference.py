@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.debug import CommDebugMode
 
 import decompshard
-from decompshard.verify_dtensor import device_mesh, rank_locals
+from decompshard.verify.dtensor_case import device_mesh, rank_locals
 
 R, S0 = Replicate(), Shard(0)
 EPS = 1e-6
@@ -133,7 +133,7 @@ def test_decorator_form_and_reference_runs_real_kernel(mesh4, monkeypatch):
 
 def test_registered_reference_context_manager_restores(mesh4):
     with decompshard.registered_reference(OP, rmsnorm_reference):
-        from decompshard.reference import reference_of
+        from decompshard.dispatch_modes.reference import reference_of
         assert reference_of(OP) is rmsnorm_reference
     assert reference_of(OP) is None
 

@@ -19,9 +19,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.debug import CommDebugMode
 
 import decompshard
-from decompshard.derive import derive_rules
+from decompshard.solve.derive import derive_rules
 from decompshard.placements import format_rule
-from decompshard.verify_dtensor import device_mesh, rank_locals
+from decompshard.verify.dtensor_case import device_mesh, rank_locals
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
 EPS = 1e-6

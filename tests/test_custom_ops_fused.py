@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.debug import CommDebugMode
 
 import decompshard
-from decompshard.verify_dtensor import device_mesh, rank_locals
+from decompshard.verify.dtensor_case import device_mesh, rank_locals
 
 import _custom_ops_lib as lib
 
@@ -247,8 +247,8 @@ def test_derived_rules_hold_numerically(name, args):
     """Every rule derived for the custom ops holds when the op itself (for np_rotary the
     numpy kernel, its rules derived from the reference) runs on each rank's shard at
     world sizes 2 and 3 (uneven shards, random Partial parts), float64."""
-    from decompshard.derive import derive_rules
-    from decompshard.verify import check_rules
+    from decompshard.solve.derive import derive_rules
+    from decompshard.verify.rule_check import check_rules
 
     op = getattr(torch.ops.dstest_lib, name).default
     a = args()

@@ -1,4 +1,4 @@
-"""decompshard/decomps/scatter.py: decompositions of the reducing scatters torch never
+"""decompshard/dispatch_modes/decomps/scatter.py: decompositions of the reducing scatters torch never
 decomposes (scatter_reduce.two, scatter.reduce / value_reduce, put, masked_scatter,
 segment_reduce), so their rules are derived like any other op's.
 
@@ -23,11 +23,11 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import decompshard
 from decompshard import derive_rules
-from decompshard.decomps.scatter import (DECOMPOSITIONS, masked_scatter, put, scatter_reduce_legacy,
-                                         scatter_reduce_two, scatter_value_reduce, segment_reduce)
+from decompshard.dispatch_modes.decomps.scatter import DECOMPOSITIONS, masked_scatter, put, scatter_reduce_legacy, scatter_reduce_two, scatter_value_reduce, segment_reduce
 from decompshard.dispatch_modes.tracing import find_decomposition
-from decompshard.verify import check_rules
-from decompshard.verify_dtensor import device_mesh, rank_locals, run_case, simulated_world
+from decompshard.verify.rule_check import check_rules
+from decompshard.verify.dtensor_case import device_mesh, rank_locals, run_case, simulated_world
+from decompshard.runtime.enable import switched
 
 aten = torch.ops.aten
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
@@ -320,7 +320,7 @@ def test_runs_sharded_forward_and_backward(world, op, args, mesh, placements):
     for m in range(len(mesh)):
         ins = ", ".join(_short(p[m]) for p in placements)
         assert any(r.startswith(ins + " -> ") for r in rules) or set(ins.split(", ")) == {"R"}, (ins, rules)
-    out = run_case(op, args, {}, mesh, placements, seed=0)
+    out = run_case(op, args, {}, mesh, placements, seed=0, runtime=switched(True))
     assert out.status == "ok", str(out)
 
 
@@ -358,7 +358,7 @@ def test_moe_combine_runs_with_no_collective(world):
 
 
 def test_in_place_scatter_reduce_stays_sharded(world):
-    """scatter_reduce_ runs its functional twin's derived strategy (decompshard/inplace.py):
+    """scatter_reduce_ runs its functional twin's derived strategy (decompshard/runtime/inplace.py):
     along a dim the scatter leaves alone, every input S(1), no collective, self still S(1)."""
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(6, 5, generator=gen, dtype=torch.float64)

@@ -15,25 +15,10 @@ from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tenso
 from torch.utils._pytree import tree_map
 
 from decompshard import derive_rules
-from decompshard.decomps.search import (
-    SEARCH_DECOMPOSITIONS,
-    _conj_physical,
-    _hash_tensor,
-    _pdist_backward,
-    _pdist_forward,
-    _searchsorted,
-    _searchsorted_scalar,
-    _trilinear,
-)
-from decompshard.verify import check_rules
-from decompshard.verify_dtensor import (
-    decompshard_on,
-    device_mesh,
-    parse_placements,
-    rank_locals,
-    run_case,
-    simulated_world,
-)
+from decompshard.dispatch_modes.decomps.search import SEARCH_DECOMPOSITIONS, _conj_physical, _hash_tensor, _pdist_backward, _pdist_forward, _searchsorted, _searchsorted_scalar, _trilinear
+from decompshard.verify.rule_check import check_rules
+from decompshard.verify.dtensor_case import device_mesh, parse_placements, rank_locals, run_case, simulated_world
+from decompshard.runtime.enable import switched
 
 aten = torch.ops.aten
 NAN = float("nan")
@@ -288,7 +273,7 @@ def test_hash_tensor_rules_keep_the_dims_it_does_not_reduce():
 def test_partial_max_of_uint64_parts_is_judged_not_crashed():
     """hash_tensor's output is uint64, which has no amax/amin kernel: the checker reduces
     it in int64 with the top bit flipped, so 2**63 stays above 1."""
-    from decompshard._rank_sim import _reduce
+    from decompshard.verify.rank_sim import _reduce
 
     parts = torch.tensor([[1, 2**64 - 1, 5], [3, 0, 2**63]], dtype=torch.uint64)
     assert _reduce(parts, "max").tolist() == [3, 2**64 - 1, 2**63]
@@ -342,7 +327,8 @@ def test_dtensors_match_one_device_forward_and_backward(world, mesh):
         if len(mesh) == 2:
             text = text_2d[0] if text_2d else ";".join(f"{p},{p}" for p in text.split(";"))
         shapes = [t.shape for t in args if isinstance(t, torch.Tensor)]
-        outcome = run_case(op, args, kwargs, mesh, parse_placements(text, shapes, len(mesh)))
+        outcome = run_case(op, args, kwargs, mesh, parse_placements(text, shapes, len(mesh)),
+                           runtime=switched(True))
         assert outcome.status == "ok", (op, kwargs, text, outcome)
 
 
@@ -357,7 +343,7 @@ def test_searchsorted_pdist_and_bilinear_keep_their_shards(world):
     seq, v = torch.randn(10, generator=g).sort().values, torch.randn(7, 4, generator=g)
     x = torch.randn(5, 7, dtype=torch.float64, generator=g)
     i1, w, i2 = (torch.randn(s, dtype=torch.float64, generator=g) for s in [(7, 3), (4, 3, 5), (7, 5)])
-    with decompshard_on(True), LocalTensorMode(3), warnings.catch_warnings():
+    with switched(True), LocalTensorMode(3), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dseq, dv = distribute_tensor(seq, mesh, [Replicate()]), distribute_tensor(v, mesh, [Shard(0)])
         dx = distribute_tensor(x, mesh, [Shard(1)]).requires_grad_()

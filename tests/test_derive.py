@@ -136,7 +136,7 @@ def test_ambient_local_tensor_mode_does_not_change_the_answer():
 def test_linear_through_addmm_claims_no_average_of_a_sharded_contraction():
     # Regression: P(sum) -> P(avg) "twins" of addmm's `P(sum), S(1), S(0) -> P(sum)` made
     # `S(1), S(1), R -> P(avg)` for linear, which is wrong (the contraction is a sum).
-    from decompshard.verify import check_rules
+    from decompshard.verify.rule_check import check_rules
 
     x, w, b = torch.randn(4, 6), torch.randn(3, 6), torch.randn(3)
     derived = derive_rules(aten.linear.default, x, w, b)
@@ -156,7 +156,7 @@ AS_STRIDED_GATHERS = [
 
 @pytest.mark.parametrize("args", AS_STRIDED_GATHERS)
 def test_as_strided_copy_within_its_input_passes_every_partial(args):
-    from decompshard.verify import check_rules
+    from decompshard.verify.rule_check import check_rules
 
     derived = derive_rules(aten.as_strided_copy.default, *args)
     assert set(derived.as_strings()) == {f"P({op}) -> P({op})" for op in ("sum", "avg", "max", "min")}
@@ -165,7 +165,7 @@ def test_as_strided_copy_within_its_input_passes_every_partial(args):
 
 
 def test_as_strided_scatter_without_overlap_passes_matching_partials():
-    from decompshard.verify import check_rules
+    from decompshard.verify.rule_check import check_rules
 
     args = (torch.randn(4, 6), torch.randn(2, 3), [2, 3], [6, 2], 1)
     derived = derive_rules(aten.as_strided_scatter.default, *args)
@@ -224,7 +224,7 @@ def test_isin_keeps_elements_sharded_whichever_algorithm_torch_picks():
     """torch's isin decomposition sorts when test_elements is large next to elements (a
     branch on sizes, through ops without rules); the project's broadcast form is the same
     function, so elements' sharding survives on both sides of torch's branch."""
-    from decompshard.verify import check_rules
+    from decompshard.verify.rule_check import check_rules
 
     isin = torch.ops.aten.isin.Tensor_Tensor
     for elements, test in [(torch.randint(0, 30, (20,)), torch.randint(0, 30, (5,))),  # broadcast branch
@@ -238,7 +238,7 @@ def test_isin_keeps_elements_sharded_whichever_algorithm_torch_picks():
 
 def test_take_with_a_0d_index_is_derived_not_called_data_dependent():
     """torch's take decomposition indexes in Python, which reads a 0-d index's value."""
-    from decompshard.verify import check_rules
+    from decompshard.verify.rule_check import check_rules
 
     take = torch.ops.aten.take.default
     for x, index in [(torch.randn(3, 3), torch.tensor(-2)), (torch.tensor(3.0), torch.tensor(0))]:

@@ -14,7 +14,6 @@ import json
 import warnings
 
 import pytest
-import torch
 from torch.distributed._local_tensor import LocalTensorMode
 
 import _e2e_model as M

@@ -24,9 +24,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import _e2e_model as M
 import decompshard
-import decompshard.derive
+import decompshard.solve.derive
 from decompshard._compat import sharding_propagator
-from decompshard.enable import DerivedStrategy
+from decompshard.runtime.enable import DerivedStrategy
 
 aten = torch.ops.aten
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
@@ -294,8 +294,8 @@ def test_derivation_is_paid_once_per_op_and_shapes(mesh4, monkeypatch):
     from decompshard._compat import clear_dtensor_caches as _clear_dtensor_caches
 
     solved = []
-    real = decompshard.derive._solve
-    monkeypatch.setattr(decompshard.derive, "_solve", lambda result, *a: solved.append(result.op) or real(result, *a))
+    real = decompshard.solve.derive._solve
+    monkeypatch.setattr(decompshard.solve.derive, "_solve", lambda result, *a: solved.append(result.op) or real(result, *a))
     decompshard.clear_caches()
     args = [torch.randn(8), torch.randn(8, 12), torch.randn(12)]
     with decompshard.enabled():
@@ -314,7 +314,7 @@ def test_derivation_is_paid_once_per_op_and_shapes(mesh4, monkeypatch):
 
 
 def _fake_dtensor(shape, placements, mesh):
-    from decompshard.lift import local_shape_nd
+    from decompshard.mesh.lift import local_shape_nd
 
     from torch.utils._python_dispatch import _disable_current_modes
 
@@ -426,7 +426,7 @@ def test_a_kernel_run_that_times_out_stops_the_program_rather_than_one_rank_choo
     not hang on anything one rank can see differently. A timed-out empty-shard kernel run
     (a loaded machine, a fork that inherited a held lock) is such a thing: outside
     enable() it refuses the candidate, under enable() it raises, and it is never cached."""
-    import decompshard.kernel_sandbox as ks
+    import decompshard.solve.kernel_sandbox as ks
     from decompshard._compat import clear_dtensor_caches
     from decompshard.errors import Indeterminate
 

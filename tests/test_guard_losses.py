@@ -1,4 +1,4 @@
-"""The native guard's mean-loss handler (decompshard/guard_losses.py): nll_loss_forward /
+"""The native guard's mean-loss handler (decompshard/runtime/guard_losses.py): nll_loss_forward /
 nll_loss2d_forward with reduction='mean' on a batch-sharded target.
 
 DTensor's native strategy returns Partial(avg) of per-rank means: wrong with ignored
@@ -18,7 +18,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import _loss_cases as L
 import decompshard
-from decompshard.dtensor_run import simulated_world
+from decompshard.verify.dtensor_run import simulated_world
 
 W = 4
 C = 5

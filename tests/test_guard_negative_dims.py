@@ -1,4 +1,4 @@
-"""The native guard's dim wrapping (decompshard/guard_dims.py): DTensor's `scan_strategy`
+"""The native guard's dim wrapping (decompshard/runtime/guard_dims.py): DTensor's `scan_strategy`
 (cumsum, cumprod, logcumsumexp) compares `dim` unwrapped with the placements' dims, so
 `cumsum(-1)` on a Shard of the last dim scans each rank's part alone. Every case here
 is compared with one device (float64), forward and backward, on an uneven 1-D mesh of 3
@@ -21,8 +21,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 import decompshard
 from decompshard.coverage.native_variants import negative_dim_samples
 from decompshard.coverage.opinfo_samples import AtenSample
-from decompshard.guard_table import NEGATIVE_DIMS_UNWRAPPED
-from decompshard.verify_dtensor import device_mesh, rank_locals, simulated_world
+from decompshard.runtime.guard_table import NEGATIVE_DIMS_UNWRAPPED
+from decompshard.verify.dtensor_case import device_mesh, rank_locals, simulated_world
 
 aten = torch.ops.aten
 OPS = {"cumsum": torch.cumsum, "cumprod": torch.cumprod, "logcumsumexp": torch.logcumsumexp}
@@ -168,7 +168,7 @@ def test_the_audit_finds_cumsum_with_negative_dims_and_not_under_the_guard(monke
     """`coverage --verify-native` on an OpInfo-style cumsum sample with dim >= 0 (right
     in DTensor): its negative-dim variant is what the audit reports, and nothing is
     left of it with the guard (`--guard`)."""
-    from decompshard import guard
+    from decompshard.runtime import guard
     from decompshard.coverage import native_audit, opinfo_samples
 
     x = torch.randn(5, 6, dtype=torch.float64)

@@ -1,5 +1,5 @@
 """In-place ops without a native strategy are computed out of place and written back
-into `self` (decompshard/inplace.py). Before, a derived strategy could move `self`:
+into `self` (decompshard/runtime/inplace.py). Before, a derived strategy could move `self`:
 DTensor ran the op on a redistributed copy and relabelled the untouched shard."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import decompshard
 from decompshard._compat import DTensor
-from decompshard.inplace import written_back_ops
-from decompshard.verify_dtensor import device_mesh, rank_locals
+from decompshard.runtime.inplace import written_back_ops
+from decompshard.verify.dtensor_case import device_mesh, rank_locals
 
 aten = torch.ops.aten
 
@@ -94,7 +94,7 @@ def test_derived_strategy_of_an_in_place_op_keeps_self():
     # without the write-back handler (in-place ops with no functional twin), the
     # derived strategy may not move self: a strategy that keeps it, or a clear error
     decompshard.enable()
-    decompshard.inplace.uninstall()
+    decompshard.runtime.inplace.uninstall()
     try:
         assert _index_add([Replicate()], [Shard(1)]) < 1e-12  # was: self relabelled S(1) over the full tensor
         with pytest.raises(Exception) as raised:  # DTensor reports it as "no sharding strategy", from ours

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import decompshard
-from decompshard import kernel_sandbox as ks
-from decompshard import localcheck
+from decompshard.solve import kernel_sandbox as ks
+from decompshard.solve import localcheck
 
 aten = torch.ops.aten
 needs_fork = pytest.mark.skipif(not hasattr(os, "fork"), reason="the sandbox forks")
@@ -180,7 +180,7 @@ def test_the_sandbox_holds_no_inherited_file_descriptor():
 def test_the_sandbox_dies_with_its_parent():
     code = textwrap.dedent("""
         import os, sys
-        from decompshard import kernel_sandbox as ks
+        from decompshard.solve import kernel_sandbox as ks
         ks.run(divmod, 1, 1)
         print(ks.sandbox_pid(), flush=True)
         os._exit(0)  # no atexit: the child must notice EOF on its own
@@ -274,7 +274,7 @@ def test_clear_caches_forgets_every_empty_shard_verdict(monkeypatch):
 
 _RACE = textwrap.dedent("""
     import signal, sys, time
-    from decompshard import kernel_sandbox as ks
+    from decompshard.solve import kernel_sandbox as ks
     if sys.argv[1] == "dfl":
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # as CLIs piped into `head` do
     ks.IDLE_EXIT_S = 0.3

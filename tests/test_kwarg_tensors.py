@@ -13,7 +13,6 @@ Float64, 4 simulated ranks, outputs and gradients against one device on every ra
 
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import decompshard
 from decompshard._compat import sharding_propagator
-from decompshard.verify_dtensor import device_mesh, per_rank_values, simulated_world
+from decompshard.verify.dtensor_case import device_mesh, per_rank_values, simulated_world
 
 B, H, S, D = 4, 4, 8, 4
 
@@ -222,7 +221,7 @@ def test_replicated_fallback_replicates_keyword_tensors_too(world, monkeypatch):
     claiming Replicate (max error 1.8 here)."""
     import importlib
 
-    enable_module = importlib.import_module("decompshard.enable")
+    enable_module = importlib.import_module("decompshard.runtime.enable")
     monkeypatch.setattr(enable_module, "_first_runnable", lambda *args, **kwargs: None)
     q, k, v, mask = _inputs((B, 1, S, S))
     want_out, want_grads = _one_device(q, k, v, mask)

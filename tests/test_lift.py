@@ -14,8 +14,8 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-import decompshard.lift as lift
-from decompshard.lift import choose, local_shape_nd, rank_strategies, ranked
+import decompshard.mesh.lift as lift
+from decompshard.mesh.lift import choose, local_shape_nd, rank_strategies, ranked
 from decompshard.placements import format_rule
 
 aten = torch.ops.aten
@@ -185,7 +185,7 @@ def test_local_shape_matches_torch():
 
 def _random_case(rng):
     """(op, args, tensors, current placements, mesh) small enough to enumerate."""
-    from decompshard.cost import MeshShape
+    from decompshard.mesh.cost import MeshShape
 
     cases = [
         (aten.addmv.default, addmv_args()),
@@ -217,7 +217,7 @@ def _random_case(rng):
 
 def _enumerate_sorted(choices, tensors, current, mesh):
     """The reference: cost every combination, sort (what lift did before best-first)."""
-    from decompshard.cost import Cost, redistribute_cost
+    from decompshard.mesh.cost import Cost, redistribute_cost
 
     out = []
     for order in itertools.product(range(len(choices)), repeat=mesh.ndim):
@@ -232,7 +232,7 @@ def _enumerate_sorted(choices, tensors, current, mesh):
 
 
 def test_best_first_order_equals_full_enumeration_on_random_cases():
-    from decompshard.derive import derive_rules
+    from decompshard.solve.derive import derive_rules
 
     rng = random.Random(2026)
     compared = longest = 0
@@ -257,7 +257,7 @@ def test_best_first_order_equals_full_enumeration_on_random_cases():
 def test_choice_equals_full_enumeration_first_valid_on_random_cases():
     # End to end: the strategy `choose` returns is the first valid one of the sorted
     # full enumeration (validity judged the same way, by lift's own checks).
-    from decompshard.derive import derive_rules
+    from decompshard.solve.derive import derive_rules
 
     rng = random.Random(7)
     done = 0
@@ -285,8 +285,8 @@ def test_best_first_equals_full_enumeration_on_near_ties():
     # mesh dim 0 and Replicate elsewhere, where dozens of strategies cost the same to
     # 1 ns and the order is decided by bytes, then by rule order. The bounds are tight
     # there (they tie with the exact keys), so the tie-breaks are what is tested.
-    from decompshard.cost import MeshShape
-    from decompshard.derive import derive_rules
+    from decompshard.mesh.cost import MeshShape
+    from decompshard.solve.derive import derive_rules
 
     cases = [
         (aten.rot90.default, (torch.randn(16, 6), 1, [1, 0]), [S0]),
@@ -319,7 +319,7 @@ def test_even_rule_is_checked_on_every_ranks_piece():
     used to look at rank 0 only)."""
     import torch as _torch
 
-    from decompshard import lift as _lift
+    from decompshard.mesh import lift as _lift
     from decompshard._compat import TorchShard as _S
     from decompshard.placements import P as _P, S as _Sd, SingleDimRule as _Rule
 

@@ -24,7 +24,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import _e2e_model as M
 import decompshard
-from decompshard.lift import choose, rank_strategies
+from decompshard.mesh.lift import choose, rank_strategies
 from decompshard.placements import format_rule
 
 aten = torch.ops.aten

@@ -1,4 +1,4 @@
-"""The native audit (`decompshard coverage --verify-native`, decompshard/native_rules.py):
+"""The native audit (`decompshard coverage --verify-native`, decompshard/verify/native_rules.py):
 what it reports about DTensor's own strategies, and that every report is real.
 
 0 false alarms: every wrong behaviour listed in docs/native_audit.json (the full sweep's
@@ -18,9 +18,8 @@ import pytest
 import torch
 
 from decompshard.cli import main
-from decompshard.dtensor_run import run_on_dtensor, simulated_world
-from decompshard.native_rules import (DISPATCH, KERNEL_ERROR, RULE, WRONG_SHAPE, WRONG_VALUES,
-                                      audit_native_op, audit_native_op_detailed)
+from decompshard.verify.dtensor_run import run_on_dtensor, simulated_world
+from decompshard.verify.native_rules import DISPATCH, KERNEL_ERROR, RULE, WRONG_SHAPE, WRONG_VALUES, audit_native_op, audit_native_op_detailed
 from decompshard.placements import P, R, S
 
 aten = torch.ops.aten

@@ -1,4 +1,4 @@
-"""The native guard (decompshard/guard.py), on by default with `enable()`: it keeps
+"""The native guard (decompshard/runtime/guard.py), on by default with `enable()`: it keeps
 DTensor away from native behaviour the audit proved wrong; opted out
 (`enable(guard_native=False)`, DECOMPSHARD_GUARD_NATIVE=0), DTensor is untouched.
 
@@ -18,16 +18,10 @@ from torch.distributed._local_tensor import LocalTensorMode
 
 import _conv_guard as C
 import decompshard
-from decompshard import guard
+from decompshard.runtime import guard
 from decompshard._compat import DTensor, sharding_propagator
-from decompshard.dtensor_run import run_on_dtensor, simulated_world
-from decompshard.guard_table import (
-    HANDLERS_SKIPPING_REDISTRIBUTION,
-    MEAN_OF_MEANS_LOSSES,
-    READS_OF_ONE_RANKS_PART,
-    STATS_WRITTEN,
-    WRONG_RULES,
-)
+from decompshard.verify.dtensor_run import run_on_dtensor, simulated_world
+from decompshard.runtime.guard_table import HANDLERS_SKIPPING_REDISTRIBUTION, MEAN_OF_MEANS_LOSSES, READS_OF_ONE_RANKS_PART, STATS_WRITTEN, WRONG_RULES
 from decompshard.placements import P, R, S
 
 aten = torch.ops.aten
@@ -62,7 +56,7 @@ def _entries():
     handlers `enable()` installs with or without the guard (uneven_views.py,
     data_dependent.py, inplace.py, inplace_views.py, as_strided.py; each tested in its own
     file)."""
-    from decompshard import as_strided, data_dependent, inplace, inplace_views
+    from decompshard.runtime import as_strided, data_dependent, inplace, inplace_views
     from decompshard._compat import view_family_ops
 
     sp = sharding_propagator()

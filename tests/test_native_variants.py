@@ -10,11 +10,11 @@ import io
 import pytest
 import torch
 
-from decompshard import guard
+from decompshard.runtime import guard
 from decompshard.coverage.native_audit import audit_samples
 from decompshard.coverage.native_variants import IGNORE, VARIANTS, variant_samples
-from decompshard.dtensor_run import simulated_world
-from decompshard.native_rules import audit_native_op_detailed
+from decompshard.verify.dtensor_run import simulated_world
+from decompshard.verify.native_rules import audit_native_op_detailed
 
 aten = torch.ops.aten
 

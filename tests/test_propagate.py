@@ -13,10 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decompshard.derive import _drop_implied
+from decompshard.solve.derive import _drop_implied
 from decompshard.dispatch_modes import trace
 from decompshard.placements import SingleDimRule
-from decompshard.propagate import _matches, constant_alphabet, input_alphabet, propagate
+from decompshard.solve.propagate import _matches, constant_alphabet, input_alphabet, propagate
 from decompshard.rules import has_rule, rules_for
 
 aten = torch.ops.aten

@@ -18,8 +18,9 @@ from torch.distributed._local_tensor import LocalTensorMode
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import decompshard
-from decompshard import lift, localcheck
-from decompshard.verify_dtensor import device_mesh, per_rank_values, simulated_world
+from decompshard.mesh import lift
+from decompshard.solve import localcheck
+from decompshard.verify.dtensor_case import device_mesh, per_rank_values, simulated_world
 
 aten = torch.ops.aten
 BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default

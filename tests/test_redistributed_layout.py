@@ -21,7 +21,7 @@ from torch.distributed._local_tensor import LocalTensorMode
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import decompshard
-from decompshard.verify_dtensor import device_mesh, rank_locals
+from decompshard.verify.dtensor_case import device_mesh, rank_locals
 
 DT = torch.float64
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from decompshard.coverage.runtime_probe import PROBE_MESH, probe_placements
-from decompshard.data_dependent import data_dependent_ops
-from decompshard.verify_dtensor import run_case, simulated_world
+from decompshard.runtime.data_dependent import data_dependent_ops
+from decompshard.verify.dtensor_case import run_case, simulated_world
+from decompshard.runtime.enable import switched
 
 aten = torch.ops.aten
 
@@ -69,7 +70,8 @@ def _run(name: str):
     args, kwargs = CASES[name]
     tensors = [x for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
     assert any(t.ndim and t.shape[0] % PROBE_MESH[0] for t in tensors)  # an uneven shard
-    return run_case(op, args, kwargs, PROBE_MESH, probe_placements(tensors), backward=False)
+    return run_case(op, args, kwargs, PROBE_MESH, probe_placements(tensors), backward=False,
+                    runtime=switched(True))
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -83,6 +85,6 @@ def test_allclose_gives_the_same_bool_on_every_rank():
     x = _sparse()
     for other, want in ((x + 1e-9, True), (x + 1e-3, False)):
         got = run_case(aten.allclose.default, (x, other), {}, PROBE_MESH, probe_placements([x, other]),
-                       backward=False)
+                       backward=False, runtime=switched(True))
         assert got.status == "ok", str(got)
         assert torch.allclose(x, other) is want

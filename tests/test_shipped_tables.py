@@ -16,7 +16,7 @@ from decompshard._compat import TensorMeta
 from decompshard.dispatch_modes.graph import PrimNode
 from decompshard.rules import registry, torch_op_strategy, torch_single_dim, torch_tables
 from decompshard.rules.shape_class import class_key, members
-from decompshard.rules.table_build import build_table
+from decompshard.coverage.rule_tables import build_table
 
 aten = torch.ops.aten
 

@@ -14,7 +14,7 @@ from decompshard import derive_rules
 from decompshard.dispatch_modes import trace
 from decompshard.dispatch_modes.signs import NONNEG, NONPOS, UNKNOWN, ZERO, sign_of
 from decompshard.rules import has_rule
-from decompshard.verify import check_rules
+from decompshard.verify.rule_check import check_rules
 
 aten = torch.ops.aten
 SPECIAL = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-30, 3.0, -3.0, 1e30]

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from decompshard import derive_rules
-from decompshard.localcheck import isolated
+from decompshard.solve.localcheck import isolated
 from decompshard.placements import (
     ShardPlaceholder,
     StridedShard,
@@ -25,7 +25,7 @@ from decompshard.placements import (
     parse_rule,
 )
 from decompshard.rules.strided import view_placement
-from decompshard.verify import check_rules
+from decompshard.verify.rule_check import check_rules
 
 aten = torch.ops.aten
 warnings.filterwarnings("ignore")

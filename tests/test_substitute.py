@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import decompshard
-from decompshard import localcheck
-from decompshard.derive import derive_rules
+from decompshard.solve import localcheck
+from decompshard.solve.derive import derive_rules
 from decompshard.dispatch_modes.clean import clean_dispatch_state
-from decompshard.dispatch_modes.substitute import substitute
+from decompshard.solve.substitute import substitute
 from decompshard.dispatch_modes.tracing import READ_LAYOUT, READ_SIZE, trace
 from decompshard.rules import has_rule
 
@@ -112,7 +112,7 @@ def test_rules_and_refusals_equal_those_of_real_retraces(op, args, monkeypatch):
 
 
 def test_substitution_saves_traces():
-    from decompshard.derive import _TRACES
+    from decompshard.solve.derive import _TRACES
 
     decompshard.clear_caches()
     derive_rules(aten.hardswish.default, torch.randn(10, 10)).rules
@@ -138,7 +138,7 @@ def test_broadcast_matches_torch():
     """substitute's plain-int broadcast against torch.broadcast_shapes, errors included."""
     import random
 
-    from decompshard.dispatch_modes.substitute import _broadcast
+    from decompshard.solve.substitute import _broadcast
 
     rng = random.Random(0)
     for _ in range(3000):
@@ -157,7 +157,7 @@ def test_broadcast_matches_torch():
 def test_an_empty_shard_is_substituted_and_the_real_kernel_still_decides(monkeypatch):
     """Empty shards (2 rows over 3 ranks) need no re-trace when the decomposition read
     no size, but the op's real kernel is still run on them, and it can refuse."""
-    from decompshard.derive import _TRACES
+    from decompshard.solve.derive import _TRACES
 
     x = torch.randn(2, 5)
     g = _trace(aten.hardswish.default, x)

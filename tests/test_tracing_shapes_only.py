@@ -5,11 +5,11 @@ outputs) and never stand in for a full graph, whose reads and signs the solver n
 import pytest
 import torch
 
-from decompshard import derive
+from decompshard.solve import derive
 from decompshard.dispatch_modes.clean import clean_dispatch_state
 from decompshard.dispatch_modes.tracing import READ_SIZE, trace
 from decompshard.errors import UnsupportedOp
-from decompshard.localcheck import local_args
+from decompshard.solve.localcheck import local_args
 from decompshard.rules import has_rule
 
 aten = torch.ops.aten

@@ -1,4 +1,4 @@
-"""Uneven shards through DTensor's view strategies (decompshard/uneven_views.py).
+"""Uneven shards through DTensor's view strategies (decompshard/runtime/uneven_views.py).
 
 Without decompshard, `F.linear` on a [10, 8, 16] activation sharded S(0) over 4 ranks
 raises "Cannot flatten unevenly sharded tensor"; under `enable()` the input is
@@ -18,7 +18,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import decompshard
 from decompshard._compat import sharding_propagator, view_family_ops
-from decompshard.verify_dtensor import device_mesh, rank_locals
+from decompshard.verify.dtensor_case import device_mesh, rank_locals
 
 DT = torch.float64
 

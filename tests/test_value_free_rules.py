@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from decompshard import derive_rules
-from decompshard.derive import _drop_implied
+from decompshard.solve.derive import _drop_implied
 from decompshard.dispatch_modes import trace
 from decompshard.placements import SingleDimRule, parse_rule
-from decompshard.propagate import propagate
+from decompshard.solve.propagate import propagate
 from decompshard.rules import has_rule, rules_for
-from decompshard.verify import check_rules
+from decompshard.verify.rule_check import check_rules
 
 aten = torch.ops.aten
 warnings.filterwarnings("ignore")

@@ -1,4 +1,4 @@
-"""Tests for decompshard.verify: hand-checked truths on real tensors.
+"""Tests for decompshard.verify.rule_check: hand-checked truths on real tensors.
 
 Every expected verdict here was worked out by hand from the op's math (not copied from
 the checker's output), and every test can fail: most assert both a valid and an invalid
@@ -10,15 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decompshard._rank_sim import make_local, make_parts
+from decompshard.verify.rank_sim import make_local, make_parts
 from decompshard.placements import P, Partial, S, SingleDimRule, parse_rule
-from decompshard.verify import (
-    RECALL_CLASSES,
-    check_rule,
-    check_rules,
-    ground_truth,
-    run_rule_on_ranks,
-)
+from decompshard.verify.rule_check import RECALL_CLASSES, check_rule, check_rules, ground_truth, run_rule_on_ranks
 
 aten = torch.ops.aten
 
@@ -388,7 +382,7 @@ def test_derived_samples_keep_non_contiguous_inputs_and_never_crash_the_checker(
     now every sample is built, and the checker judges the op's rules normally."""
     import torch
 
-    from decompshard._rank_sim import OpCase, _lone_zero
+    from decompshard.verify.rank_sim import OpCase, _lone_zero
 
     x = torch.randn(3, 4).t()
     z = _lone_zero(x, 0)
@@ -406,7 +400,7 @@ def test_kernel_whose_value_depends_on_memory_layout_witnesses_no_rule():
     NaN/inf sample a rank's shard disagreed with the global result for S(0), S(0) -> S(0),
     which holds elementwise by definition. That sample is now dropped with the reason;
     the rule is judged on the other samples, where wrong rules of the same op still fail."""
-    from decompshard._rank_sim import OpCase
+    from decompshard.verify.rank_sim import OpCase
 
     g = torch.full((16,), float("-inf"), dtype=torch.float64)
     x = torch.full((16,), float("nan"), dtype=torch.float64)
@@ -438,7 +432,7 @@ def test_kernel_whose_value_depends_on_memory_layout_witnesses_no_rule():
 def test_layout_consistent_kernels_keep_every_sample():
     """The layout probe must not drop samples of kernels that agree with themselves
     (non-contiguous inputs included), nor probe ops that read strides by definition."""
-    from decompshard._rank_sim import OpCase
+    from decompshard.verify.rank_sim import OpCase
 
     for op, args in [(aten.mul.Tensor, (randn(4, 6), randn(4, 6, seed=1))),
                      (aten.mm.default, (randn(5, 3).t(), randn(5, 4))),

@@ -13,18 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import decompshard
-from decompshard.verify_dtensor import (
-    Outcome,
-    device_mesh,
-    format_placements,
-    make_dtensor,
-    parse_mesh,
-    parse_placements,
-    per_rank_values,
-    random_placements,
-    run_case,
-    simulated_world,
-)
+from decompshard.runtime.enable import switched
+from decompshard.verify.dtensor_case import Outcome, device_mesh, format_placements, make_dtensor, parse_mesh, parse_placements, per_rank_values, random_placements, run_case, simulated_world
 
 aten = torch.ops.aten
 
@@ -40,7 +30,7 @@ def _case(op, args, text, mesh="2x3", *, seed=0, on=True, kwargs=None, backward=
     shape = parse_mesh(mesh)
     shapes = [tuple(t.shape) for t in torch.utils._pytree.tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor)]
     return run_case(op, args, kwargs or {}, shape, parse_placements(text, shapes, len(shape)),
-                    seed=seed, use_decompshard=on, backward=backward)
+                    seed=seed, runtime=switched(on), backward=backward)
 
 
 # ------------------------------------------------------------------ the checker itself
@@ -81,11 +71,11 @@ def test_the_checker_catches_a_wrong_strategy(monkeypatch):
     # not ok: swap decompshard's choice for a deliberately wrong one.
     import importlib
 
-    en = importlib.import_module("decompshard.enable")
+    en = importlib.import_module("decompshard.runtime.enable")
 
     def wrong(op, args, kwargs, mesh_shape, current, n_args):
-        from decompshard.lift import MeshStrategy
-        from decompshard.cost import Cost
+        from decompshard.mesh.lift import MeshStrategy
+        from decompshard.mesh.cost import Cost
         from decompshard._compat import TorchReplicate, TorchShard
 
         return MeshStrategy((), ((TorchShard(0),),), ((TorchReplicate(),),), Cost())
@@ -165,7 +155,7 @@ def test_outputs_describe_the_local_layout_after_a_redistribution():
     from torch.distributed._local_tensor import LocalTensorMode
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from decompshard.verify_dtensor import decompshard_on
+    from decompshard.runtime.enable import switched
 
     B, S, H, hd = 2, 6, 4, 8
     x = torch.randn(B, S, H * hd, dtype=torch.float64)
@@ -176,7 +166,7 @@ def test_outputs_describe_the_local_layout_after_a_redistribution():
 
     ref = attention(x, x, x)
     mesh = device_mesh((4,))
-    with decompshard_on(True), LocalTensorMode(frozenset(range(4))):
+    with switched(True), LocalTensorMode(frozenset(range(4))):
         d = distribute_tensor(x, mesh, [Shard(2)])
         out = attention(d, d, d)
         full = per_rank_values(out.full_tensor(), 4)
@@ -194,7 +184,7 @@ def test_check_model_finds_the_op_that_diverges(monkeypatch):
     ok = run_model_check(module, inputs, (2, 2), "S(0),R")
     assert ok.divergence is None and ok.calls > 50
     # a deliberately wrong strategy for the attention op must be named
-    en = importlib.import_module("decompshard.enable")
+    en = importlib.import_module("decompshard.runtime.enable")
     real = en._first_runnable
 
     def wrong(op, args, kwargs, mesh_shape, current, n_args):

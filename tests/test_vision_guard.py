@@ -1,4 +1,4 @@
-"""The native guard on vision layers and models (decompshard/guard_conv.py): it must
+"""The native guard on vision layers and models (decompshard/runtime/guard_conv.py): it must
 never hand DTensor's conv handlers a layout they cannot take, nor warn about a call
 they compute right. Every case against one device, float64, on every simulated rank.
 """
@@ -14,14 +14,14 @@ from torch.distributed._local_tensor import LocalTensorMode
 
 import _vision_step as V
 import decompshard
-from decompshard.dtensor_run import simulated_world
+from decompshard.verify.dtensor_run import simulated_world
 
 aten = torch.ops.aten
 
 
 @pytest.fixture(scope="module")
 def mesh2x2():
-    from decompshard.verify_dtensor import device_mesh
+    from decompshard.verify.dtensor_case import device_mesh
 
     with simulated_world(4):
         yield device_mesh((2, 2))
@@ -193,7 +193,7 @@ def _conv_on_mesh(mesh, op: str, groups: int, placements: Sequence[str], guarded
     against one device: (max error per output on any rank, or the error text)."""
     from torch.distributed.tensor import Partial, Replicate, Shard
 
-    from decompshard.verify_dtensor import make_dtensor
+    from decompshard.verify.dtensor_case import make_dtensor
 
     code = {"S": Shard(0), "R": Replicate(), "P": Partial(), "C": Shard(1)}
     x, w, b, go = _conv_case(groups, seed=7)
@@ -312,7 +312,7 @@ def test_batch_norm_training_keeps_running_stats(op, rest):
     replicated running statistics to Shard(0); without the guard the kernel's in-place
     update lands on that chunk (each rank's replica gets a quarter of the channels
     updated), with it every rank's buffers equal one device's."""
-    from decompshard.verify_dtensor import device_mesh
+    from decompshard.verify.dtensor_case import device_mesh
 
     with simulated_world(4):
         mesh = device_mesh((4,))
@@ -329,7 +329,7 @@ def test_batch_norm_training_keeps_running_stats(op, rest):
 
 def test_batch_norm_eval_is_untouched():
     """Not training: nothing is updated in place, the handler runs the op as DTensor does."""
-    from decompshard.verify_dtensor import device_mesh
+    from decompshard.verify.dtensor_case import device_mesh
 
     with simulated_world(4):
         mesh = device_mesh((4,))
@@ -350,7 +350,7 @@ def test_resnet18_dp_trains_with_one_device_numbers_and_buffers():
     from torch.distributed.tensor import Shard
 
     from decompshard.check.ecosystem import import_torchvision
-    from decompshard.verify_dtensor import device_mesh
+    from decompshard.verify.dtensor_case import device_mesh
 
     tv = import_torchvision()
     torch.manual_seed(0)
@@ -380,7 +380,7 @@ def test_efficientnet_uneven_dp_with_the_default_enable():
     from torch.distributed.tensor import Shard
 
     from decompshard.check.ecosystem import import_timm
-    from decompshard.verify_dtensor import device_mesh
+    from decompshard.verify.dtensor_case import device_mesh
 
     timm = import_timm()
     torch.manual_seed(0)

@@ -18,7 +18,7 @@ from torch import nn
 import _vision_step as V
 import decompshard
 from decompshard import derive_rules
-from decompshard.dtensor_run import run_on_dtensor, simulated_world
+from decompshard.verify.dtensor_run import run_on_dtensor, simulated_world
 from decompshard.placements import S
 
 aten = torch.ops.aten
@@ -71,7 +71,7 @@ def test_pad_conv_net_uneven_batch_matches_one_device(world, mode):
     and off): the loss and every gradient equal one device's on every rank."""
     from torch.distributed.tensor import Shard
 
-    from decompshard.verify_dtensor import device_mesh
+    from decompshard.verify.dtensor_case import device_mesh
 
     torch.manual_seed(0)
     model = PadConvNet(mode)

@@ -36,7 +36,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def world():
-    from decompshard.verify_dtensor import simulated_world
+    from decompshard.verify.dtensor_case import simulated_world
 
     with simulated_world(4):
         yield

@@ -9,6 +9,6 @@ torchvision and timm models from tiny configs) on the usual shardings, run case 
 in worker processes by `zoo_run.py`; `command.py` is the CLI.
 """
 
-from .sweep import check_op, check_ops, plan_cases, summarize
+from decompshard.check.sweep import check_op, check_ops, plan_cases, summarize
 
 __all__ = ["check_op", "check_ops", "plan_cases", "summarize"]

@@ -81,13 +81,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _meshes(text: str) -> list[tuple[int, ...]]:
-    from ..verify_dtensor import parse_mesh
+    from decompshard.verify.dtensor_case import parse_mesh
 
     return [parse_mesh(part.strip()) for part in text.split(",") if part.strip()]
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..cli import UsageError
+    from decompshard.errors import UsageError
 
     for name in ("combos", "samples"):
         if getattr(args, name) < 1:
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model and (":" not in args.model or args.sharding):
         return _zoo(args)
     if args.model:
-        from .model import check_model
+        from decompshard.check.model import check_model
 
         return check_model(args.model, args.input_shapes, meshes, args.placements, args)
     if args.placements is not None:
@@ -111,9 +111,9 @@ def run(args: argparse.Namespace) -> int:
 def _zoo(args: argparse.Namespace) -> int:
     """The model zoo's table for the models and shardings asked (each case in a worker
     process with --timeout seconds), failures listed under it."""
-    from .model import SHARDINGS
-    from .zoo import get_entry
-    from .zoo_run import against_us, expand_names, render, run_zoo
+    from decompshard.check.model import SHARDINGS
+    from decompshard.check.zoo import get_entry
+    from decompshard.check.zoo_run import against_us, expand_names, render, run_zoo
 
     names = expand_names(args.model)
     for n in names:
@@ -134,10 +134,10 @@ def _zoo(args: argparse.Namespace) -> int:
 
 
 def _samples_for(patterns: str | None, n: int, progress: bool) -> list[tuple[Any, list]]:
-    from ..coverage.command import select_ops
-    from ..coverage.opinfo_samples import capture_aten_samples, decomp_only_ops, has_dtensor_strategy
-    from ..coverage.sweep import pick_samples
-    from ..decomps import PROJECT_DECOMPOSITIONS
+    from decompshard.coverage.op_select import select_ops
+    from decompshard.coverage.opinfo_samples import capture_aten_samples, decomp_only_ops, has_dtensor_strategy
+    from decompshard.coverage.sweep import pick_samples
+    from decompshard.dispatch_modes.decomps import PROJECT_DECOMPOSITIONS
 
     if progress:
         print("check: capturing aten calls from torch's OpInfo samples...", file=sys.stderr, flush=True)
@@ -163,9 +163,9 @@ def _given_sample(args: argparse.Namespace) -> list[tuple[Any, list]]:
     import torch
     from torch.utils._pytree import tree_map
 
-    from ..cli import UsageError
-    from ..explain.command import build_call
-    from ..reference import random_like
+    from decompshard.errors import UsageError
+    from decompshard.explain.command import build_call
+    from decompshard.dispatch_modes.reference import random_like
 
     if not args.ops or any(c in args.ops for c in ",*?["):
         raise UsageError("--shapes gives one op's inputs: name one exact op in --ops")
@@ -178,7 +178,7 @@ def _given_sample(args: argparse.Namespace) -> list[tuple[Any, list]]:
 
 def _op_samples(args: argparse.Namespace, n: int) -> list[tuple[Any, list]]:
     """(op, samples) to check: the --shapes sample, or up to `n` OpInfo samples per op."""
-    from ..cli import UsageError
+    from decompshard.errors import UsageError
 
     if args.shapes is not None:
         return _given_sample(args)
@@ -200,7 +200,7 @@ def _namespace(name: str) -> str:
 
 
 def _sweep(args: argparse.Namespace, meshes: list) -> dict[str, Any]:
-    from .sweep import check_ops, summarize
+    from decompshard.check.sweep import check_ops, summarize
 
     t0 = time.perf_counter()
     per_op = _op_samples(args, args.samples)
@@ -238,9 +238,9 @@ def _given_flags(args: argparse.Namespace) -> str:
 
 
 def _one_case(args: argparse.Namespace, meshes: list) -> int:
-    from ..cli import UsageError
-    from ..verify_dtensor import simulated_world
-    from .sweep import run_one
+    from decompshard.errors import UsageError
+    from decompshard.verify.dtensor_case import simulated_world
+    from decompshard.check.sweep import run_one
 
     if len(meshes) != 1 or args.sample is None or not args.ops or any(c in args.ops for c in ",*?["):
         raise UsageError("--placements runs one case: give one exact op in --ops, --sample and one --mesh")
@@ -265,7 +265,7 @@ def _one_case(args: argparse.Namespace, meshes: list) -> int:
         if d["torch"]:
             lines.append(f"  torch:       {_outcome(d['torch'])}")
         _emit("\n".join(lines), args.output)
-    from .sweep import counts_against_us
+    from decompshard.check.sweep import counts_against_us
 
     return EXIT_FAILURES if counts_against_us(d) else 0
 
@@ -279,7 +279,7 @@ def _outcome(o: dict) -> str:
 def render(doc: dict[str, Any]) -> str:
     from tabulate import tabulate
 
-    from .sweep import reproducer
+    from decompshard.check.sweep import reproducer
 
     s = doc["summary"]
     rows = []

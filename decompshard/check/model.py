@@ -33,7 +33,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .._rank_sim import close
+from decompshard.verify.rank_sim import close
 
 
 @dataclass
@@ -74,7 +74,7 @@ def _recorded(func: Any) -> bool:
     implementation runs below the recorder), so a custom op's wrong output is named, not
     the op after it. Not detach, nor the calls that only read metadata: DTensor and a
     LocalTensor ask for sizes where one device does not."""
-    from .._compat import custom_op_implementation
+    from decompshard._compat import custom_op_implementation
 
     if func.namespace != "aten":
         return custom_op_implementation(func) is not None
@@ -87,7 +87,7 @@ _METADATA_OPS = frozenset(getattr(torch.ops.aten, n).default for n in (
 
 def _split_placements(text: str | None, n_inputs: int, ndim: int, params: dict[str, torch.Tensor],
                       inputs: Sequence[torch.Tensor]) -> tuple[list, dict]:
-    from ..verify_dtensor import parse_placements
+    from decompshard.verify.dtensor_case import parse_placements
 
     rep = "R" if ndim == 1 else ",".join(["R"] * ndim)
     entries = [e.strip() for e in (text or "").split(";") if e.strip()]
@@ -107,7 +107,8 @@ def run_model_check(module: torch.nn.Module, inputs: Sequence[torch.Tensor], mes
     from torch.distributed._local_tensor import LocalTensorMode
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from ..verify_dtensor import _simulator_chunks, decompshard_on, device_mesh, make_dtensor, rank_locals
+    from decompshard.verify.dtensor_case import _simulator_chunks, device_mesh, make_dtensor, rank_locals
+    from decompshard.runtime.enable import switched
 
     ref_model = copy.deepcopy(module).to(torch.float64)
     inputs = [x.detach().to(torch.float64) if x.dtype.is_floating_point else x for x in inputs]
@@ -132,7 +133,7 @@ def run_model_check(module: torch.nn.Module, inputs: Sequence[torch.Tensor], mes
     n = math.prod(mesh_shape)
     dmodel = copy.deepcopy(module).to(torch.float64)
     drec = _Record()
-    with decompshard_on(True), warnings.catch_warnings(), _simulator_chunks(), LocalTensorMode(frozenset(range(n))):
+    with switched(True), warnings.catch_warnings(), _simulator_chunks(), LocalTensorMode(frozenset(range(n))):
         warnings.simplefilter("ignore")
         for name, p in list(dmodel.named_parameters()):
             pl = param_pl.get(name)
@@ -163,7 +164,7 @@ def run_model_check(module: torch.nn.Module, inputs: Sequence[torch.Tensor], mes
 
 
 def _replicate():
-    from .._compat import TorchReplicate
+    from decompshard._compat import TorchReplicate
 
     return TorchReplicate()
 
@@ -213,9 +214,9 @@ def _first_divergence(reference, calls, mesh, rank_locals, prefix: bool = False)
 def check_model(spec: str, input_shapes: str | None, meshes: list, placements: str | None,
                 args: argparse.Namespace) -> int:
     """The CLI entry: build, check on the one mesh given, print the verdict."""
-    from ..cli import UsageError
-    from ..coverage.model_audit import build_model
-    from ..verify_dtensor import simulated_world
+    from decompshard.errors import UsageError
+    from decompshard.coverage.model_audit import build_model
+    from decompshard.verify.dtensor_case import simulated_world
 
     if len(meshes) != 1:
         raise UsageError("--model takes one --mesh, e.g. --mesh 2x2")
@@ -286,13 +287,14 @@ def run_training_step(built: Any, sharding: str, enable: bool, measure: bool = T
     collectives (three more steps)."""
     from torch.distributed._local_tensor import LocalTensorMode
 
-    from ..verify_dtensor import _simulator_chunks, decompshard_on, device_mesh
+    from decompshard.verify.dtensor_case import _simulator_chunks, device_mesh
+    from decompshard.runtime.enable import switched
 
     sh = SHARDINGS[sharding]
     if sh.tp is not None and not built.plan:
         return StepRun("n/a", "no tensor-parallel plan for this model")
     if sh.local_output:
-        from .zoo import plan_targets
+        from decompshard.check.zoo import plan_targets
 
         if getattr(built, "no_local_tp", ""):
             return StepRun("n/a", built.no_local_tp)
@@ -304,7 +306,7 @@ def run_training_step(built: Any, sharding: str, enable: bool, measure: bool = T
     dmodel = copy.deepcopy(built.model)  # before the reference step moves BatchNorm's stats
     ref = _reference_step(built)
     mesh = device_mesh(sh.mesh)
-    with decompshard_on(enable), warnings.catch_warnings(), _simulator_chunks(), \
+    with switched(enable), warnings.catch_warnings(), _simulator_chunks(), \
             LocalTensorMode(frozenset(range(math.prod(sh.mesh)))):
         warnings.simplefilter("ignore")
         try:
@@ -412,7 +414,7 @@ def _compare_step(loss: Any, model: torch.nn.Module, ref: _RefStep, dtype: torch
     value, the tensors outside the TP layers) is compared rank by rank."""
     from torch.distributed.tensor import DTensor
 
-    from ..verify_dtensor import _max_err, rank_locals
+    from decompshard.verify.dtensor_case import _max_err, rank_locals
 
     worst: tuple[float, str] = (-1.0, "")
     pairs = [("loss", loss, ref.loss)]
@@ -449,8 +451,8 @@ def _compare_step(loss: Any, model: torch.nn.Module, ref: _RefStep, dtype: torch
 def _local_shape_lie(t: Any) -> str:
     """'' if every rank holds the shape the DTensor's placements say, else the first
     rank that does not (a result whose metadata and data disagree is wrong)."""
-    from ..lift import local_shape_nd
-    from ..verify_dtensor import _mesh_coords, rank_locals
+    from decompshard.mesh.lift import local_shape_nd
+    from decompshard.verify.dtensor_case import _mesh_coords, rank_locals
 
     mesh_shape = tuple(t.device_mesh.shape)
     coords = _mesh_coords(mesh_shape)
@@ -471,7 +473,7 @@ def _distribute_model(model: torch.nn.Module, plan: dict[str, str], mesh: Any, s
     from torch.distributed.tensor import DTensor, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from .zoo import plan_targets, tp_placement
+    from decompshard.check.zoo import plan_targets, tp_placement
 
     rep = [_replicate()] * mesh.ndim
     n = math.prod(mesh.shape)
@@ -553,7 +555,7 @@ def own_copies(d: Any, n: int) -> Any:
 
 
 def _place(x: torch.Tensor, mesh: Any, placements: list) -> Any:
-    from ..verify_dtensor import make_dtensor
+    from decompshard.verify.dtensor_case import make_dtensor
 
     return make_dtensor(x, mesh, placements, 0, 0)  # handles _StridedShard (no Partial here)
 
@@ -561,7 +563,7 @@ def _place(x: torch.Tensor, mesh: Any, placements: list) -> Any:
 def _distribute_inputs(inputs: dict[str, torch.Tensor], mesh: Any, sh: Sharding) -> dict[str, Any]:
     from torch.distributed.tensor import distribute_tensor
 
-    from .._compat import TorchShard
+    from decompshard._compat import TorchShard
 
     pl = [_replicate()] * mesh.ndim
     if sh.local_output:  # plain: the Megatron styles take plain inputs
@@ -573,8 +575,8 @@ def _distribute_inputs(inputs: dict[str, torch.Tensor], mesh: Any, sh: Sharding)
 
 def _clear_all_caches() -> None:
     """Cold: decompshard's caches and DTensor's sharding caches."""
-    from .. import clear_caches
-    from .._compat import clear_dtensor_caches
+    from decompshard import clear_caches
+    from decompshard._compat import clear_dtensor_caches
 
     clear_caches()
     clear_dtensor_caches()

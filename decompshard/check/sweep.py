@@ -21,8 +21,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .._compat import TorchReplicate
-from ..verify_dtensor import MESHES, Outcome, format_placements, parse_placements, random_placements, run_case
+from decompshard._compat import TorchReplicate
+from decompshard.verify.dtensor_case import MESHES, Outcome, format_placements, parse_placements, random_placements, run_case
+from decompshard.runtime.enable import switched
 
 DEFAULT_MESHES = ("1d", "2d", "3d")
 
@@ -87,10 +88,11 @@ def run_one(op: Any, sample: Sample, index: int, mesh: Sequence[int], text: str,
     tensors = _tensors(sample)
     placements = parse_placements(text, [tuple(t.shape) for t in tensors], len(mesh))
     rec = CaseRecord(str(op), index, ", ".join(str(list(t.shape)) for t in tensors), mesh_text(mesh), text, seed)
-    rec.ours = asdict(run_case(op, args, kwargs, mesh, placements, seed=seed, backward=backward))
+    rec.ours = asdict(run_case(op, args, kwargs, mesh, placements, seed=seed, backward=backward,
+                                   runtime=switched(True)))
     if with_torch:
         rec.torch = asdict(run_case(op, args, kwargs, mesh, placements, seed=seed, backward=backward,
-                                    use_decompshard=False))
+                                    runtime=switched(False)))
     return rec
 
 
@@ -99,8 +101,8 @@ def check_op(name: str, samples: Sequence[Sample], meshes: Sequence[Sequence[int
     """Every planned case of one op (the unit of work a worker process runs)."""
     import math
 
-    from ..derive import resolve_op
-    from ..verify_dtensor import simulated_world
+    from decompshard.op_names import resolve_op
+    from decompshard.verify.dtensor_case import simulated_world
 
     import logging
 
@@ -128,7 +130,7 @@ def check_ops(samples_by_op: Sequence[tuple[Any, Sequence[Any]]], *, meshes: Seq
     """The sweep: `check_op` for each (op, samples) in worker processes (`jobs` of them; 0
     runs in this process). An op whose worker crashes or overruns `timeout` gets one
     record with status "error" and the reason."""
-    from .._workers import run_jobs
+    from decompshard.workers import run_jobs
 
     meshes = [tuple(m) for m in (meshes or [MESHES[k] for k in DEFAULT_MESHES])]
     records: list[dict] = []

@@ -80,7 +80,7 @@ def build(entry: ZooEntry, batch: int, seed: int = 0) -> Built:
 def _transformers() -> Any:
     """`import transformers`, which imports torchvision when it is installed: through
     ecosystem.import_torchvision, which loads PyPI's CUDA-built wheel on CPU torch."""
-    from .ecosystem import import_torchvision
+    from decompshard.check.ecosystem import import_torchvision
 
     import_torchvision()
     import transformers
@@ -215,7 +215,7 @@ def _classifier_loss(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch
 
 
 def _resnet(batch: int, seed: int) -> Built:
-    from .ecosystem import import_torchvision
+    from decompshard.check.ecosystem import import_torchvision
 
     tv = import_torchvision()
     from torchvision.models.resnet import BasicBlock, ResNet
@@ -229,7 +229,7 @@ def _resnet(batch: int, seed: int) -> Built:
 
 def _timm(name: str, plan: dict[str, str], size: int, **kw: Any) -> Callable[[int, int], Built]:
     def builder(batch: int, seed: int) -> Built:
-        from .ecosystem import import_timm
+        from decompshard.check.ecosystem import import_timm
 
         model = import_timm().create_model(name, num_classes=10, drop_rate=0.0, **kw)
         x, y = _images(batch, seed, size)
@@ -268,7 +268,7 @@ def get_entry(name: str) -> ZooEntry:
     if name in ZOO:
         return ZOO[name]
     if ":" in name:
-        from ..coverage.model_audit import load_callable
+        from decompshard.coverage.model_audit import load_callable
 
         return ZooEntry(name, "user", _UserBuilder(load_callable(name), name))
     return resolve_model(name)
@@ -341,7 +341,7 @@ STYLES = ("colwise", "rowwise", "packed_colwise", "qkv_colwise")
 
 def tp_placement(style: str, param_name: str, param: torch.Tensor, module: nn.Module | None) -> Any:
     """The placement on the TP mesh dim of one parameter under `style` (see the module doc)."""
-    from .._compat import TorchReplicate, TorchShard, TorchStridedShard
+    from decompshard._compat import TorchReplicate, TorchShard, TorchStridedShard
 
     leaf = param_name.rsplit(".", 1)[-1]
     transposed = type(module).__name__ == "Conv1D"  # transformers' GPT-2 layer: weight [in, out]

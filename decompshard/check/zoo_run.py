@@ -22,7 +22,7 @@ _WARMED = False
 def expand_names(text: str) -> list[str]:
     """'all' or a comma-separated list of zoo names, transformers class names or
     MODULE:CALLABLE specs."""
-    from .zoo import ZOO
+    from decompshard.check.zoo import ZOO
 
     if text.strip() == "all":
         return list(ZOO)
@@ -31,9 +31,9 @@ def expand_names(text: str) -> list[str]:
 
 def zoo_case(name: str, sharding: str, enable: bool, seed: int = 0) -> dict[str, Any]:
     """One case, as a plain dict (it crosses a process boundary)."""
-    from ..verify_dtensor import simulated_world
-    from .model import SHARDINGS, run_training_step
-    from .zoo import build, get_entry
+    from decompshard.verify.dtensor_case import simulated_world
+    from decompshard.check.model import SHARDINGS, run_training_step
+    from decompshard.check.zoo import build, get_entry
 
     entry = get_entry(name)
     sh = SHARDINGS[sharding]
@@ -53,12 +53,13 @@ def _warm_process() -> None:
     from torch.distributed._local_tensor import LocalTensorMode
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from ..verify_dtensor import decompshard_on, device_mesh, simulated_world
+    from decompshard.verify.dtensor_case import device_mesh, simulated_world
+    from decompshard.runtime.enable import switched
 
     with simulated_world(4):
         mesh = device_mesh((2,))
         for on in (True, False):
-            with decompshard_on(on), LocalTensorMode(frozenset(range(2))):
+            with switched(on), LocalTensorMode(frozenset(range(2))):
                 a = distribute_tensor(torch.randn(4, 4, dtype=torch.float64, requires_grad=True), mesh, [Shard(0)])
                 b = distribute_tensor(torch.randn(4, 4, dtype=torch.float64), mesh, [Replicate()])
                 (a @ b).sum().backward()
@@ -71,8 +72,8 @@ def run_zoo(names: Sequence[str], shardings: Sequence[str], *, jobs: int = 1, ti
     """One row per (model, sharding): {"model", "sharding", "enable": StepRun dict,
     "torch": StepRun dict or None}. A case that raises, crashes or overruns `timeout`
     seconds is an ERROR row naming why."""
-    from .._workers import run_jobs
-    from .model import SHARDINGS
+    from decompshard.workers import run_jobs
+    from decompshard.check.model import SHARDINGS
 
     for s in shardings:
         if s not in SHARDINGS:

@@ -18,25 +18,24 @@ Exit codes: 0 a completed sweep (whatever it found), 2 bad arguments (one line o
 from __future__ import annotations
 
 import argparse
-import fnmatch
 import os
 import shutil
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
-from .._paths import cache_dir as default_cache_dir
-from ..cli import UsageError
+from decompshard._paths import cache_dir as default_cache_dir
+from decompshard.coverage.op_select import select_ops, split_patterns, validate_globs, validate_patterns
+from decompshard.errors import UsageError
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 __all__ = ["add_arguments", "run", "select_ops", "sweep"]
 
 # torch is imported when the command runs, not when the CLI builds its parser
 STATUSES = ("native", "derived", "torch-fallback", "replicate-only", "factory", "unsupported")  # = sweep.STATUSES
 FORMATS = ("text", "markdown", "csv", "json")
-_GLOB = set("*?[")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -117,7 +116,7 @@ def _check_args(args: argparse.Namespace) -> list[str] | None:
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or os.path.isdir(args.output):
             raise UsageError(f"cannot write --output {args.output!r}")
     if args.ops is not None:
-        _parts(args.ops)  # empty: at once; the names need torch (`sweep` checks them first)
+        split_patterns(args.ops)  # empty: at once; the names need torch (`sweep` checks them first)
     if not args.status:
         return None
     statuses = [s.strip() for s in args.status.split(",") if s.strip()]
@@ -157,11 +156,11 @@ def run(args: argparse.Namespace) -> int:
         validate_globs(args.ops, None if args.no_cache else default_cache_dir())
     if not (args.diff or args.from_json):  # before this process imports torch (see sweep)
         _start_worker_server(args.jobs)
-    from . import report as rep
+    from decompshard.coverage import report as rep
 
     width = _width(args.output, sys.stdout)
     if args.verify_native or args.from_json:
-        from .native_audit import load_native, native_sweep, render_native
+        from decompshard.coverage.native_audit import load_native, native_sweep, render_native
 
         doc = load_native(args.from_json) if args.from_json else None
         if args.verify_native and (args.model or args.diff):
@@ -183,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     verbosity = getattr(args, "verbosity", 0)
     if args.model:
-        from .model_audit import audit_model
+        from decompshard.coverage.model_audit import audit_model
 
         doc = audit_model(args.model, args.input_shapes, jobs=args.jobs, timeout=args.timeout,
                           samples_per_op=args.samples, progress=verbosity >= 0)
@@ -202,135 +201,6 @@ def run(args: argparse.Namespace) -> int:
                                     f"{args.output}") from None
     _emit(rep.render(doc, args.format, width, statuses, args.show_rules), args.output)
     return 0
-
-
-# ------------------------------------------------------------------ selection
-
-
-def _normalize(pattern: str) -> str:
-    p = pattern.strip().replace("::", ".")
-    if p.startswith("torch.ops."):
-        p = p[len("torch.ops."):]
-    if p.startswith("aten.") or p.startswith("aten*") or p.count(".") >= 2:  # ns.name.overload: a custom op too
-        return p
-    return f"aten.{p}"
-
-
-def _parts(patterns: str) -> list[str]:
-    parts = [p.strip() for p in patterns.split(",") if p.strip()]
-    if not parts:
-        raise UsageError(f"--ops {patterns!r} names no op: expected comma-separated names or globs, "
-                         "e.g. 'aten.addmv.default,aten.pixel_*'")
-    return parts
-
-
-def all_aten_overloads(cache_dir: str | None = None) -> list[str]:
-    """Every aten overload registered with the dispatcher, as 'aten.<name>.<overload>':
-    what a glob can possibly match. Asking the dispatcher needs torch (2 s to import);
-    with `cache_dir` the list is kept there, keyed by the installed torch's version.py
-    (its version and commit), and read back without importing torch."""
-    key = _torch_build_key()
-    path = os.path.join(cache_dir, f"aten-overloads-{key}.txt") if cache_dir and key else None
-    if path is not None and os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            names = f.read().split()
-        if names:
-            return names
-    import torch
-
-    names = []
-    for name in torch._C._dispatch_get_all_op_names():
-        if name.startswith("aten::"):
-            base, _, overload = name[len("aten::"):].partition(".")
-            names.append(f"aten.{base}.{overload or 'default'}")
-    if path is not None:
-        _write_atomically(path, "\n".join(sorted(names)) + "\n")
-    return names
-
-
-def _torch_build_key() -> str | None:
-    """A hash of the installed torch's version.py (version and git commit), found without
-    importing torch; None when there is no such file."""
-    import hashlib
-    import importlib.util
-
-    spec = importlib.util.find_spec("torch")
-    if spec is None or not spec.origin:
-        return None
-    try:
-        with open(os.path.join(os.path.dirname(spec.origin), "version.py"), "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()[:16]
-    except OSError:
-        return None
-
-
-def _write_atomically(path: str, text: str) -> None:
-    import tempfile
-
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except OSError:  # a read-only cache folder only costs the next run 2 s
-        return
-
-
-def validate_globs(patterns: str, cache_dir: str | None = None) -> None:
-    """A glob that matches no aten op at all (see `all_aten_overloads`: no torch import
-    once the list is kept in `cache_dir`)."""
-    names: list[str] | None = None
-    for raw in _parts(patterns):
-        pat = _normalize(raw)
-        if _GLOB & set(pat):
-            names = all_aten_overloads(cache_dir) if names is None else names
-            if not any(fnmatch.fnmatchcase(n, pat) for n in names):
-                raise UsageError(f"--ops pattern {raw!r} matches no aten op")
-
-
-def validate_patterns(patterns: str, cache_dir: str | None = None) -> None:
-    """Fail fast, before the (slow) OpInfo capture: an empty --ops, a glob that matches no
-    aten op at all, an unknown exact name. (A glob that matches aten ops none of which
-    OpInfo reaches is found out by `select_ops`.)"""
-    validate_globs(patterns, cache_dir)
-    from ..derive import resolve_op
-
-    for raw in _parts(patterns):
-        pat = _normalize(raw)
-        if not _GLOB & set(pat):
-            try:
-                resolve_op(pat)
-            except ValueError as e:
-                raise UsageError(f"--ops: {e}") from None
-
-
-def select_ops(patterns: str | None, reached: Sequence["torch._ops.OpOverload"]) -> list["torch._ops.OpOverload"]:
-    """Ops to sweep: every reached op (no patterns), or those matching the comma-separated
-    globs, plus exact overload names OpInfo does not reach. A pattern that selects nothing
-    is a usage error: a typo should not produce an empty, successful report."""
-    from ..derive import resolve_op
-
-    if patterns is None:
-        return sorted(reached, key=str)
-    names = {str(op): op for op in reached}
-    chosen: dict[str, Any] = {}
-    for raw in _parts(patterns):
-        pat = _normalize(raw)
-        if _GLOB & set(pat):
-            hits = [n for n in names if fnmatch.fnmatchcase(n, pat)]
-            if not hits:
-                raise UsageError(f"--ops pattern {raw!r} matches no aten op reached by OpInfo")
-            chosen.update((n, names[n]) for n in hits)
-        elif pat in names:
-            chosen[pat] = names[pat]
-        else:
-            try:
-                op = resolve_op(pat)
-            except ValueError as e:
-                raise UsageError(f"--ops: {e}") from None
-            chosen[str(op)] = op
-    return [chosen[n] for n in sorted(chosen)]
 
 
 # ------------------------------------------------------------------ sweep
@@ -355,7 +225,7 @@ def _start_worker_server(jobs: int) -> None:
     from multiprocessing import forkserver
 
     mp.get_context("forkserver").set_forkserver_preload(["decompshard.coverage.sweep"])
-    from .._workers import quiet_children
+    from decompshard.workers import quiet_children
 
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -387,10 +257,10 @@ def sweep(patterns: str | None = None, *, jobs: int = 1, timeout: float = 60.0, 
     `verbosity`: -1 silent, 0 progress on stderr, 1 a line per op. On Ctrl-C the
     KeyboardInterrupt propagates after `partial["doc"]` is set to the report of the ops
     finished so far (`run.interrupted` true), when the sweep had started."""
-    from . import report as rep
-    from .opinfo_samples import capture_aten_samples, capture_is_cached, is_backward_op
-    from .progress import Progress
-    from .sweep import needs_worker, pick_samples, records_for
+    from decompshard.coverage import report as rep
+    from decompshard.coverage.opinfo_samples import capture_aten_samples, capture_is_cached, is_backward_op
+    from decompshard.coverage.progress import Progress
+    from decompshard.coverage.sweep import needs_worker, pick_samples, records_for
 
     _start_worker_server(jobs)  # (a no-op when `run` started it already)
     if patterns is not None:

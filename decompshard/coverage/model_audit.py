@@ -17,11 +17,11 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 
-from ..cli import UsageError
-from . import report as rep
-from .report import Progress
-from .sample_pick import pick_diverse
-from .sweep import records_for
+from decompshard.errors import UsageError
+from decompshard.coverage import report as rep
+from decompshard.coverage.report import Progress
+from decompshard.coverage.sample_pick import pick_diverse
+from decompshard.coverage.sweep import records_for
 
 __all__ = ["audit_model", "build_model", "load_callable", "parse_shapes", "trace_calls"]
 
@@ -33,7 +33,7 @@ def load_callable(spec: str) -> Callable[[], Any]:
     mod_name, sep, attr = spec.partition(":")
     if not sep or not mod_name or not attr:
         raise UsageError(f"--model {spec!r}: expected MODULE:CALLABLE, e.g. mypkg.models:build_model")
-    from ..user_modules import import_user_module
+    from decompshard.user_modules import import_user_module
 
     module = import_user_module(mod_name, "--model")  # the worker processes import it too
     obj = module

@@ -33,11 +33,11 @@ from typing import Any, Sequence
 import torch
 from tabulate import tabulate
 
-from .report import Progress, package_version
-from ..dim_args import dim_arguments
-from .native_variants import VARIANTS, negative_dim_samples, variant_samples
-from .opinfo_samples import AtenSample
-from .sweep import Sample, pick_samples, registry_of, run_jobs
+from decompshard.coverage.report import Progress, package_version
+from decompshard.dim_args import dim_arguments
+from decompshard.coverage.native_variants import VARIANTS, negative_dim_samples, variant_samples
+from decompshard.coverage.opinfo_samples import AtenSample
+from decompshard.coverage.sweep import Sample, pick_samples, registry_of, run_jobs
 
 SCHEMA = "decompshard-native-audit/1"
 
@@ -45,9 +45,9 @@ SCHEMA = "decompshard-native-audit/1"
 def audit_job(name: str, samples: Sequence[Sample], guarded: bool = False) -> dict[str, Any]:
     """One op's record (runs in a worker). `guarded`: audit DTensor as the native guard
     (`enable(guard_native=True)`) leaves it, so what remains is what the guard misses."""
-    from .. import guard
-    from ..derive import resolve_op
-    from ..native_rules import audit_native_op_detailed
+    from decompshard.runtime import guard
+    from decompshard.op_names import resolve_op
+    from decompshard.verify.native_rules import audit_native_op_detailed
 
     op = resolve_op(name)
     rec = _record(str(op), registry_of(op))
@@ -99,8 +99,8 @@ def native_sweep(patterns: str | None = None, *, jobs: int = 1, timeout: float =
                  opinfo_samples: int | None = None, progress: bool = True, guarded: bool = False) -> dict[str, Any]:
     """Capture OpInfo samples, pick the native ops among the selected ones, audit each
     (`guarded`: with the native guard installed in every worker)."""
-    from .command import select_ops, validate_patterns
-    from .opinfo_samples import capture_aten_samples
+    from decompshard.coverage.op_select import select_ops, validate_patterns
+    from decompshard.coverage.opinfo_samples import capture_aten_samples
 
     if patterns is not None:
         validate_patterns(patterns)
@@ -177,7 +177,7 @@ def negative_dim_variants(captured: dict[Any, list[Any]], ops: Sequence[Any], k:
 
 def negated_job(name: str, samples: Sequence[Sample], k: int) -> dict[str, Any]:
     """`negative_dim_samples` in a worker, as (args, kwargs, label) tuples."""
-    from ..derive import resolve_op
+    from decompshard.op_names import resolve_op
 
     op = resolve_op(name)
     made = negative_dim_samples([AtenSample(op, a, kw, label) for a, kw, label in samples], k)

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch._ops import OpOverload
 
-from ..dim_args import dim_arguments
-from .opinfo_samples import AtenSample, _dedupe_key, _keep, _RecordOutermostAtenCalls
+from decompshard.dim_args import dim_arguments
+from decompshard.coverage.opinfo_samples import AtenSample, _dedupe_key, _keep, _RecordOutermostAtenCalls
 
 __all__ = ["NEGATIVE_DIMS", "VARIANTS", "Variant", "negative_dim_samples", "variant_samples"]
 
@@ -134,7 +134,7 @@ def negative_dim_samples(samples: Sequence[AtenSample], k: int) -> list[AtenSamp
     output's dims); the one that gives, on one device, exactly the original sample's
     result, so the variant means what the sample means (kernels that never wrap their
     dims, `_fft_*`, give no variant, or crash: run it in a worker)."""
-    from .sweep import pick_samples
+    from decompshard.coverage.sweep import pick_samples
 
     out: list[AtenSample] = []
     for sample in pick_samples(samples, len(samples)):

@@ -48,9 +48,9 @@ from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .._paths import cache_dir
-from . import sample_pick
-from .sample_pick import pick_diverse
+from decompshard._paths import cache_dir
+from decompshard.coverage import sample_pick
+from decompshard.coverage.sample_pick import pick_diverse
 
 __all__ = [
     "AtenSample",
@@ -519,7 +519,7 @@ def _sample_inputs(opinfo: Any) -> Iterable[Any]:
 
 def has_dtensor_strategy(op: OpOverload) -> bool:
     """DTensor has a registered single-dim strategy, op strategy or legacy rule."""
-    from .._compat import has_native_strategy
+    from decompshard._compat import has_native_strategy
 
     return has_native_strategy(op)
 

@@ -54,8 +54,8 @@ from typing import Any, Iterable, Sequence
 import torch
 from tabulate import tabulate
 
-from .progress import Progress  # noqa: F401 - re-exported: model_audit imports it from here
-from .sweep import STATUS_MEANINGS, STATUSES
+from decompshard.coverage.progress import Progress  # noqa: F401 - re-exported: model_audit imports it from here
+from decompshard.coverage.sweep import STATUS_MEANINGS, STATUSES
 
 SCHEMA_VERSION = 1
 SIDES = (("decompshard", ""), ("torch_fallback", "torch_fallback"))

@@ -21,8 +21,9 @@ from typing import Any, Sequence
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .._compat import TorchReplicate, TorchShard
-from ..verify_dtensor import run_case, simulated_world
+from decompshard._compat import TorchReplicate, TorchShard
+from decompshard.verify.dtensor_case import run_case, simulated_world
+from decompshard.runtime.enable import switched
 
 __all__ = ["PROBE_MESH", "probe", "probe_placements"]
 
@@ -83,7 +84,8 @@ def probe(op: torch._ops.OpOverload, samples: Sequence[tuple[tuple, dict, str]])
             if not tensors:
                 continue
             shapes = ", ".join(str(list(t.shape)) for t in tensors)
-            got = run_case(op, args, kwargs, PROBE_MESH, probe_placements(tensors), backward=False)
+            got = run_case(op, args, kwargs, PROBE_MESH, probe_placements(tensors), backward=False,
+                           runtime=switched(True))
             if got.status == "n/a":
                 continue
             if got.status != "ok":

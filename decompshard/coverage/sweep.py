@@ -42,15 +42,16 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .. import _workers
-from .._compat import sharding_propagator
-from ..derive import DerivedRules, derive_rules, resolve_op
-from ..dispatch_modes.tracing import has_decomposition
-from ..placements import SingleDimRule, format_rule
-from ..verify import VerifyReport, check_rules
-from .opinfo_samples import _exact_clone
-from .sample_pick import pick_diverse
-from .torch_fallback import torch_fallback_rules
+from decompshard import workers as _workers
+from decompshard._compat import sharding_propagator
+from decompshard.op_names import resolve_op
+from decompshard.solve.derive import DerivedRules, derive_rules
+from decompshard.dispatch_modes.tracing import has_decomposition
+from decompshard.placements import SingleDimRule, format_rule
+from decompshard.verify.rule_check import VerifyReport, check_rules
+from decompshard.coverage.opinfo_samples import _exact_clone
+from decompshard.coverage.sample_pick import pick_diverse
+from decompshard.coverage.torch_fallback import torch_fallback_rules
 
 STATUSES = ("native", "derived", "torch-fallback", "replicate-only", "factory", "unsupported")
 STATUS_MEANINGS = {  # the summary table's legend, one line each (see the module docstring)
@@ -101,11 +102,11 @@ def runtime_route(op: torch._ops.OpOverload) -> tuple[str, str] | None:
     functional twin; an in-place metadata op none of these takes is unsupported with
     its reason. None: derivation decides. A route other than unsupported is a claim only
     once `runtime_probe` ran it."""
-    from .. import as_strided
-    from ..data_dependent import data_dependent_ops, replicated_reason
-    from ..enable import reaches_decompshard
-    from ..inplace import written_back_ops
-    from ..inplace_views import in_place_view_ops
+    from decompshard.runtime import as_strided
+    from decompshard.runtime.data_dependent import data_dependent_ops, replicated_reason
+    from decompshard.runtime.enable import reaches_decompshard
+    from decompshard.runtime.inplace import written_back_ops
+    from decompshard.runtime.inplace_views import in_place_view_ops
 
     if op in (as_strided.OP, as_strided.OUT_OF_PLACE):
         return "unsupported", as_strided.LIMITS
@@ -273,7 +274,7 @@ def analyse_op(name: str, samples: Sequence[Sample], verify: bool = True) -> dic
     if route is not None:
         rec["reason"] = f"{route[1]}; unchecked: {NO_SAMPLE}"
         if samples:
-            from .runtime_probe import probe
+            from decompshard.coverage.runtime_probe import probe
 
             ok, why = probe(op, samples)
             rec["status"], rec["reason"] = (route[0], route[1]) if ok else ("unsupported", f"{route[1]}, but {why}")

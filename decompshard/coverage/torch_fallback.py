@@ -200,7 +200,7 @@ def _one_line(e: BaseException) -> str:
 
 
 def _sharding_propagator():
-    from .._compat import sharding_propagator
+    from decompshard._compat import sharding_propagator
 
     return sharding_propagator()
 

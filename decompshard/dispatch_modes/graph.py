@@ -13,8 +13,8 @@ from typing import Any, Callable
 
 import torch
 
-from .._compat import TensorMeta
-from .signs import ZERO
+from decompshard._compat import TensorMeta
+from decompshard.dispatch_modes.signs import ZERO
 
 INPUT, CONST, NODE = "input", "const", "node"
 

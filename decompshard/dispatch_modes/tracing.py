@@ -17,10 +17,11 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .._compat import TensorMeta, custom_op_implementation, torch_decomposition
-from ..errors import DataDependent, UnsupportedOp
-from . import signs
-from .graph import CONST, INPUT, NODE, PrimGraph, PrimNode, ValueInfo, _is_container, leaves, map_leaves
+from decompshard._compat import TensorMeta, custom_op_implementation, torch_decomposition
+from decompshard.errors import DataDependent, UnsupportedOp
+from decompshard.dispatch_modes import signs
+from decompshard.dispatch_modes.strided_kinds import annotate
+from decompshard.dispatch_modes.graph import CONST, INPUT, NODE, PrimGraph, PrimNode, ValueInfo, _is_container, leaves, map_leaves
 
 aten = torch.ops.aten
 OpOverload = torch._ops.OpOverload
@@ -124,11 +125,11 @@ def find_decomposition(op: OpOverload) -> Callable | None:
     except for the few ops whose torch decomposition hides what makes a rule valid
     (as_strided, aliasing writes, prelu's masked sign), where decompshard's override
     comes first (decomps.PROJECT_OVERRIDES)."""
-    from ..decomps import PROJECT_DECOMPOSITIONS, PROJECT_OVERRIDES
+    from decompshard.dispatch_modes.decomps import PROJECT_DECOMPOSITIONS, PROJECT_OVERRIDES
 
     if op in PROJECT_OVERRIDES:
         return PROJECT_OVERRIDES[op]
-    from ..reference import reference_of
+    from decompshard.dispatch_modes.reference import reference_of
 
     reference = reference_of(op)
     if reference is not None:  # a registered reference wins over the op's own implementation
@@ -192,7 +193,7 @@ def has_decomposition(op: OpOverload) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _is_mutating(op: OpOverload) -> bool:
+def is_mutating(op: OpOverload) -> bool:
     return any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
 
 
@@ -377,7 +378,7 @@ class TracingMode(TorchDispatchMode):
         """The graph is SSA: a mutated tensor gets a new value id. A write into a view
         (or into a tensor that has views) would change other values behind our back, so
         it is refused rather than traced wrongly."""
-        if not _is_mutating(func):
+        if not is_mutating(func):
             return
         schema_args = func._schema.arguments
         for i, a in enumerate(schema_args):
@@ -511,11 +512,4 @@ def trace(
     )
     if shapes_only:
         return rec.graph
-    return _annotate()(rec.graph)
-
-
-@functools.lru_cache(maxsize=None)
-def _annotate() -> Callable[[PrimGraph], PrimGraph]:
-    from ..rules.strided import annotate  # rules import the graph types: import late (once)
-
-    return annotate
+    return annotate(rec.graph)

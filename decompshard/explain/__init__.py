@@ -23,8 +23,8 @@ _HOME = {"Analysis": "analysis", "MeshReport": "analysis", "Suggestion": "analys
 __all__ = ["Analysis", "Explanation", "MeshReport", "Suggestion", "explain", "parse_candidate"]
 
 if TYPE_CHECKING:
-    from .analysis import Analysis, MeshReport, Suggestion, parse_candidate
-    from .api import Explanation, explain
+    from decompshard.explain.analysis import Analysis, MeshReport, Suggestion, parse_candidate
+    from decompshard.explain.api import Explanation, explain
 
 
 def __getattr__(name: str) -> Any:

@@ -26,26 +26,14 @@ from typing import Any, Sequence
 import torch
 from torch.utils._pytree import tree_flatten_with_path, tree_map
 
-from .._compat import TensorMeta, from_torch_placement
-from ..derive import DerivedRules, derive_rules, native_rules, resolve_op, traced, unsupported_inputs
-from ..dispatch_modes.graph import PrimGraph, PrimNode
-from ..localcheck import LocalVerdict, check_local
-from ..placements import (
-    MaybePlacement,
-    P,
-    Partial,
-    Placement,
-    R,
-    Replicate,
-    ShardPlaceholder,
-    SingleDimRule,
-    format_rule,
-    parse_mesh_shape,
-    parse_placement,
-    parse_placements,
-)
-from ..propagate import Propagation, Survivor, input_alphabet, propagate
-from ..rules import rules_for
+from decompshard._compat import TensorMeta, from_torch_placement
+from decompshard.op_names import resolve_op
+from decompshard.solve.derive import DerivedRules, derive_rules, native_rules, traced, unsupported_inputs
+from decompshard.dispatch_modes.graph import PrimGraph, PrimNode
+from decompshard.solve.localcheck import LocalVerdict, check_local
+from decompshard.placements import MaybePlacement, P, Partial, Placement, R, Replicate, ShardPlaceholder, SingleDimRule, format_rule, parse_mesh_shape, parse_placement, parse_placements
+from decompshard.solve.propagate import Propagation, Survivor, input_alphabet, propagate
+from decompshard.rules import rules_for
 
 __all__ = ["Analysis", "MeshReport", "Suggestion", "parse_candidate", "redistribution", "suggestions"]
 
@@ -123,7 +111,7 @@ class SurvivorReport:
 
 @dataclass
 class MeshReport:
-    """N-D strategies ranked by modeled cost (from decompshard.lift.rank_strategies)."""
+    """N-D strategies ranked by modeled cost (from decompshard.mesh.lift.rank_strategies)."""
 
     mesh_shape: tuple[int, ...]
     current: tuple[tuple[Any, ...], ...]  # torch placements per tensor input, per mesh dim
@@ -491,7 +479,7 @@ def parse_mesh_placements(
     names: Sequence[str],
 ) -> tuple[tuple[Any, ...], ...]:
     """Per tensor input, one torch placement per mesh dim."""
-    from .._compat import to_torch_placement
+    from decompshard._compat import to_torch_placement
 
     if isinstance(text, str):
         entries = [e for e in text.split(";")]
@@ -523,7 +511,7 @@ def mesh_report(op, args, kwargs, mesh, mesh_placements, metas, names) -> MeshRe
     shape = parse_mesh_shape(mesh)
     current = parse_mesh_placements(mesh_placements, len(shape), metas, names)
     try:
-        from ..lift import rank_strategies
+        from decompshard.mesh.lift import rank_strategies
     except ImportError as e:
         raise ValueError(f"unsupported: lift not available ({e})") from None
     strategies = list(rank_strategies(op, args, kwargs, shape, current))

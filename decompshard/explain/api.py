@@ -11,9 +11,9 @@ from typing import Any, Sequence
 
 import torch
 
-from .analysis import Analysis
-from .notebook import render_html
-from .render import DEFAULT_WIDTH, render_lines
+from decompshard.explain.analysis import Analysis
+from decompshard.explain.notebook import render_html
+from decompshard.explain.render import DEFAULT_WIDTH, render_lines
 
 __all__ = ["Explanation", "explain"]
 

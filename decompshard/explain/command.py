@@ -39,8 +39,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
-from .._paths import cache_dir
-from ..cli import UsageError
+from decompshard._paths import cache_dir
+from decompshard.errors import UsageError
 
 if TYPE_CHECKING:  # torch is imported when the command runs, not when the CLI builds its parser
     import torch
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("missing the op (e.g. aten.addmv.default); or use --interactive")
     if (args.mesh is None) != (args.mesh_placements is None):
         raise UsageError("--mesh and --mesh-placements go together: give both or neither")
-    from .api import explain
+    from decompshard.explain.api import explain
 
     call = build_call(args.op, args.shapes, args.op_args, args.dtype, args.op_kwargs)
     t0 = time.perf_counter()
@@ -181,7 +181,7 @@ class Call:
 def _describe(v: Any) -> str:
     import torch
 
-    from .render import _DTYPES
+    from decompshard.explain.render import _DTYPES
 
     if isinstance(v, torch.Tensor):
         return f"{_DTYPES.get(v.dtype, str(v.dtype))}[{','.join(map(str, v.shape))}]"
@@ -193,7 +193,7 @@ def _describe(v: Any) -> str:
 def parse_dtype(name: str) -> "torch.dtype":
     import torch
 
-    from .render import _DTYPES
+    from decompshard.explain.render import _DTYPES
 
     text = name.strip().removeprefix("torch.")
     short = {v: k for k, v in _DTYPES.items()}
@@ -275,7 +275,7 @@ def build_call(
     itself rejects."""
     import torch
 
-    from ..derive import resolve_op
+    from decompshard.op_names import resolve_op
 
     op = resolve_op(op_name)
     pos = _positional(op)
@@ -503,7 +503,7 @@ class ExplainShell(cmd.Cmd):
         call = self._need_call()
         if not arg.strip():
             raise UsageError("placements: expected e.g. R;S(1);S(0)")
-        from .api import explain
+        from decompshard.explain.api import explain
 
         ex = explain(call.op, *call.args, placements=arg, show_all=self.show_all, **call.kwargs)
         self._say(ex.render(terminal_width(self.stdout)))
@@ -514,7 +514,7 @@ class ExplainShell(cmd.Cmd):
     def do_all(self, arg: str) -> bool:
         """all   every derived rule, and a one-line reason per rejected candidate"""
         call = self._need_call()
-        from .api import explain
+        from decompshard.explain.api import explain
 
         ex = explain(call.op, *call.args, show_all=True, **call.kwargs)
         self._say(ex.render(terminal_width(self.stdout)))
@@ -531,8 +531,8 @@ class ExplainShell(cmd.Cmd):
     def do_graph(self, arg: str) -> bool:
         """graph   the recorded decomposition (no placements)"""
         call = self._need_call()
-        from ..derive import derive_rules
-        from .render import decomposition_lines
+        from decompshard.solve.derive import derive_rules
+        from decompshard.explain.render import decomposition_lines
 
         d = derive_rules(call.op, *call.args, **call.kwargs)
         if d.graph is None:
@@ -548,7 +548,7 @@ class ExplainShell(cmd.Cmd):
         parts = arg.strip().split(None, 1)
         if len(parts) != 2:
             raise UsageError("mesh: expected `mesh 2x4 R,S(0);S(1),S(0);S(0),R`")
-        from .api import explain
+        from decompshard.explain.api import explain
 
         ex = explain(call.op, *call.args, mesh=parts[0], mesh_placements=parts[1],
                      show_all=self.show_all, **call.kwargs)
@@ -559,7 +559,7 @@ class ExplainShell(cmd.Cmd):
         """op aten.addmv.default   switch to another op (keeps shapes/args; change them next if needed)"""
         if not arg.strip():
             raise UsageError("op: expected an op name, e.g. aten.addmv.default")
-        from ..derive import resolve_op
+        from decompshard.op_names import resolve_op
 
         resolve_op(arg.strip())  # fail early on unknown ops
         self._rebuild(op_name=arg.strip())

@@ -14,20 +14,9 @@ from __future__ import annotations
 from html import escape
 from typing import Any, Iterable, Sequence
 
-from ..placements import format_rule
-from .analysis import Analysis
-from .render import (
-    INPUT_HEAD,
-    NODE_HEAD,
-    _dtype,
-    came_from,
-    decomposition_heading,
-    display_env,
-    input_rows,
-    node_rows,
-    render_lines,
-    verdict_line,
-)
+from decompshard.placements import format_rule
+from decompshard.explain.analysis import Analysis
+from decompshard.explain.render import INPUT_HEAD, NODE_HEAD, _dtype, came_from, decomposition_heading, display_env, input_rows, node_rows, render_lines, verdict_line
 
 __all__ = ["render_html"]
 

@@ -17,12 +17,12 @@ from typing import Any, Sequence
 import torch
 from torch.utils._pytree import tree_map
 
-from .._compat import TensorMeta, from_torch_placement
-from ..dispatch_modes.graph import PrimGraph, PrimNode
-from ..placements import MaybePlacement, Placement, R, format_placement, format_rule
-from ..propagate import input_alphabet
-from ..rules import rules_for
-from .analysis import Analysis
+from decompshard._compat import TensorMeta, from_torch_placement
+from decompshard.dispatch_modes.graph import PrimGraph, PrimNode
+from decompshard.placements import MaybePlacement, Placement, R, format_placement, format_rule
+from decompshard.solve.propagate import input_alphabet
+from decompshard.rules import rules_for
+from decompshard.explain.analysis import Analysis
 
 __all__ = ["DEFAULT_WIDTH", "came_from", "decomposition_heading", "decomposition_lines", "display_env",
            "display_path", "input_rows", "node_rows", "render_lines", "verdict_line"]
@@ -83,7 +83,7 @@ def _render_lines(ex: Analysis) -> list[str]:
 def decomposition_heading(op: Any, graph: PrimGraph) -> str:
     """'decomposition: N primitive calls', and for a custom op whose code was traced
     (its implementation or its registered reference)."""
-    from ..dispatch_modes.tracing import decomposition_origin
+    from decompshard.dispatch_modes.tracing import decomposition_origin
 
     origin = decomposition_origin(op) if op is not None else ""
     return f"decomposition: {len(graph.nodes)} primitive calls" + (f" (traced: {origin})" if origin else "")
@@ -94,7 +94,7 @@ def decomposition_lines(graph: PrimGraph, op: Any = None) -> list[str]:
     rules (no placements)."""
     from tabulate import tabulate
 
-    from ..rules.registry import source_of
+    from decompshard.rules.registry import source_of
 
     rows = []
     for n in graph.nodes:
@@ -397,7 +397,7 @@ def _mesh_section(ex: Analysis, tabulate) -> list[str]:
     cur = "; ".join(
         f"{name} ({', '.join(_tp(p) for p in row)})" for name, row in zip(ex.input_names, m.current)
     )
-    out = [f"N-D strategies on mesh {size}, ranked by modeled cost (decompshard.cost; "
+    out = [f"N-D strategies on mesh {size}, ranked by modeled cost (decompshard.mesh.cost; "
            "valid first, then cheapest)",
            f"  current: {cur}"]
     if not m.strategies:
@@ -450,7 +450,7 @@ def _cost_lines(ex: Analysis, s) -> list[str]:
     out = [head]
     per_input = []
     try:
-        from ..cost import MeshShape, redistribute_cost
+        from decompshard.mesh.cost import MeshShape, redistribute_cost
 
         mesh = MeshShape(ex.mesh.mesh_shape)
         for name, meta, src, dst in zip(ex.input_names, ex.input_metas, ex.mesh.current, s.input_placements):

@@ -10,9 +10,9 @@ from typing import Callable
 
 import torch
 
-from ..dispatch_modes import signs
-from ..dispatch_modes.graph import PrimNode
-from ..placements import PARTIALS, P, R, SingleDimRule, ShardPlaceholder
+from decompshard.dispatch_modes import signs
+from decompshard.dispatch_modes.graph import PrimNode
+from decompshard.placements import PARTIALS, P, R, SingleDimRule, ShardPlaceholder
 
 SOURCE = "decompshard"
 aten = torch.ops.aten

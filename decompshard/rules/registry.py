@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import caches
-from ..dispatch_modes.graph import PrimNode, freeze
-from ..placements import P, Partial, R, ShardPlaceholder, SingleDimRule, StridedShard, is_strided
-from . import project_rules, strided, torch_op_strategy, torch_single_dim, torch_tables
+from decompshard import caches
+from decompshard.dispatch_modes.graph import PrimNode, freeze
+from decompshard.placements import P, Partial, R, ShardPlaceholder, SingleDimRule, StridedShard, is_strided
+from decompshard.rules import project_rules, strided, torch_op_strategy, torch_single_dim, torch_tables
 
 SOURCES = (torch_single_dim, torch_op_strategy, project_rules)
 _TORCH_SOURCES = (torch_single_dim, torch_op_strategy)  # answered by shape class (torch_tables)

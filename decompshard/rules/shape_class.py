@@ -24,8 +24,8 @@ from typing import Any, Callable
 
 import torch
 
-from .._compat import TensorMeta
-from ..dispatch_modes.graph import PrimNode
+from decompshard._compat import TensorMeta
+from decompshard.dispatch_modes.graph import PrimNode
 
 # int arguments whose value is a dim or an enum, never a size: kept as they are. Any
 # other int argument (size, length, offset, chunks, upscale factor...) refuses a class.

@@ -12,20 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._compat import (
-    DTensorSpec,
-    OpSchema,
-    OpSpec,
-    OpStrategy,
-    TensorMeta,
-    TupleStrategy,
-    fake_one_rank_mesh,
-    from_torch_placement,
-    op_strategy_func,
-    to_torch_placement,
-)
-from ..dispatch_modes.graph import PrimNode
-from ..placements import R, SingleDimRule, alphabet
+from decompshard._compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, TensorMeta, TupleStrategy, fake_one_rank_mesh, from_torch_placement, op_strategy_func, to_torch_placement
+from decompshard.dispatch_modes.graph import PrimNode
+from decompshard.placements import R, SingleDimRule, alphabet
 
 SOURCE = "torch op strategy"
 

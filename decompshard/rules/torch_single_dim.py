@@ -7,9 +7,9 @@ is only right for even shards, so its sharded rules carry the [even] condition.
 
 from __future__ import annotations
 
-from .._compat import from_torch_placement, single_dim_strategy_info
-from ..dispatch_modes.graph import PrimNode
-from ..placements import SingleDimRule, is_shard
+from decompshard._compat import from_torch_placement, single_dim_strategy_info
+from decompshard.dispatch_modes.graph import PrimNode
+from decompshard.placements import SingleDimRule, is_shard
 
 SOURCE = "torch single-dim"
 

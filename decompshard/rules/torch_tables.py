@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from .. import caches
-from ..dispatch_modes.graph import PrimNode
-from ..placements import SingleDimRule, format_placement, parse_placement
-from .shape_class import class_key
+from decompshard import caches
+from decompshard.dispatch_modes.graph import PrimNode
+from decompshard.placements import SingleDimRule, format_placement, parse_placement
+from decompshard.rules.shape_class import class_key
 
 TABLE_PATH = Path(__file__).with_name("torch_tables.json")
 FORMAT = 1

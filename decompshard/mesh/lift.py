@@ -1,0 +1,491 @@
+"""Lift: from single-dim rules to the cheapest valid strategy on the user's N-D mesh.
+
+A strategy picks one derived rule (or all-Replicate) per mesh dim. Its inputs must be
+redistributed from their current placements to the rule's, which the cost model prices;
+the cheapest *valid* strategy wins. Valid means, on the real mesh and shapes:
+
+- an [even] rule is used only where every dim it shards splits evenly on that mesh dim
+  (after the earlier mesh dims' sharding);
+- the original op, run on each distinct set of local input shapes (meta kernel, original
+  non-tensor arguments: what DTensor will run), succeeds and returns the local output
+  shapes the strategy's output placements promise. This is what refuses pixel_shuffle on
+  channels when a rank would hold fewer than upscale_factor**2 of them.
+
+Placeholders S(d) become `Shard(d)`, or `_StridedShard(d, sf)` when the inputs already
+carry that kind on that mesh dim (the rule holds for any sharding kind).
+
+Candidates come in cost order from a best-first search over the per-mesh-dim choices
+(`cheapest_first`: admissible per-dim bounds from the cost model, exact costs only for
+the strategies reached), and are checked for validity only as far as needed: `choose`
+stops at the first valid one (`ranked`); `rank_strategies` checks the cheapest
+`MAX_LISTED` (all of them on small meshes), for explanations.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from decompshard._compat import TorchPartial, TorchReplicate, TorchShard, TorchStridedShard
+from decompshard.mesh.cost import H100, Cost, CostBound, MeshShape, Topology, bytes_key, lower_bound_model, model_placement, redistribute_cost, target_row
+from decompshard.solve.derive import derive_rules
+from decompshard.dispatch_modes.clean import clean_dispatch_state
+from decompshard.solve.localcheck import real_kernel_refusal
+from decompshard.placements import MaybePlacement, Partial, R, ShardPlaceholder, SingleDimRule
+
+TorchPlacement = Any
+MAX_LISTED = 4096  # strategies rank_strategies checks (beyond: up to the first valid one)
+
+
+@dataclass(frozen=True)
+class MeshStrategy:
+    rules: tuple[SingleDimRule, ...]  # one per mesh dim
+    input_placements: tuple[tuple[TorchPlacement, ...], ...]  # per tensor input
+    output_placements: tuple[tuple[TorchPlacement, ...] | None, ...]  # per output leaf
+    cost: Cost
+    valid: bool = True
+    reason: str = ""
+
+    def describe(self) -> str:
+        rules = " | ".join(str(r) for r in self.rules)
+        return f"[{rules}] cost {self.cost.total_seconds * 1e6:.2f} µs" + (
+            "" if self.valid else f" (invalid: {self.reason})"
+        )
+
+
+def _fill(p: MaybePlacement, strided: dict[int, int]) -> TorchPlacement | None:
+    if p is None:
+        return None
+    if isinstance(p, ShardPlaceholder):
+        sf = strided.get(p.dim)
+        return TorchStridedShard(p.dim, split_factor=sf) if sf else TorchShard(p.dim)
+    if isinstance(p, Partial):
+        return TorchPartial(p.reduce_op)
+    return TorchReplicate()
+
+
+def _strided_factors(rule: SingleDimRule, current_dim: Sequence[TorchPlacement]) -> dict[int, int]:
+    """Split factors to keep when the inputs on this mesh dim are _StridedShard already.
+
+    Only when every placeholder input of the rule matches a _StridedShard of one split
+    factor: then the whole rule runs in that kind (placeholder semantics)."""
+    factors = set()
+    for p, cur in zip(rule.inputs, current_dim):
+        if isinstance(p, ShardPlaceholder):
+            if isinstance(cur, TorchStridedShard) and cur.dim == p.dim:
+                factors.add(cur.split_factor)
+            else:
+                return {}
+    if len(factors) != 1:
+        return {}
+    sf = factors.pop()
+    dims = {p.dim for p in rule.inputs + rule.outputs if isinstance(p, ShardPlaceholder)}
+    return {d: sf for d in dims}
+
+
+def expand(rules: Sequence[SingleDimRule], current: Sequence[Sequence[TorchPlacement]]) -> tuple[tuple, tuple]:
+    """(input placements per tensor input, output placements per output) for one
+    rule per mesh dim."""
+    n_in, n_out = len(rules[0].inputs), len(rules[0].outputs)
+    ins = [[None] * len(rules) for _ in range(n_in)]
+    outs: list[list | None] = [[None] * len(rules) for _ in range(n_out)]
+    for m, rule in enumerate(rules):
+        strided = _strided_factors(rule, [c[m] for c in current])
+        for j, p in enumerate(rule.inputs):
+            ins[j][m] = _fill(p, strided)
+        for k, p in enumerate(rule.outputs):
+            outs[k][m] = _fill(p, strided)
+    out_t = tuple(None if any(p is None for p in o) else tuple(o) for o in outs)
+    return tuple(tuple(i) for i in ins), out_t
+
+
+def local_shape_nd(shape: Sequence[int], placements: Sequence[TorchPlacement], mesh: Sequence[int], coord: Sequence[int]) -> tuple[int, ...]:
+    """The local shape on the rank at `coord`: torch.chunk layout, mesh dims in order."""
+    if any(isinstance(p, TorchStridedShard) for p in placements):
+        from decompshard._compat import _compute_local_shape_and_global_offset
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():  # it builds small index tensors
+            return tuple(_compute_local_shape_and_global_offset(tuple(shape), tuple(mesh), list(coord), list(placements))[0])
+    out = list(shape)
+    for p, n, c in zip(placements, mesh, coord):  # the fast path: plain Shard only
+        if isinstance(p, TorchShard) and n > 1:
+            d = p.dim % len(out)
+            chunk = -(-out[d] // n)
+            out[d] = max(0, min(chunk, out[d] - c * chunk))
+    return tuple(out)
+
+
+def ranked(
+    op, args: tuple, kwargs: dict, mesh_shape: Sequence[int] | MeshShape,
+    current: Sequence[Sequence[TorchPlacement]], topology: Topology = H100,
+    accept: Callable[[tuple, Cost], bool] | None = None, valid_only: bool = False,
+) -> Iterator[MeshStrategy]:
+    """Candidate strategies cheapest first (those DTensor can redistribute to before those
+    it cannot), each checked for validity only when reached. The first valid one is the
+    choice: on a 4x4x4 mesh with 14 rules that is one check instead of 2744, and the
+    candidates are found best-first (`cheapest_first`), not by costing all of them.
+    `accept(input_placements, cost)` skips candidates before they are checked.
+    `valid_only` leaves out, before they are priced, strategies that put a surely-[even]
+    rule on a mesh dim some rank's piece cannot split evenly (rot90's [16, 6] on 4x4x4
+    meets ~50 of them first); the valid ones come in the same order."""
+    mesh = mesh_shape if isinstance(mesh_shape, MeshShape) else MeshShape(tuple(mesh_shape))
+    derived = derive_rules(op, *args, **kwargs)
+    tensors = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+    if len(current) != len(tensors) or any(len(c) != mesh.ndim for c in current):
+        raise ValueError(
+            f"need {mesh.ndim} placements for each of the {len(tensors)} tensor inputs"
+        )
+    choices = candidate_rules(derived, len(tensors))
+    even = [derived.surely_even(r) for r in choices] if valid_only else None
+    for combo, ins, outs, cost in cheapest_first(choices, tensors, current, mesh, topology, even):
+        if accept is not None and not accept(ins, cost):
+            continue
+        checked = [derived.validated(r) for r in combo]
+        if None in checked:
+            bad = combo[checked.index(None)]
+            yield MeshStrategy(tuple(combo), ins, outs, cost, False, f"rule {bad} fails the local-shape check")
+            continue
+        ins, outs = expand(checked, current)  # outputs may have become P(avg) [even]
+        with clean_dispatch_state():  # meta kernels run on meta tensors, not the caller's
+            reason = _invalid_reason(derived.op, args, kwargs, checked, ins, outs, tensors, mesh.sizes)
+        yield MeshStrategy(tuple(checked), ins, outs, cost, not reason, reason)
+
+
+def candidate_rules(derived, n_tensors: int) -> list[SingleDimRule]:
+    """The choices for each mesh dim: all-Replicate, then propagation's rules, not yet
+    local-checked (each is checked only if a strategy using it is reached: a first
+    DTensor call checks a handful, not all)."""
+    trivial = SingleDimRule((R,) * n_tensors, _trivial_outputs(derived), source="implied")
+    return [trivial, *derived.tentative()]
+
+
+def candidate_key(cost: Cost, order: tuple[int, ...]) -> tuple:
+    """The total order of candidates: DTensor-supported first, then `Cost.sort_key()`,
+    then the choice indices per mesh dim (rule order) to break the remaining ties."""
+    return (not cost.dtensor_supported, *cost.sort_key(), order)
+
+
+def cheapest_first(
+    choices: Sequence[SingleDimRule], tensors: Sequence[torch.Tensor],
+    current: Sequence[Sequence[TorchPlacement]], mesh: MeshShape, topology: Topology = H100,
+    even: Sequence[bool] | None = None,
+) -> Iterator[tuple[tuple[SingleDimRule, ...], tuple, tuple, Cost]]:
+    """Every strategy (one of `choices` per mesh dim) as (rules, input placements, output
+    placements, cost), in `candidate_key` order, without costing them all first.
+
+    Why best-first and not enumeration: a mesh of d dims has len(choices)**d strategies
+    (50625 for 15 rules on 2x2x2x2), and the first call only needs the cheapest few.
+    Exact cost is a sum over inputs of `redistribute_cost` of whole placement tuples,
+    which does not split over mesh dims; `redistribute_lower_bound` bounds the share of
+    the mesh dims chosen so far, knowing each other, admissibly. A* over the choices for
+    mesh dims 0, 1, ...: a prefix is keyed by that bound plus the smallest bound of each
+    remaining dim on its own, a full strategy by its exact key. Every component of a
+    prefix's key is <= that of each completion (and the rule-order tie-break of a prefix
+    is a prefix of theirs), so when a full strategy is popped, nothing unpopped is
+    cheaper: the order is exactly the sorted enumeration's. A full strategy is priced
+    only when its bound comes up, so most are never priced."""
+    n_dims, n_t = mesh.ndim, len(tensors)
+    cols: list[list[tuple[tuple, tuple]]] = []  # per mesh dim, per choice: (ins, outs) there
+    model: list[list[tuple]] = []  # the same inputs in the cost model's form (fast to price)
+    shapes = [tuple(t.shape) for t in tensors]
+    srcs = [tuple(model_placement(p, len(s)) for p in c) for c, s in zip(current, shapes)]
+    sizes = [t.element_size() for t in tensors]
+    for m in range(n_dims):
+        cur = [c[m] for c in current]
+        cols.append([])
+        model.append([])
+        for rule in choices:
+            strided = _strided_factors(rule, cur)
+            ins = tuple(_fill(p, strided) for p in rule.inputs)
+            cols[m].append((ins, tuple(_fill(p, strided) for p in rule.outputs)))
+            model[m].append(tuple(model_placement(p, len(s)) for p, s in zip(ins, shapes)))
+    # per tensor, per mesh dim: the targets the choices allow there (what an unchosen
+    # mesh dim may end in: the bounds use it to know which tensor dims it may shard)
+    unknown = [tuple(tuple(dict.fromkeys(model[m][c][i] for c in range(len(choices)))) for m in range(n_dims))
+               for i in range(n_t)]
+    # the same as small ints (index into unknown[i][m]): cache keys that hash fast
+    tid = [[tuple(unknown[i][m].index(model[m][c][i]) for i in range(n_t)) for c in range(len(choices))]
+           for m in range(n_dims)]
+    # and what the bounds need of each: rows[i][m][id], the last one (-1) for "unknown"
+    # (worked out when first needed: most targets are never bounded)
+    rows_seen: dict[tuple[int, int, int], Any] = {}
+
+    def row(i: int, m: int, x: int):
+        r = rows_seen.get((i, m, x))
+        if r is None:
+            r = rows_seen[(i, m, x)] = target_row(
+                srcs[i][m], unknown[i][m] if x < 0 else unknown[i][m][x], len(shapes[i]))
+        return r
+    alone: dict[tuple[int, int, Any], CostBound] = {}  # (tensor, mesh dim, target): bound
+
+    def bound_alone(i: int, m: int, dst) -> CostBound:
+        b = alone.get((i, m, dst))
+        if b is None:
+            b = alone[(i, m, dst)] = lower_bound_model(
+                shapes[i], sizes[i], srcs[i], unknown[i][:m] + (dst,) + unknown[i][m + 1:], mesh, topology,
+                [row(i, j, unknown[i][m].index(dst) if j == m else -1) for j in range(n_dims)])
+        return b
+
+    def dim_alone(m: int) -> list[tuple[bool, float, float, float]]:
+        """Bounds of mesh dim m alone, per choice; only a zero one when a choice keeps
+        every input as it is there (nothing is less: the others need not be bounded)."""
+        if any(all(model[m][c][i] == srcs[i][m] for i in range(n_t)) for c in range(len(choices))):
+            return [(False, 0.0, 0.0, 0.0)]
+        return [_total([bound_alone(i, m, dst) for i, dst in enumerate(model[m][c])]) for c in range(len(choices))]
+
+    bound = [dim_alone(m) for m in range(n_dims)]
+    # Choices that cost the same in every strategy, whatever the other dims choose, are
+    # searched once (their lowest index stands for all) and fanned out when priced:
+    # non-shard targets on a mesh dim of size 1 (DTensor skips the dim), and Replicate /
+    # P(avg|max|min) from a Replicate input (free, no collective) when no flattened group
+    # could fuse across the step. On 2x2x2x2 this turns 6**4 strategies into 3**4.
+    members: list[dict[int, list[int]]] = []
+    for m in range(n_dims):
+        groups: dict[tuple, list[int]] = {}
+        for c in range(len(choices)):
+            groups.setdefault(tuple(None if _free(t, srcs[i][m], mesh, m) else t
+                                    for i, t in enumerate(model[m][c])), []).append(c)
+        members.append({g[0]: g for g in groups.values()})
+    # rest[k]: per component, the least any choice can add on mesh dims k, k+1, ...
+    rest = [(False, 0.0, 0.0, 0.0)] * (n_dims + 1)
+    for m in reversed(range(n_dims)):
+        lo = [min(b[j] for b in bound[m]) for j in range(4)]
+        rest[m] = (lo[0] or rest[m + 1][0], *(lo[j] + rest[m + 1][j] for j in (1, 2, 3)))
+
+    # float sums in another order must not lift a bound above the exact (their error is
+    # ~1e-14 relative); bytes keep 10 digits (bytes_key), so a tight bound still ties
+    slack, bytes_slack = 1 - 1e-9, 1 - 1e-12
+    known: dict[tuple[int, tuple], CostBound] = {}  # (tensor, known target ids): its bound
+
+    def prefix_key(order: tuple[int, ...]) -> tuple:
+        """The bound of the chosen dims, knowing each other (see redistribute_lower_bound),
+        plus the least each unchosen dim can add."""
+        k, parts = len(order), []
+        for i in range(n_t):
+            ids = tuple(tid[m][c][i] for m, c in enumerate(order))
+            b = known.get((i, ids))
+            if b is None:
+                dst = tuple(model[m][c][i] for m, c in enumerate(order)) + unknown[i][k:]
+                b = known[(i, ids)] = lower_bound_model(
+                    shapes[i], sizes[i], srcs[i], dst, mesh, topology,
+                    [row(i, m, ids[m] if m < k else -1) for m in range(n_dims)])
+            parts.append(b)
+        acc, r = _total(parts), rest[k]
+        # a count of collectives is whole: a bound of 0.999... (float sums of fused
+        # shares) is a bound of 1, and must be, or every prefix would come before the
+        # strategies that tie with it on time and count
+        return (acc[0] or r[0], round((acc[1] + r[1]) * slack, 9), math.ceil(acc[2] + r[2] - 1e-6),
+                bytes_key((acc[3] + r[3]) * bytes_slack), order)
+
+    exact: dict[tuple[int, tuple], Cost] = {}  # (tensor, target ids): its cost
+
+    def price(order: tuple[int, ...]) -> Cost:
+        cost = Cost()
+        for i, src in enumerate(srcs):
+            ids = tuple(tid[m][c][i] for m, c in enumerate(order))
+            one = exact.get((i, ids))
+            if one is None:
+                dst = tuple(model[m][c][i] for m, c in enumerate(order))
+                one = exact[(i, ids)] = redistribute_cost(shapes[i], sizes[i], src, dst, mesh, topology)
+            cost = cost + one
+        return cost
+
+    def payload(order: tuple[int, ...], cost: Cost) -> tuple:
+        ins = tuple(tuple(cols[m][c][0][i] for m, c in enumerate(order)) for i in range(n_t))
+        n_out = len(cols[0][order[0]][1])
+        outs = tuple(tuple(cols[m][c][1][k] for m, c in enumerate(order)) for k in range(n_out))
+        outs = tuple(None if any(p is None for p in o) else o for o in outs)
+        return tuple(choices[c] for c in order), ins, outs, cost
+
+    # entries: (key, order, state); state None: bounded (prefix, or a full strategy not
+    # yet priced), ("class", cost): priced, stands for its equivalents, ("one", cost)
+    def uneven(order: tuple[int, ...]) -> bool:
+        """The last choice is a surely-[even] rule (`even`, for every member of its
+        class) that shards a tensor dim some rank's piece before it cannot split: every
+        completion fails the lift's [even] check, so none is generated."""
+        m, c = len(order) - 1, order[-1]
+        if not all(even[x] for x in members[m][c]):
+            return False
+        for i in range(n_t):
+            placements = tuple(cols[j][order[j]][0][i] for j in range(m + 1))
+            if _uneven_piece(shapes[i], placements, mesh.sizes) is not None:
+                return True
+        return False
+
+    heap: list = [(prefix_key(()), (), None)]
+    while heap:
+        _, order, state = heapq.heappop(heap)
+        if state is None and len(order) < n_dims:
+            for c in members[len(order)]:
+                if even is not None and uneven(order + (c,)):
+                    continue
+                heapq.heappush(heap, (prefix_key(order + (c,)), order + (c,), None))
+        elif state is None:  # reached on its bound: price it, back in at its cost
+            cost = price(order)
+            key = candidate_key(cost, ())[:-1]
+            # its equivalents cost the same; they come in rule order (the product of
+            # ascending member lists, the first being this one), so each is pushed when
+            # the one before it is yielded, not all at once (8**3 on 2x2x2x2 for addmv)
+            same = itertools.product(*(members[m][c] for m, c in enumerate(order)))
+            heapq.heappush(heap, (key + (next(same),), order, (cost, key, same)))
+        else:
+            cost, key, same = state
+            yield payload(order, cost)
+            one = next(same, None)
+            if one is not None:
+                heapq.heappush(heap, (key + (one,), one, state))
+
+
+def _free(target, src, mesh: MeshShape, m: int) -> bool:
+    """Whether `target` on mesh dim m costs nothing in any strategy (see cheapest_first)."""
+    if target.kind == "S":
+        return False
+    if mesh.sizes[m] == 1:
+        return True
+    return (not mesh.flattened and src.kind == "R"
+            and (target.kind == "R" or target.reduce_op in ("avg", "max", "min")))
+
+
+def _total(parts: Sequence[CostBound]) -> tuple[bool, float, float, float]:
+    return (any(b.unsupported for b in parts), sum(b.seconds for b in parts),
+            sum(b.collectives for b in parts), sum(b.bytes for b in parts))
+
+
+def rank_strategies(
+    op, args: tuple, kwargs: dict, mesh_shape: Sequence[int] | MeshShape,
+    current: Sequence[Sequence[TorchPlacement]], topology: Topology = H100,
+    limit: int = MAX_LISTED,
+) -> list[MeshStrategy]:
+    """Candidate strategies, cheapest valid first (invalid ones last, with reasons).
+
+    All of them on small meshes; on large ones (15 rules on 2x2x2x2 is 50625) the
+    cheapest `limit`, and further ones only until a valid one is among them: each is
+    checked on the mesh, which is what an explanation costs."""
+    out: list[MeshStrategy] = []
+    found = False
+    for s in ranked(op, args, kwargs, mesh_shape, current, topology):
+        out.append(s)
+        found = found or s.valid
+        if len(out) >= limit and found:
+            break
+    out.sort(key=lambda s: not s.valid)  # stable: cost order within each group
+    return out
+
+
+def choose(op, args, kwargs, mesh_shape, current, topology: Topology = H100) -> MeshStrategy:
+    """The cheapest valid strategy (all-Replicate is always valid, so one exists)."""
+    return next(s for s in ranked(op, args, kwargs, mesh_shape, current, topology) if s.valid)
+
+
+def _trivial_outputs(derived) -> tuple:
+    if derived.graph is not None:
+        return tuple(None if v is None else R for v in derived.graph.outputs)
+    if derived.rules:
+        return tuple(None if p is None else R for p in derived.rules[0].outputs)
+    return (R,)
+
+
+def _invalid_reason(op, args, kwargs, combo, ins, outs, tensors, mesh: tuple[int, ...]) -> str:
+    mixed = _mixed_partials(ins, outs)
+    if mixed:
+        return mixed
+    if all(all(isinstance(p, TorchReplicate) for p in i) for i in ins):
+        return ""  # everything replicated: the op runs as on one device
+    for m, rule in enumerate(combo):
+        if not rule.even_only:
+            continue
+        for t, pl in zip(tensors, ins):
+            size = _uneven_piece(t.shape, pl[:m + 1], mesh)
+            if size is not None:
+                return (f"rule {rule} on mesh dim {m} needs even shards; dim {pl[m].dim} of size "
+                        f"{size} does not split over {mesh[m]}")
+    return _meta_check(op, args, kwargs, ins, outs, tensors, mesh)
+
+
+def _uneven_piece(shape: Sequence[int], placements: Sequence[TorchPlacement], mesh: Sequence[int]) -> int | None:
+    """For a tensor placed `placements` on mesh dims 0..m: if the last one shards it, the
+    size of the first rank's piece (before mesh dim m) that does not split evenly over
+    mesh dim m, else None. Every rank's piece: earlier uneven shards differ per rank (7
+    rows over 2 are 4 and 3; over 4 more, 4 splits evenly and 3 does not)."""
+    m = len(placements) - 1
+    p = placements[m]
+    if not isinstance(p, (TorchShard, TorchStridedShard)):
+        return None
+    earlier = tuple(placements[:m]) + (TorchReplicate(),) * (len(mesh) - m)
+    for coord in itertools.product(*(range(k) for k in mesh[:m])):
+        before = local_shape_nd(shape, earlier, mesh, coord + (0,) * (len(mesh) - m))
+        if before[p.dim] % mesh[m]:
+            return before[p.dim]
+    return None
+
+
+def _mixed_partials(ins, outs) -> str:
+    """DTensor refuses a placement list that mixes Partial reduce ops across mesh dims
+    (`[Partial(sum), Partial(max)]`: the order of reductions would change the value), so
+    a strategy that needs one, as an input target or an output, cannot run."""
+    for kind, rows in (("input", ins), ("output", outs)):
+        for j, row in enumerate(rows):
+            ops = {p.reduce_op for p in row or () if isinstance(p, TorchPartial)}
+            if len(ops) > 1:
+                return f"{kind} {j} would mix Partial reduce ops {sorted(ops)} across mesh dims"
+    return ""
+
+
+def _meta_check(op, args, kwargs, ins, outs, tensors, mesh) -> str:
+    """Run the original op's meta kernel on every distinct set of local input shapes, and
+    its real CPU kernel too where the meta kernel is known to check less
+    (localcheck.REAL_KERNEL_SHAPE_CHECKED): DTensor runs the real one."""
+    flat, spec = tree_flatten((args, kwargs))
+    out_global = _global_outputs(op, args, kwargs)
+    seen = set()
+    for coord in itertools.product(*(range(s) for s in mesh)):
+        shapes = tuple(local_shape_nd(t.shape, pl, mesh, coord) for t, pl in zip(tensors, ins))
+        try:
+            want = tuple(
+                None if o is None or g is None else local_shape_nd(g, o, mesh, coord)
+                for g, o in zip(out_global, outs)
+            )
+        except (IndexError, ValueError, RuntimeError, AssertionError) as e:
+            # the decomposition's output is not the op's (e.g. torch's sdpa-for-cpu
+            # decomposition returns the attention weights where the op returns logsumexp)
+            return f"the output placements {outs} do not fit the op's real outputs {out_global}: {e}"
+        if (shapes, want) in seen:
+            continue
+        seen.add((shapes, want))
+        it = iter(shapes)
+        local_flat = [
+            torch.empty(next(it), dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
+            for x in flat
+        ]
+        la, lk = tree_unflatten(local_flat, spec)
+        try:
+            result = op(*la, **lk)
+        except Exception as e:
+            line = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+            return f"the op fails on rank {list(coord)}'s local shapes {[list(s) for s in shapes]}: {line}"
+        got = [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in tree_flatten(result)[0]]
+        for g, w in zip(got, want):
+            if w is not None and g != w:
+                return f"on rank {list(coord)} the op returns local shape {list(g)}, the strategy needs {list(w)}"
+        refusal = real_kernel_refusal(op, la, lk)  # ops whose meta kernel checks less than the kernel
+        if refusal:
+            return f"on rank {list(coord)}'s local shapes {[list(s) for s in shapes]} {refusal}"
+    return ""
+
+
+def _global_outputs(op, args, kwargs) -> list:
+    flat, spec = tree_flatten((args, kwargs))
+    meta = [
+        torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
+        for x in flat
+    ]
+    a, k = tree_unflatten(meta, spec)
+    res = op(*a, **k)
+    return [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in tree_flatten(res)[0]]

@@ -1,0 +1,104 @@
+"""In-place view ops (`transpose_`, `unsqueeze_`, `t_`) on DTensors, under `enable()`.
+
+DTensor has strategies for `transpose`, `unsqueeze` and `t` but none for their in-place
+forms, so `x.transpose_(0, 1)` on a DTensor stopped with "does not have a sharding
+strategy registered". No decomposition helps: the op changes `self`'s metadata, and
+`self` cannot be redistributed first (DTensor would relabel a copy). None is needed:
+the out-of-place twin's native strategy maps `self`'s placements to the view's without
+moving data (`Shard(0)` of [7, 5] transposed is `Shard(1)` of [5, 7]; Partial stays
+Partial), so each rank takes the twin's view of its own local tensor (the same
+storage) and `self` takes the twin's output spec.
+
+Registering the twin's strategy for the in-place op would be wrong: DTensor's in-place
+path keeps `self`'s old spec whenever the placements do not change
+(`transpose_(1, 2)` of a `Shard(0)` tensor), so the DTensor would keep its old shape
+over a transposed local tensor. The handler sets the whole spec instead, and raises if
+the twin's strategy would move `self` (a view that cannot follow the sharding).
+
+The ops are found by property, not by name: tagged `inplace_view`, no strategy or
+handler of their own, and an out-of-place twin (same name without the trailing
+underscore, the same arguments) with a native strategy. `resize_`, `set_` and
+`as_strided_` have no such twin (`as_strided_` has its own module). `disable()`
+removes the handlers.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any, Callable
+
+import torch
+
+from decompshard._compat import custom_op_handlers, dtensor_output_sharding, has_native_strategy, local_tensor, rebind_dtensor, return_and_correct_aliasing
+from decompshard.runtime.table_patches import TablePatches
+
+__all__ = ["in_place_view_ops", "install", "is_installed", "uninstall"]
+
+_lock = threading.RLock()
+_patches = TablePatches()
+
+
+def _arguments(op: torch._ops.OpOverload) -> list[tuple[str, str]]:
+    return [(a.name, str(a.type)) for a in op._schema.arguments]
+
+
+@functools.lru_cache(maxsize=1)
+def in_place_view_ops() -> tuple[tuple[torch._ops.OpOverload, torch._ops.OpOverload], ...]:
+    """(in-place view op, out-of-place twin with a native strategy) for every aten
+    `inplace_view` overload DTensor has no strategy or handler for."""
+    from decompshard._compat import aten_ops_tagged
+
+    handlers = custom_op_handlers()
+    found = []
+    for op in aten_ops_tagged(torch.Tag.inplace_view):
+        if has_native_strategy(op) or op in handlers or not op._opname.endswith("_"):
+            continue
+        packet = getattr(torch.ops.aten, op._opname[:-1], None)
+        if packet is None:
+            continue
+        twins = [getattr(packet, name) for name in packet.overloads()]
+        twin = next((t for t in twins if _arguments(t) == _arguments(op) and has_native_strategy(t)), None)
+        if twin is not None:
+            found.append((op, twin))
+    return tuple(sorted(found, key=lambda p: str(p[0])))
+
+
+def is_installed() -> bool:
+    return bool(_patches)
+
+
+def install() -> None:
+    """Give each in-place view op its handler. Idempotent."""
+    with _lock:
+        if _patches:
+            return
+        handlers = custom_op_handlers()
+        for op, twin in in_place_view_ops():
+            if op not in handlers:
+                _patches.set(handlers, op, _in_place_view_handler(op, twin))
+
+
+def uninstall() -> None:
+    """Remove the handlers `install` added. Idempotent."""
+    with _lock:
+        _patches.restore()
+
+
+def _in_place_view_handler(op: torch._ops.OpOverload, twin: torch._ops.OpOverload) -> Callable:
+    def handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
+        target = args[0]
+        spec, moves = dtensor_output_sharding(twin, args, kwargs)
+        if moves:
+            raise RuntimeError(
+                f"decompshard: {op} on a DTensor {tuple(target.shape)} {tuple(target.placements)}: {twin}'s "
+                "strategy would redistribute self first, and an in-place op cannot move self (it would "
+                f"relabel a copy); use the out-of-place {twin} or redistribute self first")
+        # the twin's view of the local tensor, not the op in place on it: the same
+        # storage and metadata, and torch's simulated ranks (LocalTensor) recurse on an
+        # in-place view op when every rank's shard has the same shape
+        rebind_dtensor(target, twin(local_tensor(target), *args[1:], **kwargs), spec)
+        return return_and_correct_aliasing(op_call, args, kwargs, target)
+
+    handler.__name__ = f"in_place_view_{op._opname}"
+    return handler

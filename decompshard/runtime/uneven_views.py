@@ -1,0 +1,221 @@
+"""Uneven shards through DTensor's view strategies: redistribute instead of refusing.
+
+DTensor's view propagator (`_view_ops.py`: view, reshape, _unsafe_view, squeeze,
+unsqueeze, expand, permute, transpose, ...) refuses a view that merges or splits an
+unevenly sharded dim: `F.linear` on a [10, 8, 16] activation sharded S(0) over 4 ranks
+flattens it to [80, 16] and DTensor raises "Cannot flatten unevenly sharded tensor"
+(every transformer with an uneven data-parallel batch stops at its first linear layer;
+timm's ViT under TP stops at "Cannot unflatten ..."). The local view itself runs, but
+its result (local rows 24, 24, 24, 8) is no `Shard` layout, so DTensor cannot label it:
+the input must move first. The propagator also accepts some uneven layouts it cannot
+label either ([6, 8, 16] on (S(0), S(0)) of a 2x2 mesh flattened to (S(0), S(0)) of
+[48, 16] claims local rows 12, 12, 12, 12 where the local views give 16, 8, 16, 8).
+
+Under `enable()` each view-family entry of DTensor's strategy table is wrapped:
+
+1. DTensor's own answer is kept when its input layout is even, or when on every rank the
+   local op, run as DTensor will run it (local sizes in the size argument), produces the
+   local shape the answer's output placements claim.
+2. Otherwise the sharded mesh dims are moved, the fewest first: each to Replicate or to
+   Shard of another tensor dim, keeping only what the native strategy accepts and what
+   passes the same local-shape check (all-Replicate always does). Every survivor is
+   priced by DTensor's own `redistribute_cost` from the input's current layout and
+   DTensor takes the cheapest, then redistributes the input as it does for any op.
+
+An uneven Shard(a) -> Shard(b) move (S(0) -> S(1) of ViT's [10, 17, 32] tokens on 4 ranks)
+leaves the local tensor a narrowed slice of torch's padded all-to-all buffer, which a
+local view merging dims cannot read; `_compat`'s routed `redistribute_local_args`
+makes every tensor DTensor moves for an op contiguous.
+
+The backward of a view is a view of the gradient, so it goes through the same path.
+In-place view ops (`squeeze_`) keep DTensor's answer: their `self` cannot be moved
+(DTensor would squeeze a redistributed copy and relabel the untouched `self`).
+
+Limit: a redistributed view is a view of the redistributed copy, not of the input (as
+DTensor's own `reshape` strategy does when it replicates): an in-place write to it
+does not reach the input, where on one device it would. The warning says so. Views
+made inside an op's decomposition (`F.linear`'s flatten) are never written to.
+Redistribution moves data and never changes a value. Each op warns once when it is
+redistributed. `disable()` puts the original entries back.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import warnings
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from decompshard._compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, TorchReplicate, TorchShard, TorchStridedShard, _compute_local_shape_and_global_offset, clear_dtensor_caches, redistribute_cost, sharding_propagator, view_family_ops, view_shape_arg_index
+
+from decompshard.runtime.table_patches import TablePatches
+
+__all__ = ["install", "is_installed", "uninstall"]
+
+_lock = threading.RLock()
+_patches = TablePatches()
+_warned: set[str] = set()
+
+
+def is_installed() -> bool:
+    return bool(_patches)
+
+
+def install() -> None:
+    """Wrap every view-family entry of DTensor's strategy table. Idempotent."""
+    with _lock:
+        if _patches:
+            return
+        _warned.clear()
+        table = sharding_propagator().op_strategy_funcs
+        for op in view_family_ops():
+            if op._schema.is_mutable:  # squeeze_: DTensor cannot move self (it would relabel a copy)
+                continue
+            _patches.set(table, op, _redistributing_view_strategy(op, table[op]))
+        clear_dtensor_caches()
+
+
+def uninstall() -> None:
+    """Put back exactly the entries `install` replaced. Idempotent."""
+    with _lock:
+        if not _patches:
+            return
+        _patches.restore()
+        clear_dtensor_caches()
+
+
+def _redistributing_view_strategy(op: torch._ops.OpOverload, native: Callable) -> Callable:
+    def strategy(op_schema: Any) -> Any:
+        source = op_schema.args_schema[0] if op_schema.args_schema else None
+        if not isinstance(source, OpStrategy) or len(source.strategies) != 1:
+            return native(op_schema)  # not a dispatch-time question: leave it to DTensor
+        spec = source.strategies[0].output_spec
+        if any(not isinstance(s, int) for s in spec.tensor_meta.shape):
+            return native(op_schema)  # symbolic shapes: nothing to check here
+        try:
+            answer = native(op_schema)
+        except RuntimeError as e:
+            refusal: str = str(e).split("\n")[0]
+        else:
+            if not _uneven(spec) or all(_fits(op, op_schema, s) for s in answer.strategies):
+                return answer
+            refusal = f"its answer {_placements_text(answer.strategies[0])} does not match the local views"
+        found = _redistributed(op, op_schema, native, spec)
+        if not found:  # pragma: no cover - all-Replicate always fits
+            raise RuntimeError(f"decompshard: {op}: no layout of {spec} that DTensor's view strategy "
+                               f"accepts ({refusal})")
+        best = min(found, key=lambda s: sum(itertools.chain.from_iterable(s.redistribute_cost)))
+        key = f"{op}"
+        if key not in _warned:
+            _warned.add(key)
+            warnings.warn(
+                f"decompshard: {op} on {_spec_text(spec)}: DTensor's view strategy refuses it ({refusal}); "
+                f"redistributing the input to {tuple(best.input_specs[0].placements)} first "
+                f"(cheapest valid layout by DTensor's cost model). The result views that copy: "
+                f"an in-place write to it does not reach the input", stacklevel=2)
+        return OpStrategy(found)
+
+    strategy.__wrapped__ = native  # type: ignore[attr-defined]
+    return strategy
+
+
+def _redistributed(op: Any, op_schema: Any, native: Callable, spec: Any) -> list:
+    """Native answers for the input moved on the fewest mesh dims, each checked and
+    priced from the current layout."""
+    current = tuple(spec.placements)
+    sharded = [m for m, p in enumerate(current) if isinstance(p, (TorchShard, TorchStridedShard))]
+    ndim = len(spec.tensor_meta.shape)
+    for k in range(1, len(sharded) + 1):
+        found = []
+        seen = set()
+        for moved in itertools.combinations(sharded, k):
+            options = [[TorchReplicate()] + [TorchShard(d) for d in range(ndim)
+                                             if not (type(current[m]) is TorchShard and current[m].dim == d)]
+                       for m in moved]
+            for choice in itertools.product(*options):
+                placements = list(current)
+                for m, p in zip(moved, choice):
+                    placements[m] = p
+                candidate = DTensorSpec(spec.mesh, tuple(placements), tensor_meta=spec.tensor_meta)
+                schema = OpSchema(op_schema.op, (OpStrategy([OpSpec(candidate)]),) + tuple(op_schema.args_schema[1:]),
+                                  op_schema.kwargs_schema, schema_info=op_schema.schema_info)
+                try:
+                    answer = native(schema)
+                except RuntimeError:
+                    continue
+                for s in answer.strategies:
+                    target = s.input_specs[0]
+                    key = (tuple(target.placements), _placements_text(s))
+                    if key in seen or not _fits(op, op_schema, s):
+                        continue
+                    seen.add(key)
+                    cost = redistribute_cost(spec, target)
+                    found.append(OpSpec(s.output_specs, input_specs=s.input_specs, redistribute_cost=[[cost]]))
+        if found:
+            return found
+    return []
+
+
+def _uneven(spec: Any) -> bool:
+    """Whether some rank's local shape differs from another's."""
+    shapes = {tuple(_local_shape(spec.tensor_meta.shape, spec, c)) for c in _coords(tuple(spec.mesh.shape))}
+    return len(shapes) > 1
+
+
+def _coords(mesh_shape: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+    return itertools.product(*(range(s) for s in mesh_shape))
+
+
+def _local_shape(global_shape: Sequence[int], spec: Any, coord: Sequence[int]) -> tuple[int, ...]:
+    return tuple(_compute_local_shape_and_global_offset(
+        tuple(global_shape), tuple(spec.mesh.shape), list(coord), list(spec.placements), skip_offset=True)[0])
+
+
+def _fits(op: Any, op_schema: Any, answer: Any) -> bool:
+    """On every rank, the local op DTensor will run (its input moved to the answer's
+    input layout, a size argument made local) returns the local shape the answer's
+    output placements claim."""
+    from decompshard.dispatch_modes.clean import clean_dispatch_state
+
+    in_spec = answer.input_specs[0]
+    out_spec = answer.output_specs
+    if not isinstance(out_spec, DTensorSpec):
+        return True
+    tm = in_spec.tensor_meta
+    rest = list(op_schema.args_schema[1:])
+    shape_idx = view_shape_arg_index(op)
+    with clean_dispatch_state():
+        global_out = tuple(op(torch.empty(tm.shape, dtype=tm.dtype, device="meta"), *rest,
+                              **op_schema.kwargs_schema).shape)
+        if not any(isinstance(p, (TorchShard, TorchStridedShard)) for p in out_spec.placements):
+            return True  # the local op is the global op: DTensor's meta run already made it
+        checked = set()
+        for coord in _coords(tuple(in_spec.mesh.shape)):
+            local_in = _local_shape(tm.shape, in_spec, coord)
+            claimed = _local_shape(global_out, out_spec, coord)
+            if (local_in, claimed) in checked:
+                continue
+            checked.add((local_in, claimed))
+            args = [torch.empty(local_in, dtype=tm.dtype, device="meta")] + list(rest)
+            if shape_idx is not None:  # DTensor makes the size argument local (the output is sharded)
+                args[shape_idx] = list(claimed)
+            try:
+                got = tuple(op(*args, **op_schema.kwargs_schema).shape)
+            except RuntimeError:
+                return False
+            if got != claimed or math.prod(got) != math.prod(claimed):
+                return False
+    return True
+
+
+def _placements_text(s: Any) -> str:
+    out = s.output_specs
+    return str(tuple(out.placements)) if isinstance(out, DTensorSpec) else str(out)
+
+
+def _spec_text(spec: Any) -> str:
+    tm = spec.tensor_meta
+    return f"{list(tm.shape)}{tuple(spec.placements)}"

@@ -1,0 +1,153 @@
+"""A standalone reproducer script for one wrong native DTensor behaviour.
+
+The script needs only torch: a fake process group, `LocalTensorMode` (every rank in one
+process, real numbers), the call's exact inputs (values embedded when small, so ties,
+indices and masks are the ones that failed), the placements, and a comparison of every
+rank's `full_tensor()` with one device. It prints REPRODUCED or NOT REPRODUCED and sets
+`reproduced`, so a test can exec it and upstream can paste it into an issue.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from decompshard.verify.rank_sim import make_local, promote
+from decompshard.placements import MaybePlacement, Partial, Replicate, ShardPlaceholder
+
+MAX_EMBEDDED = 1024  # elements per tensor written out exactly; larger ones are drawn from a seed
+
+
+def _literal(t: torch.Tensor, name: str, seed: int) -> str:
+    dt = str(t.dtype)
+    if t.numel() <= MAX_EMBEDDED:
+        return f"{name} = torch.tensor({t.reshape(-1).tolist()!r}, dtype={dt}).reshape({list(t.shape)})"
+    if t.dtype.is_floating_point:
+        return (f"{name} = torch.randn({list(t.shape)}, dtype={dt}, "
+                f"generator=torch.Generator().manual_seed({seed}))  # large: random values")
+    return f"{name} = torch.zeros({list(t.shape)}, dtype={dt})  # large: values not embedded"
+
+
+def _placement_code(p: MaybePlacement) -> str:
+    if isinstance(p, Replicate):
+        return "Replicate()"
+    if isinstance(p, ShardPlaceholder):
+        return f"Shard({p.dim})"
+    if isinstance(p, Partial):
+        return f"Partial({p.reduce_op!r})"
+    raise ValueError(f"not an input placement: {p!r}")
+
+
+def _value_code(x: Any, names: dict[int, str]) -> str:
+    if isinstance(x, torch.Tensor):
+        return names[id(x)]
+    if isinstance(x, (list, tuple)):
+        inner = ", ".join(_value_code(v, names) for v in x)
+        return f"[{inner}]" if isinstance(x, list) else f"({inner}{',' if len(x) == 1 else ''})"
+    if isinstance(x, dict):
+        return "{" + ", ".join(f"{k!r}: {_value_code(v, names)}" for k, v in x.items()) + "}"
+    if isinstance(x, torch.dtype):
+        return str(x)
+    if isinstance(x, torch.device):
+        return f"torch.device({str(x)!r})"
+    if isinstance(x, torch.memory_format):
+        return str(x)
+    if isinstance(x, torch.layout):
+        return str(x)
+    if isinstance(x, float) and (x != x or x in (float("inf"), float("-inf"))):
+        return f"float({str(x)!r})"
+    return repr(x)
+
+
+def reproducer(op: Any, args: Sequence[Any], kwargs: dict[str, Any] | None,
+               placements: Sequence[MaybePlacement], world_size: int, *, seed: int = 0) -> str:
+    """Python source that reruns `op(*args, **kwargs)` through DTensor with the tensor
+    inputs laid out as `placements` on `world_size` simulated ranks."""
+    leaves, spec = tree_flatten((tuple(args), dict(kwargs or {})))
+    leaves = [promote(v) if isinstance(v, torch.Tensor) else v for v in leaves]
+    pos = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+    names = {id(leaves[i]): f"t{k}" for k, i in enumerate(pos)}
+    a, kw = tree_unflatten(leaves, spec)
+    lines = [
+        f'"""DTensor vs one device: {op} with inputs on ({", ".join(str(p) for p in placements)}),',
+        f'a 1-D mesh of {world_size} simulated ranks (torch {torch.__version__.split("+")[0]}).',
+        'Found by `decompshard coverage --verify-native`."""',
+        "import torch",
+        "import torch.distributed as dist",
+        "from torch.distributed._local_tensor import LocalTensor, LocalTensorMode",
+        "from torch.distributed.device_mesh import DeviceMesh",
+        "from torch.distributed.tensor import DTensor, Partial, Replicate, Shard",
+        "from torch.testing._internal.distributed.fake_pg import FakeStore",
+        "from torch.utils._pytree import tree_flatten",
+        "",
+        f"W = {world_size}",
+        "if not dist.is_initialized():",
+        '    dist.init_process_group("fake", rank=0, world_size=W, store=FakeStore())',
+        "mesh = DeviceMesh(\"cpu\", torch.arange(W))",
+        "",
+    ]
+    for k, i in enumerate(pos):
+        lines.append(_literal(leaves[i], f"t{k}", seed + k))
+    lines += [
+        "",
+        f"op = torch.ops.{op.namespace}.{op._opname}.{op._overloadname}",
+        f"args = {_value_code(a, names)}",
+        f"kwargs = {_value_code(kw, names)}",
+        "",
+        "# each rank's piece of each input (Partial: parts that reduce to the input)",
+    ]
+    part_names = []
+    for k, (i, p) in enumerate(zip(pos, placements)):
+        if isinstance(p, Partial):
+            parts = make_local(leaves[i], p, world_size, (seed, False), salt=k)
+            for r, q in enumerate(parts):
+                lines.append(_literal(q, f"t{k}_rank{r}", seed + 100 * k + r))
+            part_names.append(f"[{', '.join(f't{k}_rank{r}' for r in range(world_size))}]")
+        elif isinstance(p, ShardPlaceholder):
+            part_names.append(f"list(torch.chunk(t{k}, W, dim={p.dim}))")
+        else:
+            part_names.append(f"[t{k}] * W")
+    lines.append(f"pieces = [{', '.join(part_names)}]")
+    lines.append(f"placements = [{', '.join(_placement_code(p) for p in placements)}]")
+    lines += [
+        "",
+        "expected = tree_flatten(op(*[x.clone() if isinstance(x, torch.Tensor) else x for x in args], **kwargs))[0]",
+        "",
+        "reproduced, what = False, []",
+        "try:",
+        "    with LocalTensorMode(frozenset(range(W))):",
+        "        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]",
+        "        swap = {}",
+        "        for t, ps, pl in zip(tensors, pieces, placements):",
+        "            if isinstance(pl, Shard) and len(ps) < W:  # torch.chunk gave fewer pieces: empty shards",
+        "                ps = ps + [ps[0].narrow(pl.dim, 0, 0)] * (W - len(ps))",
+        "            lt = LocalTensor({r: ps[r].clone() for r in range(W)})",
+        "            swap[id(t)] = DTensor.from_local(lt, mesh, [pl], run_check=False, shape=t.shape, stride=t.stride())",
+        "        def put(x):",
+        "            if isinstance(x, (list, tuple)):",
+        "                return type(x)(put(v) for v in x)",
+        "            if isinstance(x, dict):",
+        "                return {k: put(v) for k, v in x.items()}",
+        "            return swap.get(id(x), x)",
+        "        out = tree_flatten(op(*put(args), **put(kwargs)))[0]",
+        "        for j, (o, e) in enumerate(zip(out, expected)):",
+        "            if not isinstance(o, DTensor):",
+        "                continue",
+        "            full = o.full_tensor()",
+        "            for r in range(W):",
+        "                got = full._local_tensors[r]",
+        "                same = got.shape == e.shape and torch.allclose(got, e, rtol=1e-6, atol=1e-8, equal_nan=True)",
+        "                if not same:",
+        "                    c = torch.complex128",
+        "                    err = (got.to(c) - e.to(c)).abs().max().item() if got.shape == e.shape else 'shape'",
+        "                    what.append(f'output {j} ({o.placements}), rank {r}: shape {list(got.shape)} "
+        "vs {list(e.shape)}, max error {err}')",
+        "                    reproduced = True",
+        "except Exception as e:  # accepted the placements, then a local kernel failed",
+        "    what.append(f'{type(e).__name__}: {str(e).splitlines()[0][:200]}')",
+        "    reproduced = 'Sharding propagation failed' not in str(e)",
+        "print('REPRODUCED' if reproduced else 'NOT REPRODUCED', *what[:4], sep='\\n  ')",
+    ]
+    return "\n".join(lines) + "\n"
