@@ -27,3 +27,18 @@ class Indeterminate(DecompShardError):
 class UsageError(DecompShardError):
     """Bad input to a command (a flag, a file, a module to import): printed as one line,
     exit code 2."""
+
+
+def one_line(e: BaseException, limit: int | None = None, *, with_type: bool = True) -> str:
+    """An exception as one line for tables, reasons and verdicts: `Type: first line of
+    its message`, the first line cut to `limit` characters, or just `Type` when the
+    message is empty. Torch's messages run to many lines (stack hints, suggestions);
+    their first line is the one that says what went wrong, and a table cell or a JSON
+    reason must stay on one line. `with_type=False` gives the message alone (the type
+    name when it is empty), for reasons that already say what kind of failure it was.
+    """
+    lines = str(e).strip().splitlines()
+    first = lines[0][:limit] if lines else ""
+    if not with_type:
+        return first or type(e).__name__
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__

@@ -185,7 +185,10 @@ def _wrap(text: str, width: int | None) -> list[str]:
     return textwrap.wrap(text, max(8, width), break_on_hyphens=False) or [""]
 
 
-def _one_line(text: Any) -> str:
+def _collapse_whitespace(text: Any) -> str:
+    """A reason on one line with nothing cut: its lines and runs of spaces joined by one
+    space (a table cell wraps it; `errors.one_line` is the other job, an exception's
+    first line)."""
     return " ".join(str(text).split())
 
 
@@ -230,7 +233,7 @@ def render_table(records: Sequence[dict[str, Any]], fmt: str = "text", width: in
     head = ["op", *(["calls"] if calls else []), "status", *SIDE_HEADS, "reason"]
     at = 3 if calls else 2  # the first count column
     rows = [[r["op"], *([str(r.get("calls", ""))] if calls else []), r["status"],
-             _counts(r, "decompshard", checked), _counts(r, "torch_fallback", checked), _one_line(r.get("reason") or "")]
+             _counts(r, "decompshard", checked), _counts(r, "torch_fallback", checked), _collapse_whitespace(r.get("reason") or "")]
             for r in records]
     legend = _legend(rows, checked, at) if rows else None
     if fmt == "markdown":

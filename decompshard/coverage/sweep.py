@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from decompshard import workers as _workers
 from decompshard._compat import sharding_propagator
+from decompshard.errors import one_line
 from decompshard.op_names import resolve_op
 from decompshard.solve.derive import DerivedRules, derive_rules
 from decompshard.dispatch_modes.tracing import has_decomposition
@@ -68,11 +69,6 @@ FACTORY = ("n/a: no tensor argument, so DTensor never dispatches it; create shar
            "torch.distributed.tensor.zeros/ones/full/empty/rand/randn or distribute_tensor")
 
 Sample = tuple[tuple, dict, str]  # (args, kwargs, label) as shipped to a worker
-
-
-def _one_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
 def registry_of(op: torch._ops.OpOverload) -> str | None:
@@ -222,14 +218,14 @@ def _analyse_sample(op: torch._ops.OpOverload, sample: Sample, verify: bool) -> 
         else:
             out["replicate_only"] = False
     except Exception as e:  # derive_rules should not raise; a crash is a finding
-        ds_rules, ds_reason = [], f"derive error: {_one_line(e)}"
+        ds_rules, ds_reason = [], f"derive error: {one_line(e)}"
         out["replicate_only"] = False
     try:
         a, k = fresh()
         tf = torch_fallback_rules(op, a, k)
         tf_rules, tf_reason = list(tf.rules), tf.unsupported_reason
     except Exception as e:
-        tf_rules, tf_reason = [], f"error: {_one_line(e)}"
+        tf_rules, tf_reason = [], f"error: {one_line(e)}"
     out.update(derived=[format_rule(r) for r in ds_rules], n_derived=len(ds_rules), reason=ds_reason or "")
     tf_out = {"status": "supported" if tf_rules else ("unsupported" if tf_reason else "replicate-only"),
               "reason": tf_reason or "", "rules": [format_rule(r) for r in tf_rules], "n_rules": len(tf_rules)}
@@ -246,7 +242,7 @@ def _analyse_sample(op: torch._ops.OpOverload, sample: Sample, verify: bool) -> 
                     out["untestable"] = truth.untestable
             tf_out.update({k: v for k, v in _score(tf_rules, rep).items() if k != "missed"})
         except Exception as e:
-            out["verify_error"] = _one_line(e)
+            out["verify_error"] = one_line(e)
     out["torch_fallback"] = tf_out
     out["seconds"] = round(time.perf_counter() - t0, 3)
     return out

@@ -46,6 +46,7 @@ from torch._ops import OpOverload
 from torch.utils._pytree import tree_flatten, tree_map
 
 from decompshard._compat import to_torch_placement
+from decompshard.errors import one_line
 from decompshard.placements import (
     PARTIALS,
     MaybePlacement,
@@ -193,12 +194,6 @@ def default_candidates(
     return itertools.product(*per_input)
 
 
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    msg = text[0] if text else ""
-    return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
-
-
 def _sharding_propagator():
     from decompshard._compat import sharding_propagator
 
@@ -285,16 +280,16 @@ def torch_fallback_rules(
             try:
                 out = ds._propagate_through_decomp(op_schema, tuple(full), fake_mesh)
             except (NotImplementedError, GuardOnDataDependentSymNode) as e:
-                result.unsupported_reason = _one_line(e)
+                result.unsupported_reason = one_line(e)
                 result.rules.clear()
                 result.unrepresentable.clear()
                 return result
             except (RuntimeError, KeyError, IndexError) as e:
-                reason = _one_line(e)
+                reason = one_line(e)
                 result.rejected[reason] = result.rejected.get(reason, 0) + 1
                 continue
             except Exception as e:  # torch: propagate_strategy raises -> op unsupported
-                result.unsupported_reason = _one_line(e)
+                result.unsupported_reason = one_line(e)
                 result.rules.clear()
                 result.unrepresentable.clear()
                 return result
@@ -345,7 +340,7 @@ def _expansion_error(sp, op_schema, mesh, single_dim_strategies, n_outputs) -> s
             mesh, strategy_schema, single_dim_strategies, input_index=n_outputs
         )
     except Exception as e:
-        return _one_line(e)
+        return one_line(e)
     return None
 
 
@@ -420,7 +415,7 @@ def _time_first_call(op, args, kwargs, mesh, include_sharding_prop: bool):
             strat = sp.decomp_strategy.propagate_strategy(op_schema)
             strategies = None if strat is None else [str(s) for s in strat.strategies]
     except Exception as e:  # torch's propagator would turn this into NotImplementedError
-        error = _one_line(e)
+        error = one_line(e)
     seconds = time.perf_counter() - t0
     _clear_torch_caches()
     return seconds, strategies, error

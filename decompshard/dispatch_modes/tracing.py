@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from decompshard._compat import TensorMeta, custom_op_implementation, torch_decomposition
-from decompshard.errors import DataDependent, UnsupportedOp
+from decompshard.errors import DataDependent, UnsupportedOp, one_line
 from decompshard.dispatch_modes import signs
 from decompshard.dispatch_modes.strided_kinds import annotate
 from decompshard.dispatch_modes.graph import CONST, INPUT, NODE, PrimGraph, PrimNode, ValueInfo, _is_container, leaves, map_leaves
@@ -174,7 +174,7 @@ def _as_decomposition(op: OpOverload, fn: Callable, what: str, hint: str = "") -
             raise
         except Exception as e:
             raise UnsupportedOp(f"custom op {op}'s {what} is not traceable torch code "
-                                f"(on meta tensors: {_one_line(e)}){hint}") from e
+                                f"(on meta tensors: {one_line(e, 200, with_type=False)}){hint}") from e
 
     decomposition.__name__ = decomposition.__qualname__ = f"{what.replace(' ', '_')}[{op}]"
     decomposition.origin = f"custom op {op}'s {what}"  # what explain says it traced
@@ -408,7 +408,7 @@ class TracingMode(TorchDispatchMode):
         except Exception as e:  # no meta kernel, or the op rejects these shapes
             if _tag_facts(func)[2]:
                 raise DataDependent(f"data-dependent: {func}'s output shape depends on values") from e
-            raise UnsupportedOp(f"{func} failed on meta tensors: {_one_line(e)}") from e
+            raise UnsupportedOp(f"{func} failed on meta tensors: {one_line(e, 200, with_type=False)}") from e
         values = rec.graph.values
         constant = all(values[v].kind == CONST for v in in_ids)
         kind = CONST if constant else NODE
@@ -465,11 +465,6 @@ def _device_on_meta(x: Any) -> Any:
     return _META if isinstance(x, torch.device) else x
 
 
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return (text[0] if text else type(e).__name__)[:200]
-
-
 def trace(
     op: OpOverload, args: tuple, kwargs: dict, is_primitive: Callable[[OpOverload], bool],
     decomp: Callable | None = None, *, shapes_only: bool = False,
@@ -502,8 +497,8 @@ def trace(
         raise
     except Exception as e:
         if "data-dependent" in str(e) or "meta tensor" in str(e) and "item" in str(e):
-            raise DataDependent(f"data-dependent: {_one_line(e)}") from e
-        raise UnsupportedOp(f"decomposition failed on meta tensors: {_one_line(e)}") from e
+            raise DataDependent(f"data-dependent: {one_line(e, 200, with_type=False)}") from e
+        raise UnsupportedOp(f"decomposition failed on meta tensors: {one_line(e, 200, with_type=False)}") from e
     if out is NotImplemented:
         raise UnsupportedOp(f"no decomposition: {op}'s decomposition declined these arguments")
     flat_out = leaves(out)

@@ -33,6 +33,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from decompshard._compat import TorchPartial, TorchReplicate, TorchShard, TorchStridedShard
+from decompshard.errors import one_line
 from decompshard.verify.rank_sim import close, make_parts, promote
 from decompshard.placements import REDUCE_OPS, Partial, _split_top_level, parse_mesh_shape
 
@@ -343,8 +344,7 @@ class _Reference:
 
 
 def _one_line(e: BaseException) -> str:
-    text = (str(e).strip().splitlines() or [""])[0][:200]
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return one_line(e, 200)
 
 
 def _floating(t: Any) -> bool:

@@ -26,6 +26,7 @@ from typing import Any, Sequence
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from decompshard.errors import one_line
 from decompshard.verify.rank_sim import close, leaves_equal, make_local, promote
 from decompshard.placements import MaybePlacement, Partial
 from decompshard.verify.dtensor_case import simulated_world  # one fake world for every DTensor check
@@ -74,8 +75,7 @@ def _to_torch(p: MaybePlacement) -> Any:
 
 
 def _one_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
+    return one_line(e, 200)
 
 
 def _error_kind(e: BaseException) -> str:

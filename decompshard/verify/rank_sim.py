@@ -39,6 +39,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from decompshard.errors import one_line
 from decompshard.placements import PARTIALS, MaybePlacement, Partial, R, Replicate, ShardPlaceholder, local_shape, shard_size_and_offset
 
 Draw = tuple[int, bool]  # (random seed, flipped): flipped reuses seed's draw, mirrored
@@ -447,7 +448,7 @@ class OpCase:
                 for i in which:
                     new[self.tensor_pos[i]] = fn(self.inputs[i], i)
             except Exception as e:  # a variant we cannot build is dropped, never fatal
-                self.dropped.append(f"{name}: could not derive it: {_err(e)}")
+                self.dropped.append(f"{name}: could not derive it: {one_line(e, 160)}")
                 continue
             s = self._sample(name, new, where_finite)
             if isinstance(s, str) or not _same_structure(s.ref_all, base.ref_all):
@@ -461,7 +462,7 @@ class OpCase:
             if not leaves_equal(ref, self._call(leaves)):
                 return "results differ between identical calls"
         except Exception as e:
-            return _err(e)
+            return one_line(e, 160)
         if self._probe_layouts:
             why = self._layout_dependence(leaves, ref)
             if why:
@@ -548,7 +549,7 @@ class OpCase:
         try:
             self._call(leaves)
         except Exception as e:
-            return _err(e)
+            return one_line(e, 160)
         return None
 
     def shape_error(self, inputs: Sequence[MaybePlacement], world_size: int) -> str | None:
@@ -592,7 +593,7 @@ class OpCase:
             try:
                 res = self._call(leaves)
             except Exception as e:
-                return f"the op raises on rank {r}'s local inputs: {_err(e)}"
+                return f"the op raises on rank {r}'s local inputs: {one_line(e, 160)}"
             if len(res) != len(sample.ref_all):
                 return f"rank {r} returned {len(res)} values, the single-device call {len(sample.ref_all)}"
             outs.append(res)
@@ -641,8 +642,3 @@ def _same_structure(a: list[Any], b: list[Any]) -> bool:
         if isinstance(x, torch.Tensor) and (x.dim() != y.dim() or x.dtype != y.dtype):
             return False
     return True
-
-
-def _err(e: BaseException) -> str:
-    msg = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {msg[0][:160] if msg else ''}"
