@@ -217,20 +217,22 @@ def custom_op_overload(obj: Any) -> Any:
     return obj._opoverload if isinstance(obj, CustomOpDef) else None
 
 
-def from_torch_placement(p: Any):
+def from_torch_placement(p: Any, *, strided: bool = False):
     """torch placement (or single-dim placeholder) -> decompshard's alphabet.
 
     Returns `NotImplemented` for placements the single-dim alphabet cannot express
     faithfully (a _StridedShard produced from a plain Shard, say); callers drop such rules.
+    With `strided` (an N-D placement of a real DTensor, not a rule's), a _StridedShard
+    becomes the `StridedShard` the placement grammar writes as `_S(d, sf)`.
     """
-    from decompshard.placements import R, Partial, ShardPlaceholder
+    from decompshard.placements import R, Partial, ShardPlaceholder, StridedShard
 
     if p is None:
         return None
     if isinstance(p, _ShardingPlaceholder):
         return ShardPlaceholder(p.dim)
     if isinstance(p, TorchStridedShard):
-        return NotImplemented
+        return StridedShard(p.dim, p.split_factor) if strided else NotImplemented
     if isinstance(p, TorchShard):
         return ShardPlaceholder(p.dim)
     if isinstance(p, TorchReplicate):
@@ -241,13 +243,16 @@ def from_torch_placement(p: Any):
 
 
 def to_torch_placement(p: Any) -> Any:
-    """decompshard placement -> torch placement (S(d) becomes a plain Shard(d), None stays)."""
-    from decompshard.placements import Partial, Replicate, ShardPlaceholder
+    """decompshard placement -> torch placement (S(d) becomes a plain Shard(d), None stays;
+    `_S(d, sf)` a _StridedShard(d, split_factor=sf))."""
+    from decompshard.placements import Partial, Replicate, ShardPlaceholder, StridedShard
 
     if p is None:
         return None
     if isinstance(p, ShardPlaceholder):
         return TorchShard(p.dim)
+    if isinstance(p, StridedShard) and p.inner == 1:
+        return TorchStridedShard(p.dim, split_factor=p.sf)
     if isinstance(p, Partial):
         return TorchPartial(p.reduce_op)
     if isinstance(p, Replicate):

@@ -12,6 +12,10 @@ The string form is a contract (tools and tests parse it)::
     "R, S(0), R -> S(0)"            tensor inputs in schema order -> tensor outputs
     "S(0), S(0) -> P(avg) [even]"   holds only when every sharded dim splits evenly
     "S(0) -> S(0), None"            an output that is not a tensor, or is masked off
+
+It is one grammar (see "the grammar" below) for rule strings and for the placements the
+commands take (`check --placements`, `explain --placements`, `explain --mesh-placements`),
+with one formatter per form whose output its parser reads back.
 """
 
 from __future__ import annotations
@@ -171,58 +175,131 @@ class SingleDimRule:
         return format_rule(self)
 
 
+# ------------------------------------------------------------------ the grammar
+#
+# One grammar for every placement a user or a tool writes: rule strings, `check
+# --placements`, `explain --placements` and `explain --mesh-placements`. A placement is
+#
+#     R | S(d) | P(sum|avg|max|min) | None | _S(d, sf) | _S(d, sf, inner)
+#
+# `_S(d, sf)` is torch's own spelling of `_StridedShard(d, split_factor=sf)` (its str()),
+# and the one this project writes; `SS(d, k)`, what `check --placements` took before, is
+# read as `_S(d, k)` so that old command lines keep working. Spaces inside and around a
+# placement do not matter. A list separates placements with `,`; a per-tensor N-D list
+# (one row per tensor input, one placement per mesh dim) separates rows with `;`:
+# "S(0),P(sum);_S(1,3),R". Every formatter below writes text its parser reads back.
+
+
 def format_placement(p: MaybePlacement) -> str:
+    """One placement as the grammar writes it: R, S(0), P(sum), _S(0, 4), None."""
     return "None" if p is None else str(p)
 
 
+def format_placements(placements: Iterable[MaybePlacement], sep: str = ", ") -> str:
+    """A list of placements: "R, S(1), S(0)" (the left or right side of a rule)."""
+    return sep.join(format_placement(p) for p in placements)
+
+
+def format_placement_rows(rows: Iterable[Iterable[MaybePlacement]]) -> str:
+    """Per tensor input, one placement per mesh dim, in the compact form the command
+    lines take: "S(0),P(sum);_S(1,3),R" (no spaces, so it stays one shell word)."""
+    return ";".join(",".join(format_placement(p).replace(" ", "") for p in row) for row in rows)
+
+
 def format_rule(rule: SingleDimRule) -> str:
-    lhs = ", ".join(format_placement(p) for p in rule.inputs)
-    rhs = ", ".join(format_placement(p) for p in rule.outputs)
-    return f"{lhs} -> {rhs}" + (" [even]" if rule.even_only else "")
+    return f"{format_placements(rule.inputs)} -> {format_placements(rule.outputs)}" + (
+        " [even]" if rule.even_only else "")
 
 
-_PLACEMENT_RE = re.compile(r"^(?:(R)|S\((-?\d+)\)|P\((\w+)\)|(None))$")
-_STRIDED_RE = re.compile(r"^_S\(\s*(\d+)\s*,\s*(\d+)\s*(?:,\s*(\d+)\s*)?\)$")
+_TOKEN_RE = re.compile(
+    r"^(?:(?P<r>R)|(?P<none>None)|S\(\s*(?P<s>-?\d+)\s*\)|P\(\s*(?P<p>\w+)\s*\)"
+    r"|_S\(\s*(?P<sd>\d+)\s*,\s*(?P<sf>\d+)\s*(?:,\s*(?P<inner>\d+)\s*)?\)"
+    r"|SS\(\s*(?P<ssd>\d+)\s*,\s*(?P<ssk>\d+)\s*\))$"
+)
 
 
 def parse_placement(text: str, *, strided: bool = False) -> MaybePlacement:
-    """Parse `R`, `S(d)`, `P(sum|avg|max|min)` or `None`, and with `strided` a
-    graph-internal strided shard `_S(d, sf)` / `_S(d, sf, inner)`; raise ValueError
-    otherwise (an op's own inputs and outputs are never strided shards)."""
-    s = text.strip()
-    m_strided = _STRIDED_RE.match(s)
-    if m_strided and not strided:
+    """Parse one placement of the grammar above; ValueError otherwise. Strided shards
+    (`_S(d, sf)`, `_S(d, sf, inner)`, `SS(d, k)`) only with `strided`: an op's own
+    inputs and outputs in a single-dim rule are never strided shards (they exist inside
+    a traced decomposition, and as the N-D placements of a real DTensor)."""
+    m = _TOKEN_RE.match(text.strip())
+    if not m:
+        raise ValueError(
+            f"malformed placement {text!r}: expected R, S(<dim>), P(sum|avg|max|min), None "
+            "or a strided shard _S(<dim>, <split factor>)"
+        )
+    g = m.groupdict()
+    if g["sd"] is not None or g["ssd"] is not None:
+        return _strided(text, g, strided)
+    if g["r"]:
+        return R
+    if g["s"] is not None:
+        if int(g["s"]) < 0:
+            raise ValueError(f"malformed placement {text!r}: shard dim must be >= 0")
+        return ShardPlaceholder(int(g["s"]))
+    if g["p"] is not None:
+        try:
+            return Partial(g["p"])
+        except ValueError as e:  # an unknown reduce op
+            raise ValueError(f"malformed placement {text!r}: {e}") from None
+    return None
+
+
+def _strided(text: str, g: dict, allowed: bool) -> StridedShard:
+    if not allowed:
         raise ValueError(
             f"placement {text!r} is a strided shard, which exists only inside a traced "
             "decomposition: an op's inputs and outputs are R, S(<dim>) or P(sum|avg|max|min)"
         )
-    if m_strided:
-        dim, sf, inner = (int(g or 1) for g in m_strided.groups())
-        if sf < 1 or inner < 1:
-            raise ValueError(f"malformed placement {text!r}: split factors must be >= 1")
-        return StridedShard(dim, sf, inner)
-    m = _PLACEMENT_RE.match(s)
-    if not m:
-        raise ValueError(
-            f"malformed placement {text!r}: expected R, S(<dim>), P(sum|avg|max|min) or None"
-        )
-    if m.group(1):
-        return R
-    if m.group(2) is not None:
-        dim = int(m.group(2))
-        if dim < 0:
-            raise ValueError(f"malformed placement {text!r}: shard dim must be >= 0")
-        return ShardPlaceholder(dim)
-    if m.group(3) is not None:
-        return Partial(m.group(3))  # raises ValueError for unknown reduce ops
-    return None
+    if g["sd"] is not None:
+        dim, sf, inner = int(g["sd"]), int(g["sf"]), int(g["inner"] or 1)
+    else:
+        dim, sf, inner = int(g["ssd"]), int(g["ssk"]), 1
+    if sf < 1 or inner < 1:
+        raise ValueError(f"malformed placement {text!r}: split factors must be >= 1")
+    return StridedShard(dim, sf, inner)
 
 
 def parse_placements(text: str, sep: str = ",", *, strided: bool = False) -> tuple[MaybePlacement, ...]:
-    """Parse a separated list of placements, e.g. "R, S(1), S(0)"."""
+    """Parse a separated list of placements, e.g. "R, S(1), S(0)" (blank text: none)."""
     if not text.strip():
         return ()
-    return tuple(parse_placement(part, strided=strided) for part in _split_top_level(text, sep))
+    return tuple(parse_placement(part, strided=strided) for part in split_top_level(text, sep))
+
+
+def parse_placement_rows(text: str, *, strided: bool = True) -> tuple[tuple[MaybePlacement, ...], ...]:
+    """Inverse of `format_placement_rows`: "S(0),P(sum);_S(1,3),R" -> per tensor input
+    (';'-separated), one placement per mesh dim (','-separated). Grammar only:
+    `check_placement_rows` checks the rows against the tensors and the mesh."""
+    return tuple(parse_placements(row, ",", strided=strided) for row in text.split(";"))
+
+
+def check_placement_rows(
+    rows: Sequence[Sequence[MaybePlacement]], shapes: Sequence[Sequence[int]], ndim: int,
+    names: Sequence[str] | None = None,
+) -> None:
+    """ValueError unless `rows` can lay out tensors of `shapes` on an `ndim`-D mesh: one
+    row per tensor, one placement per mesh dim, no None, shard dims in range, one Partial
+    reduce op per tensor (a mix has no single meaning), and strided shards DTensor can
+    hold (`_S(d, k)`, k >= 2). `names` (one per tensor) go into the messages."""
+    if len(rows) != len(shapes):
+        listed = f" ({', '.join(names)})" if names else ""
+        raise ValueError(f"expected mesh placements for {len(shapes)} tensor inputs{listed}, got {len(rows)}")
+    for i, (row, shape) in enumerate(zip(rows, shapes)):
+        who = f"input {i} ({names[i]})" if names else f"input {i}"
+        if len(row) != ndim:
+            raise ValueError(f"{who}: expected {ndim} placements (one per mesh dim), got {len(row)}")
+        for p in row:
+            if p is None:
+                raise ValueError(f"{who}: a tensor placement cannot be None")
+            if is_shard(p) and p.dim >= len(shape):
+                raise ValueError(f"{who} has {len(shape)} dims: {p} is out of range")
+            if isinstance(p, StridedShard) and (p.sf < 2 or p.inner != 1):
+                raise ValueError(f"{who}: {p}: a strided shard on a mesh is _S(<dim>, <split factor>), "
+                                 "split factor >= 2 (DTensor's _StridedShard)")
+        if len({p.reduce_op for p in row if isinstance(p, Partial)}) > 1:
+            raise ValueError(f"{who}: one Partial reduce op per tensor (mixed reductions have no single meaning)")
 
 
 def parse_rule(text: str, *, strided: bool = False) -> SingleDimRule:
@@ -238,8 +315,8 @@ def parse_rule(text: str, *, strided: bool = False) -> SingleDimRule:
     return SingleDimRule(parse_placements(lhs, strided=strided), parse_placements(rhs, strided=strided), even_only=even)
 
 
-def _split_top_level(text: str, sep: str) -> list[str]:
-    """Split on `sep` outside parentheses ("S(0), P(sum)" -> ["S(0)", "P(sum)"])."""
+def split_top_level(text: str, sep: str) -> list[str]:
+    """Split on `sep` outside parentheses ("S(0), _S(1, 2)" -> ["S(0)", " _S(1, 2)"])."""
     parts, depth, cur = [], 0, []
     for ch in text:
         if ch == "(":

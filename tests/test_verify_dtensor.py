@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import decompshard
+from decompshard._compat import TorchStridedShard
 from decompshard.runtime.enable import switched
 from decompshard.verify.dtensor_case import Outcome, device_mesh, format_placements, make_dtensor, parse_mesh, parse_placements, per_rank_values, random_placements, run_case, simulated_world
 
@@ -37,8 +38,11 @@ def _case(op, args, text, mesh="2x3", *, seed=0, on=True, kwargs=None, backward=
 
 
 def test_placement_text_round_trips_and_rejects_bad_input():
-    rows = parse_placements("S(0),P(sum);SS(1,3),R", [(4,), (2, 6)], 2)
-    assert format_placements(rows) == "S(0),P(sum);SS(1,3),R"
+    rows = parse_placements("S(0),P(sum);_S(1,3),R", [(4,), (2, 6)], 2)
+    assert format_placements(rows) == "S(0),P(sum);_S(1,3),R"
+    assert rows[1][0] == TorchStridedShard(1, split_factor=3)
+    # the spelling check took before reads the same (old command lines keep working)
+    assert parse_placements("S(0), P(sum); SS(1,3), R", [(4,), (2, 6)], 2) == rows
     for bad, why in [("S(0),R", "2 tensor inputs"), ("S(0),R;R", "one per mesh dim"),
                      ("S(3),R;R,R", "out of range"), ("P(mean),R;R,R", "malformed"),
                      ("P(sum),P(max);R,R", "one Partial reduce op"), ("SS(0,1),R;R,R", "split factor")]:
@@ -49,7 +53,7 @@ def test_placement_text_round_trips_and_rejects_bad_input():
         parse_mesh("2y3")
 
 
-@pytest.mark.parametrize("text", ["S(0),P(sum)", "P(avg),S(1)", "P(max),P(max)", "S(1),P(min)", "SS(0,2),R"])
+@pytest.mark.parametrize("text", ["S(0),P(sum)", "P(avg),S(1)", "P(max),P(max)", "S(1),P(min)", "_S(0,2),R"])
 def test_made_dtensors_hold_the_value_asked_for(text):
     # Random Partial parts and strided shards must combine back to the value exactly.
     from torch.distributed._local_tensor import LocalTensorMode
@@ -94,7 +98,7 @@ def test_random_placements_cover_the_alphabet():
         for row in random_placements([(6, 4), (5,)], [True, False], (2, 3), rng):
             seen.update(format_placements([row]).replace(";", ",").split(","))
     assert {"R", "S(0)", "S(1)", "P(sum)", "P(avg)", "P(max)", "P(min)"} <= seen
-    assert any(s.startswith("SS(") for s in seen)
+    assert any(s.startswith("_S(") for s in seen)
 
 
 # ------------------------------------------------------------------ regressions

@@ -31,7 +31,7 @@ from decompshard.op_names import resolve_op
 from decompshard.solve.derive import DerivedRules, derive_rules, native_rules, traced, unsupported_inputs
 from decompshard.dispatch_modes.graph import PrimGraph, PrimNode
 from decompshard.solve.localcheck import LocalVerdict, check_local
-from decompshard.placements import MaybePlacement, P, Partial, Placement, R, Replicate, ShardPlaceholder, SingleDimRule, format_rule, parse_mesh_shape, parse_placement, parse_placements
+from decompshard.placements import MaybePlacement, P, Partial, Placement, R, Replicate, ShardPlaceholder, SingleDimRule, StridedShard, check_placement_rows, format_rule, parse_mesh_shape, parse_placement, parse_placement_rows, parse_placements
 from decompshard.solve.propagate import Propagation, Survivor, input_alphabet, propagate
 from decompshard.rules import rules_for
 
@@ -266,12 +266,16 @@ def parse_candidate(
     return got
 
 
-def _to_placement(p: Any) -> MaybePlacement:
+def _to_placement(p: Any, *, strided: bool = False) -> MaybePlacement:
+    """A placement given as an object (ours, torch's) or text, in the grammar's types;
+    strided shards only where they can be (`strided`: an N-D placement, not a rule's)."""
     if isinstance(p, (Replicate, ShardPlaceholder, Partial)) or p is None:
         return p
+    if isinstance(p, StridedShard) and strided:
+        return p
     if isinstance(p, str):
-        return parse_placement(p)
-    q = from_torch_placement(p)
+        return parse_placement(p, strided=strided)
+    q = from_torch_placement(p, strided=strided)
     if q is NotImplemented:
         raise ValueError(f"placement {p!r} has no single-dim form (R, S(d), P(op))")
     return q
@@ -478,33 +482,16 @@ def parse_mesh_placements(
     metas: Sequence[TensorMeta],
     names: Sequence[str],
 ) -> tuple[tuple[Any, ...], ...]:
-    """Per tensor input, one torch placement per mesh dim."""
+    """Per tensor input, one torch placement per mesh dim: the text `check --placements`
+    takes (placements.py's grammar and checks), converted to torch's types."""
     from decompshard._compat import to_torch_placement
 
     if isinstance(text, str):
-        entries = [e for e in text.split(";")]
-        rows = [parse_placements(e, ",") for e in entries]
+        rows = parse_placement_rows(text)
     else:
-        rows = [tuple(_to_placement(p) for p in row) for row in text]
-    if len(rows) != len(metas):
-        raise ValueError(
-            f"expected mesh placements for {len(metas)} tensor inputs ({', '.join(names)}), "
-            f"got {len(rows)}"
-        )
-    out = []
-    for i, (row, m) in enumerate(zip(rows, metas)):
-        if len(row) != ndim:
-            raise ValueError(
-                f"input {i} ({names[i]}): expected {ndim} placements (one per mesh dim), "
-                f"got {len(row)}"
-            )
-        for p in row:
-            if p is None:
-                raise ValueError(f"input {i} ({names[i]}): a tensor placement cannot be None")
-            if isinstance(p, ShardPlaceholder) and p.dim >= len(m.shape):
-                raise ValueError(f"input {i} ({names[i]}) has {len(m.shape)} dims: {p} is out of range")
-        out.append(tuple(to_torch_placement(p) for p in row))
-    return tuple(out)
+        rows = tuple(tuple(_to_placement(p, strided=True) for p in row) for row in text)
+    check_placement_rows(rows, [m.shape for m in metas], ndim, names)
+    return tuple(tuple(to_torch_placement(p) for p in row) for row in rows)
 
 
 def mesh_report(op, args, kwargs, mesh, mesh_placements, metas, names) -> MeshReport:

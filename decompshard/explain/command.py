@@ -95,7 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mesh-placements",
         help="with --mesh: per tensor input (';'-separated) its current placement on each mesh "
-        "dim (','-separated), e.g. 'R,S(0);S(1),S(0);S(0),R'",
+        "dim (','-separated), e.g. 'R,S(0);S(1),S(0);S(0),R' (the text check --placements takes; "
+        "_S(d,k) for a _StridedShard)",
     )
     parser.add_argument(
         "-i", "--interactive", action="store_true",

@@ -495,12 +495,8 @@ def _tp(p: Any) -> str:
     """A torch placement in the short alphabet (S(d), R, P(op)); None -> None."""
     if p is None:
         return "None"
-    q = from_torch_placement(p)
-    if q is NotImplemented:
-        if hasattr(p, "split_factor"):
-            return f"SS({p.dim},{p.split_factor})"
-        return str(p)
-    return format_placement(q)
+    q = from_torch_placement(p, strided=True)  # _StridedShard as the grammar writes it, _S(d, sf)
+    return str(p) if q is NotImplemented else format_placement(q)
 
 
 def _us(seconds: float) -> str:

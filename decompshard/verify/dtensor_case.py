@@ -13,9 +13,10 @@ A case's verdict is `ok`, `WRONG` (a number or a DTensor's metadata disagrees wi
 device: the bug class that corrupts training runs) or `error` (the op raised). The same
 case can be run with decompshard enabled or with torch's own fallback, side by side.
 
-Placement text, per tensor input ';'-separated, per mesh dim ','-separated:
-`R`, `S(d)`, `P(sum|avg|max|min)`, and `SS(d,k)` for `_StridedShard(d, split_factor=k)`,
-e.g. "S(0),P(sum);S(0),S(0)" for two inputs on a 2-D mesh.
+Placement text, per tensor input ';'-separated, per mesh dim ','-separated, in the one
+placement grammar (placements.py): `R`, `S(d)`, `P(sum|avg|max|min)`, and `_S(d,k)` for
+`_StridedShard(d, split_factor=k)` (`SS(d,k)` is read too), e.g. "S(0),P(sum);S(0),S(0)"
+for two inputs on a 2-D mesh.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import contextlib
 import itertools
 import math
 import random
-import re
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
@@ -32,10 +32,10 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from decompshard._compat import TorchPartial, TorchReplicate, TorchShard, TorchStridedShard
+from decompshard._compat import TorchPartial, TorchReplicate, TorchShard, TorchStridedShard, from_torch_placement, to_torch_placement
 from decompshard.errors import one_line
 from decompshard.verify.rank_sim import close, make_parts, promote
-from decompshard.placements import REDUCE_OPS, Partial, _split_top_level, parse_mesh_shape
+from decompshard.placements import REDUCE_OPS, Partial, check_placement_rows, format_placement_rows, parse_mesh_shape, parse_placement_rows
 
 TorchPlacement = Any
 MESHES: dict[str, tuple[int, ...]] = {"1d": (6,), "2d": (2, 3), "3d": (2, 2, 2)}
@@ -45,57 +45,26 @@ STATUSES = ("ok", "WRONG", "error", "n/a")
 # ------------------------------------------------------------------ placement text
 
 
-_TOKEN = re.compile(r"^(?:(R)|S\((\d+)\)|P\((\w+)\)|SS\((\d+),\s*(\d+)\))$")
-
-
-def format_placement(p: TorchPlacement) -> str:
-    if isinstance(p, TorchStridedShard):
-        return f"SS({p.dim},{p.split_factor})"
-    if isinstance(p, TorchShard):
-        return f"S({p.dim})"
-    if isinstance(p, TorchPartial):
-        return f"P({p.reduce_op})"
-    if isinstance(p, TorchReplicate):
-        return "R"
-    raise TypeError(f"not a plain DTensor placement: {p!r}")
-
-
 def format_placements(rows: Sequence[Sequence[TorchPlacement]]) -> str:
-    return ";".join(",".join(format_placement(p) for p in row) for row in rows)
-
-
-def parse_placement(text: str) -> TorchPlacement:
-    m = _TOKEN.match(text.strip())
-    if not m:
-        raise ValueError(f"malformed placement {text.strip()!r}: expected R, S(d), P(sum|avg|max|min) or SS(d,k)")
-    if m.group(1):
-        return TorchReplicate()
-    if m.group(2) is not None:
-        return TorchShard(int(m.group(2)))
-    if m.group(3) is not None:
-        if m.group(3) not in REDUCE_OPS:
-            raise ValueError(f"malformed placement {text.strip()!r}: reduce op must be one of {REDUCE_OPS}")
-        return TorchPartial(m.group(3))
-    k = int(m.group(5))
-    if k < 2:
-        raise ValueError(f"malformed placement {text.strip()!r}: split factor must be >= 2")
-    return TorchStridedShard(int(m.group(4)), split_factor=k)
+    """Per tensor input, torch placements in the placement grammar: "S(0),P(sum);_S(1,3),R"."""
+    return format_placement_rows([_grammar(p) for p in row] for row in rows)
 
 
 def parse_placements(text: str, shapes: Sequence[Sequence[int]], ndim: int) -> tuple[tuple[TorchPlacement, ...], ...]:
-    """'S(0),P(sum);R,S(1)' -> per tensor input, one torch placement per mesh dim."""
-    rows = [tuple(parse_placement(t) for t in _split_top_level(e, ",")) for e in text.split(";")]
-    if len(rows) != len(shapes):
-        raise ValueError(f"expected placements for {len(shapes)} tensor inputs, got {len(rows)}")
-    for i, (row, shape) in enumerate(zip(rows, shapes)):
-        if len(row) != ndim:
-            raise ValueError(f"input {i}: expected {ndim} placements (one per mesh dim), got {len(row)}")
-        for p in row:
-            if isinstance(p, (TorchShard, TorchStridedShard)) and p.dim >= len(shape):
-                raise ValueError(f"input {i} has {len(shape)} dims: {format_placement(p)} is out of range")
-        if len({p.reduce_op for p in row if isinstance(p, TorchPartial)}) > 1:
-            raise ValueError(f"input {i}: one Partial reduce op per tensor (mixed reductions have no single meaning)")
-    return tuple(rows)
+    """'S(0),P(sum);R,S(1)' -> per tensor input, one torch placement per mesh dim (the
+    grammar and its checks are placements.py's; this only converts to torch's types)."""
+    rows = parse_placement_rows(text)
+    check_placement_rows(rows, shapes, ndim)
+    return tuple(tuple(to_torch_placement(p) for p in row) for row in rows)
+
+
+def _grammar(p: TorchPlacement) -> Any:
+    if isinstance(p, TorchPartial):  # subclasses too (_NormPartial, _MaskPartial): shown by their reduction
+        return Partial(p.reduce_op)
+    q = from_torch_placement(p, strided=True)
+    if q is None or q is NotImplemented:
+        raise TypeError(f"not a plain DTensor placement: {p!r}")
+    return q
 
 
 def parse_mesh(text: str | Sequence[int]) -> tuple[int, ...]:
