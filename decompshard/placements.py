@@ -369,16 +369,36 @@ def splits_evenly(size: int, world_size: int) -> bool:
 
 
 def local_shape(
-    shape: Sequence[int], placement: MaybePlacement, world_size: int, rank: int
+    shape: Sequence[int], placements: Sequence[MaybePlacement], mesh: Sequence[int], coord: Sequence[int]
 ) -> tuple[int, ...]:
-    """The shape rank `rank` holds of a tensor of global `shape` under `placement`."""
+    """The shape the rank at `coord` of a mesh of shape `mesh` holds of a tensor of global
+    `shape` laid out by `placements` (one per mesh dim); a 1-D mesh of W ranks is
+    `local_shape(shape, (p,), (W,), (rank,))`.
+
+    Mesh dims apply left to right, each splitting what the earlier ones left (DTensor's
+    default shard order), torch.chunk-style (`shard_size`). A strided shard `_S(d, sf,
+    inner)` splits its dim into sf blocks (torch.chunk-style when sf does not divide the
+    dim, as torch's _StridedShard does) and each block's units of `inner` elements over
+    the ranks. This is the arithmetic of torch's `_compute_local_shape_and_global_offset`
+    (test_placements checks the two agree over every placement kind and uneven sizes),
+    done here without building index tensors: the solver's local-shape check calls it
+    for every candidate, rank and value. torch's placements go through
+    `mesh.lift.local_shape_nd`, which converts them.
+    """
     out = list(shape)
-    if isinstance(placement, ShardPlaceholder):
-        out[placement.dim] = shard_size(shape[placement.dim], world_size, rank)
-    elif isinstance(placement, StridedShard):
-        p = placement
-        out[p.dim] = p.sf * shard_size(p.units(shape[p.dim]), world_size, rank) * p.inner
+    for p, n, c in zip(placements, mesh, coord):
+        if isinstance(p, ShardPlaceholder):
+            out[p.dim] = shard_size(out[p.dim], n, c)
+        elif isinstance(p, StridedShard):
+            out[p.dim] = _strided_size(out[p.dim], p, n, c)
     return tuple(out)
+
+
+def _strided_size(size: int, p: StridedShard, world_size: int, rank: int) -> int:
+    if p.inner != 1 or size % p.sf == 0:  # sf blocks of `a` units of `inner`
+        return p.sf * shard_size(p.units(size), world_size, rank) * p.inner
+    block = -(-size // p.sf)  # torch's _StridedShard on a dim its split factor leaves uneven
+    return sum(shard_size(max(0, min(block, size - b * block)), world_size, rank) for b in range(p.sf))
 
 
 def rules_as_strings(rules: Iterable[SingleDimRule]) -> list[str]:

@@ -170,14 +170,18 @@ def test_wrong_number_of_placements_is_a_value_error():
 
 
 def test_local_shape_matches_torch():
+    # uneven sizes, strided shards whose split factor leaves the dim uneven, several mesh
+    # dims on one tensor dim: the arithmetic must be torch's
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     rng = random.Random(0)
-    for _ in range(500):
+    for _ in range(800):
         nd = rng.randint(1, 3)
         mesh = tuple(rng.choice([1, 2, 3, 4]) for _ in range(rng.randint(1, 3)))
         shape = tuple(rng.randint(0, 9) for _ in range(nd))
-        placements = [rng.choice([R, PSUM, Shard(rng.randrange(nd)), Shard(-1)]) for _ in mesh]
+        placements = [rng.choice([R, PSUM, Shard(rng.randrange(nd)), Shard(-1),
+                                  _StridedShard(rng.randrange(nd), split_factor=rng.randint(2, 4))]) for _ in mesh]
         for coord in itertools.product(*(range(m) for m in mesh)):
             want = tuple(_compute_local_shape_and_global_offset(shape, mesh, list(coord), placements)[0])
             assert local_shape_nd(shape, placements, mesh, coord) == want, (shape, placements, mesh, coord)

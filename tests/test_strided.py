@@ -54,7 +54,7 @@ def test_strided_shard_is_dtensors_strided_shard():
         theirs, _ = _StridedShard(0, split_factor=4)._split_tensor(x, W, with_padding=False)
         for r in range(W):
             assert torch.equal(shard(x, StridedShard(0, 4), W, r), theirs[r])
-            assert tuple(theirs[r].shape) == local_shape(x.shape, StridedShard(0, 4), W, r)
+            assert tuple(theirs[r].shape) == local_shape(x.shape, (StridedShard(0, 4),), (W,), (r,))
 
 
 def test_strided_placements_print_and_parse():
@@ -102,7 +102,7 @@ def test_view_algebra_matches_real_views(chain):
         for W in (2, 3, 4):
             for r in range(W):
                 want = shard(y, q, W, r)
-                assert tuple(want.shape) == local_shape(y.shape, q, W, r)
+                assert tuple(want.shape) == local_shape(y.shape, (q,), (W,), (r,))
                 assert torch.equal(shard(x, p, W, r).reshape(want.shape), want)
         x, p = y, q
 

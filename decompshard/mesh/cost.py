@@ -328,7 +328,10 @@ def _normalize(p: Placement, ndim: int) -> _Pl:
 
 def _local_shape(shape: Sequence[int], placements: Sequence[_Pl],
                  sizes: Sequence[int]) -> list[int]:
-    """Largest local shard: ceil-divide each sharded dim, mesh dim by mesh dim."""
+    """Largest local shard: ceil-divide each sharded dim, mesh dim by mesh dim. Not
+    `placements.local_shape`: no rank's shape but the largest (what padded collectives
+    move), on the model's own placement type, with _StridedShard sized like Shard (see
+    the module docstring)."""
     out = list(shape)
     for p, n in zip(placements, sizes):
         if _is_shard(p):

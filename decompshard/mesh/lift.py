@@ -37,7 +37,7 @@ from decompshard.mesh.cost import H100, Cost, CostBound, MeshShape, Topology, by
 from decompshard.solve.derive import derive_rules
 from decompshard.dispatch_modes.clean import clean_dispatch_state
 from decompshard.solve.localcheck import real_kernel_refusal
-from decompshard.placements import MaybePlacement, Partial, R, ShardPlaceholder, SingleDimRule
+from decompshard.placements import MaybePlacement, Partial, R, ShardPlaceholder, SingleDimRule, StridedShard, local_shape
 
 TorchPlacement = Any
 MAX_LISTED = 4096  # strategies rank_strategies checks (beyond: up to the first valid one)
@@ -106,20 +106,17 @@ def expand(rules: Sequence[SingleDimRule], current: Sequence[Sequence[TorchPlace
 
 
 def local_shape_nd(shape: Sequence[int], placements: Sequence[TorchPlacement], mesh: Sequence[int], coord: Sequence[int]) -> tuple[int, ...]:
-    """The local shape on the rank at `coord`: torch.chunk layout, mesh dims in order."""
-    if any(isinstance(p, TorchStridedShard) for p in placements):
-        from decompshard._compat import _compute_local_shape_and_global_offset
-        from torch.utils._python_dispatch import _disable_current_modes
+    """`placements.local_shape` for torch's placements (what DTensors and their specs
+    carry): the local shape on the rank at `coord`, mesh dims in order."""
+    return local_shape(shape, [_shard_layout(p) for p in placements], mesh, coord)
 
-        with _disable_current_modes():  # it builds small index tensors
-            return tuple(_compute_local_shape_and_global_offset(tuple(shape), tuple(mesh), list(coord), list(placements))[0])
-    out = list(shape)
-    for p, n, c in zip(placements, mesh, coord):  # the fast path: plain Shard only
-        if isinstance(p, TorchShard) and n > 1:
-            d = p.dim % len(out)
-            chunk = -(-out[d] // n)
-            out[d] = max(0, min(chunk, out[d] - c * chunk))
-    return tuple(out)
+
+def _shard_layout(p: TorchPlacement) -> MaybePlacement:
+    if isinstance(p, TorchStridedShard):
+        return StridedShard(p.dim, p.split_factor)
+    if isinstance(p, TorchShard):
+        return ShardPlaceholder(p.dim)
+    return R  # Replicate, Partial and its subclasses: every rank holds the whole shape
 
 
 def ranked(

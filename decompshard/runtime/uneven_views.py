@@ -45,12 +45,13 @@ import itertools
 import math
 import threading
 import warnings
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 import torch
 
-from decompshard._compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, TorchReplicate, TorchShard, TorchStridedShard, _compute_local_shape_and_global_offset, clear_dtensor_caches, redistribute_cost, sharding_propagator, view_family_ops, view_shape_arg_index
+from decompshard._compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, TorchReplicate, TorchShard, TorchStridedShard, clear_dtensor_caches, redistribute_cost, sharding_propagator, view_family_ops, view_shape_arg_index
 
+from decompshard.mesh.lift import local_shape_nd
 from decompshard.runtime.table_patches import TablePatches
 
 __all__ = ["install", "is_installed", "uninstall"]
@@ -161,17 +162,12 @@ def _redistributed(op: Any, op_schema: Any, native: Callable, spec: Any) -> list
 
 def _uneven(spec: Any) -> bool:
     """Whether some rank's local shape differs from another's."""
-    shapes = {tuple(_local_shape(spec.tensor_meta.shape, spec, c)) for c in _coords(tuple(spec.mesh.shape))}
+    shapes = {tuple(local_shape_nd(spec.tensor_meta.shape, spec.placements, tuple(spec.mesh.shape), c)) for c in _coords(tuple(spec.mesh.shape))}
     return len(shapes) > 1
 
 
 def _coords(mesh_shape: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
     return itertools.product(*(range(s) for s in mesh_shape))
-
-
-def _local_shape(global_shape: Sequence[int], spec: Any, coord: Sequence[int]) -> tuple[int, ...]:
-    return tuple(_compute_local_shape_and_global_offset(
-        tuple(global_shape), tuple(spec.mesh.shape), list(coord), list(spec.placements), skip_offset=True)[0])
 
 
 def _fits(op: Any, op_schema: Any, answer: Any) -> bool:
@@ -194,8 +190,8 @@ def _fits(op: Any, op_schema: Any, answer: Any) -> bool:
             return True  # the local op is the global op: DTensor's meta run already made it
         checked = set()
         for coord in _coords(tuple(in_spec.mesh.shape)):
-            local_in = _local_shape(tm.shape, in_spec, coord)
-            claimed = _local_shape(global_out, out_spec, coord)
+            local_in = local_shape_nd(tm.shape, in_spec.placements, tuple(in_spec.mesh.shape), coord)
+            claimed = local_shape_nd(global_out, out_spec.placements, tuple(out_spec.mesh.shape), coord)
             if (local_in, claimed) in checked:
                 continue
             checked.add((local_in, claimed))

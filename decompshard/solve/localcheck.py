@@ -120,7 +120,7 @@ def _check_world_size(graph, cand, args, kwargs, trace_at, W: int) -> tuple[str,
     seen: set[tuple] = set()
     for r in range(W):
         shapes = tuple(
-            local_shape(graph.meta(v).shape, p, W, r) for v, p in zip(graph.inputs, cand.inputs)
+            local_shape(graph.meta(v).shape, (p,), (W,), (r,)) for v, p in zip(graph.inputs, cand.inputs)
         )
         if shapes in seen:
             continue
@@ -199,7 +199,7 @@ def _compare_shapes(g: PrimGraph, l, cand: Survivor, W: int, r: int, g_nodes, l_
             p = env.get(gv)
             if p is None and not gn.constant:
                 continue
-            want = local_shape(g.meta(gv).shape, p, W, r)
+            want = local_shape(g.meta(gv).shape, (p,), (W,), (r,))
             got = tuple(l.meta(lv).shape)
             if got != want:
                 return (
@@ -230,7 +230,7 @@ def _compare_outputs_only(g: PrimGraph, l: PrimGraph, cand: Survivor, W: int, r:
     for gv, lv, p in zip(g.outputs, l.outputs, cand.outputs):
         if gv is None or lv is None:
             continue
-        want = local_shape(g.meta(gv).shape, p, W, r)
+        want = local_shape(g.meta(gv).shape, (p,), (W,), (r,))
         got = tuple(l.meta(lv).shape)
         if got != want:
             return f"an empty shard gives output shape {list(got)}, {p} needs {list(want)}"
@@ -268,7 +268,7 @@ def _real_kernel_on_empty_shard(g: PrimGraph, cand: Survivor, args, kwargs, shap
     for shape, gv, p in zip(got, g.outputs, cand.outputs):
         if gv is None or shape is None:
             continue
-        want = local_shape(g.meta(gv).shape, p, W, r)
+        want = local_shape(g.meta(gv).shape, (p,), (W,), (r,))
         if shape != want:
             return f"on an empty shard the op returns shape {list(shape)}, {p} needs {list(want)}"
     return ""

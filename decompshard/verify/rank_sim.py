@@ -567,7 +567,7 @@ class OpCase:
         if not self._meta_trusted:
             return None
         for r in range(world_size):
-            shapes = tuple(local_shape(x.shape, p, world_size, r) for x, p in zip(self.inputs, inputs))
+            shapes = tuple(local_shape(x.shape, (p,), (world_size,), (r,)) for x, p in zip(self.inputs, inputs))
             if shapes not in self._meta_verdicts:
                 self._meta_verdicts[shapes] = self._meta_call(shapes)
             if self._meta_verdicts[shapes]:
