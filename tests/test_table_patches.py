@@ -9,10 +9,11 @@ import inspect
 import sys
 import threading
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from decompshard.runtime.table_patches import TablePatches
+from decompshard.runtime.table_patches import TablePatches, where_none
 
 
 class _Holder:
@@ -66,6 +67,16 @@ def test_a_slot_set_twice_gets_its_first_value_back():
     assert table["a"] == 2
     patches.uninstall()
     assert table["a"] is first
+
+
+def test_where_none_leaves_someone_elses_entry():
+    theirs = object()
+    table = {"taken": theirs}
+    patches = TablePatches(lambda: where_none(table, [("taken", 1), ("free", 2)], lambda op, n: (op, n)))
+    patches.install()
+    assert table == {"taken": theirs, "free": ("free", 2)}
+    patches.uninstall()
+    assert table == {"taken": theirs}
 
 
 def test_a_failing_declaration_leaves_nothing_behind():
@@ -131,26 +142,21 @@ def test_install_and_uninstall_from_many_threads_never_wrap_twice():
         yield table, "f", ("wrapped", table["f"])
 
     patches = TablePatches(declare)
-    start, errors = threading.Barrier(8), []
+    start = threading.Barrier(8, timeout=120)
     switch = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # threads interleave inside install and uninstall
 
     def worker(i: int) -> None:
-        try:
-            start.wait()
-            for k in range(500):
-                (patches.install if (i + k) % 2 else patches.uninstall)()
-                assert table["f"] in ("plain", ("wrapped", "plain"))
-        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
-            errors.append(e)
+        start.wait()
+        for k in range(500):
+            (patches.install if (i + k) % 2 else patches.uninstall)()
+            assert table["f"] in ("plain", ("wrapped", "plain"))
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    sys.setswitchinterval(switch)
-    assert not errors, errors[0]
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(worker, range(8)))  # a worker's error is raised here
+    finally:
+        sys.setswitchinterval(switch)
     assert patches.is_installed() == (table["f"] != "plain")
     patches.uninstall()
     assert table == {"f": "plain"}  # "g" emptied again

@@ -32,7 +32,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from decompshard._compat import DTensor, DTensorSpec, TensorMeta, TorchReplicate, aten_ops_tagged, custom_op_handlers, has_native_strategy
-from decompshard.runtime.table_patches import Entry, WarnOnce
+from decompshard.runtime.table_patches import Entry, WarnOnce, where_none
 
 __all__ = ["data_dependent_ops", "entries", "replicated_reason"]
 
@@ -65,10 +65,8 @@ def replicated_reason(op: torch._ops.OpOverload) -> str:
 
 def entries(warn_once: WarnOnce) -> Iterator[Entry]:
     """The replicated handler for each data-dependent op (`enable()` installs them)."""
-    handlers = custom_op_handlers()
-    for op in data_dependent_ops():
-        if op not in handlers:
-            yield handlers, op, _replicated_handler(op, warn_once)
+    found = ((op,) for op in data_dependent_ops())
+    return where_none(custom_op_handlers(), found, lambda op: _replicated_handler(op, warn_once))
 
 
 def _replicated_handler(op: torch._ops.OpOverload, warn_once: WarnOnce) -> Callable:

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from decompshard._compat import DTensor, custom_op_handlers, has_native_strategy, local_tensor
-from decompshard.runtime.table_patches import Entry, WarnOnce
+from decompshard.runtime.table_patches import Entry, WarnOnce, where_none
 
 __all__ = ["entries", "written_back_ops"]
 
@@ -73,10 +73,7 @@ def written_back_ops() -> tuple[tuple[torch._ops.OpOverload, torch._ops.OpOverlo
 
 def entries(warn_once: WarnOnce) -> Iterator[Entry]:
     """The write-back handler for each such in-place op (`enable()` installs them)."""
-    handlers = custom_op_handlers()
-    for op, twin in written_back_ops():
-        if op not in handlers:
-            yield handlers, op, _write_back_handler(op, twin)
+    return where_none(custom_op_handlers(), written_back_ops(), _write_back_handler)
 
 
 def _write_back_handler(op: torch._ops.OpOverload, twin: torch._ops.OpOverload) -> Callable:

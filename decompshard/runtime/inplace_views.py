@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from decompshard._compat import custom_op_handlers, dtensor_output_sharding, has_native_strategy, local_tensor, rebind_dtensor, return_and_correct_aliasing
-from decompshard.runtime.table_patches import Entry, WarnOnce
+from decompshard.runtime.table_patches import Entry, WarnOnce, where_none
 
 __all__ = ["entries", "in_place_view_ops"]
 
@@ -62,10 +62,7 @@ def in_place_view_ops() -> tuple[tuple[torch._ops.OpOverload, torch._ops.OpOverl
 
 def entries(warn_once: WarnOnce) -> Iterator[Entry]:
     """The handler for each in-place view op (`enable()` installs them)."""
-    handlers = custom_op_handlers()
-    for op, twin in in_place_view_ops():
-        if op not in handlers:
-            yield handlers, op, _in_place_view_handler(op, twin)
+    return where_none(custom_op_handlers(), in_place_view_ops(), _in_place_view_handler)
 
 
 def _in_place_view_handler(op: torch._ops.OpOverload, twin: torch._ops.OpOverload) -> Callable:

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import threading
 import warnings
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
-__all__ = ["Declaration", "Entry", "TablePatches", "WarnOnce"]
+__all__ = ["Declaration", "Entry", "TablePatches", "WarnOnce", "where_none"]
 
 Entry = tuple[Any, Any, Any]  # (a dict, or an object whose attribute is the slot; key; value)
 WarnOnce = Callable[[str, str], None]  # warn_once(key, message)
@@ -47,6 +47,14 @@ def _write(table: Any, key: Any, value: Any) -> None:
             delattr(table, key)
     else:
         setattr(table, key, value)
+
+
+def where_none(table: dict, found: Iterable[tuple], make: Callable[..., Any]) -> Iterator[Entry]:
+    """An entry `make(op, *rest)` for each `(op, *rest)` found whose op the table has no
+    entry for: an entry someone else put there (torch's own, `loss_parallel()`'s) stays."""
+    for op, *rest in found:
+        if op not in table:
+            yield table, op, make(op, *rest)
 
 
 class TablePatches:
