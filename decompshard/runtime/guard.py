@@ -67,7 +67,7 @@ from decompshard.runtime.guard_dims import wrapping_op_strategy, wrapping_single
 from decompshard.runtime.guard_losses import mean_loss_handler
 from decompshard.runtime.guard_table import HANDLERS_SKIPPING_REDISTRIBUTION, MEAN_OF_MEANS_LOSSES, NEGATIVE_DIMS_UNWRAPPED, READS_OF_ONE_RANKS_PART, STATS_WRITTEN, WRONG_RULES
 from decompshard.placements import SingleDimRule, format_rule
-from decompshard.runtime.table_patches import Entry, TablePatches
+from decompshard.runtime.table_patches import Entry, TablePatches, where_none
 
 __all__ = ["ENV", "install", "is_installed", "uninstall", "wanted"]
 
@@ -111,10 +111,8 @@ def _handler_entries() -> Iterator[Entry]:
         *((name, lambda op, w=w, t=t: stats_writing_handler(op, w, t, _warn_once))
           for name, (w, t) in STATS_WRITTEN.items()),
     ]
-    for name, make in added:
-        op = _resolve(name)
-        if op is not None and op not in handlers:
-            yield handlers, op, make(op)
+    found = [(op, make) for op, make in ((_resolve(name), make) for name, make in added) if op is not None]
+    yield from where_none(handlers, found, lambda op, make: make(op))
 
 
 def _strategy_entries() -> Iterator[Entry]:
