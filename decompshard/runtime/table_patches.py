@@ -18,11 +18,10 @@ import threading
 import warnings
 from typing import Any, Callable, Iterable, Iterator
 
-__all__ = ["Declaration", "Entry", "TablePatches", "WarnOnce", "where_none"]
+__all__ = ["Entry", "TablePatches", "WarnOnce", "where_none"]
 
 Entry = tuple[Any, Any, Any]  # (a dict, or an object whose attribute is the slot; key; value)
 WarnOnce = Callable[[str, str], None]  # warn_once(key, message)
-Declaration = Callable[[WarnOnce], Iterable[Entry]]
 
 _ABSENT = object()  # the slot had no entry
 
