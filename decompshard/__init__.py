@@ -1,9 +1,12 @@
 """decompshard: DTensor sharding strategies derived from aten decompositions.
 
 This file is the whole public surface; everything else is private. Follow one op from
-`enable()` (enable.py) through `lift.choose` (lift.py) to `derive_rules` (derive.py),
-which traces (dispatch_modes/), looks up primitive rules (rules/), propagates
-(propagate.py) and checks local shapes (localcheck.py).
+`enable()` (runtime/enable.py) through `lift.choose` (mesh/lift.py) to `derive_rules`
+(solve/derive.py), which traces (dispatch_modes/tracing.py), looks up primitive rules
+(rules/registry.py), propagates (solve/propagate.py) and checks local shapes
+(solve/localcheck.py). The stages, bottom to top: base modules, dispatch_modes/, rules/,
+solve/, mesh/, verify/, runtime/, and the commands (coverage/, check/, explain/, cli.py);
+tests/test_layering.py keeps every import pointing down.
 
 Names are imported on first use (PEP 562), so `import decompshard` (and the
 `decompshard` command's `--help`) does not pay for importing torch.

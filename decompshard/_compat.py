@@ -75,6 +75,14 @@ def op_strategy_func(op: torch._ops.OpOverload) -> Any | None:
     return sharding_propagator().op_strategy_funcs.get(op)
 
 
+def generate_redistribute_costs(src_strategy: Any, dst_spec: Any) -> list[float]:
+    """DTensor's cost of moving each of an input's strategies to `dst_spec`: what an
+    OpSpec's `redistribute_cost` holds for that input (torch's `_ops.utils`, private)."""
+    from torch.distributed.tensor._ops.utils import generate_redistribute_costs as costs
+
+    return costs(src_strategy, dst_spec)
+
+
 def view_family_ops() -> list[torch._ops.OpOverload]:
     """The ops whose full-mesh strategy is DTensor's view propagator (`_view_ops.py`,
     registered through `register_op_strategy_map`: view, reshape, _unsafe_view,

@@ -5,6 +5,12 @@ corrupt the heap) and real DTensor code (which can hang), so each job runs in a 
 process with a deadline; an overrun or a crash kills that worker, reports the job as
 failed, and a fresh worker takes the next job. Ctrl-C stops every worker without a word
 from them and re-raises in the caller.
+
+The pool is the many-jobs, several-cores form of decompshard.isolate (the one process
+isolator): its workers run isolate's `serve` loop and answer in its vocabulary. They
+start from a forkserver that preloaded torch rather than as forks of the caller, so that
+a worker is a clean process whatever state the caller is in (threads, dispatch modes,
+a CLI's open files).
 """
 
 from __future__ import annotations
@@ -20,13 +26,16 @@ import warnings
 from multiprocessing.connection import wait
 from typing import Any, Callable, Iterator, Sequence
 
+from decompshard.isolate import serve, named_line
+
 Job = tuple[str, Callable[..., Any], tuple]  # (name, module-level function, its arguments)
 
 _START_TIMEOUT = 300.0
 
 
 def _worker_main(conn: Any) -> None:
-    """Receive pickled (fn, args), send back ("ok", result) or ("error", one line)."""
+    """Say "ready", then serve (fn, args) requests with the one protocol of
+    decompshard.isolate until the parent closes the pipe."""
     import torch
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C for all
@@ -38,21 +47,7 @@ def _worker_main(conn: Any) -> None:
         conn.send_bytes(b"ready")
     except OSError:  # the parent closed our pipe while we started (a timeout, Ctrl-C): leave quietly
         return
-    while True:
-        try:
-            data = conn.recv_bytes()
-        except (EOFError, OSError, KeyboardInterrupt):
-            return
-        try:
-            fn, args = pickle.loads(data)
-            out = ("ok", fn(*args))
-        except Exception as e:
-            text = (str(e).strip().splitlines() or [""])[0][:200]
-            out = ("error", f"{type(e).__name__}: {text}" if text else type(e).__name__)
-        try:
-            conn.send_bytes(pickle.dumps(out))
-        except OSError:  # the parent is gone or stopped waiting for us
-            return
+    serve(conn, conn, describe=named_line)
 
 
 @contextlib.contextmanager

@@ -12,8 +12,6 @@ shard) write out of bounds instead of raising. A crash is reported, not fatal.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
 import warnings
@@ -80,27 +78,14 @@ def _check(op, args, kwargs) -> dict:
 
 
 def _isolated(fn, timeout: float = 40.0) -> dict | None:
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        os.close(r)
-        try:
-            out = fn()
-        except Exception as e:
-            out = {"error": f"{type(e).__name__}: {str(e)[:150]}"}
-        os.write(w, json.dumps(out).encode())
-        os._exit(0)
-    os.close(w)
-    deadline = time.time() + timeout
-    while not os.waitpid(pid, os.WNOHANG)[0]:
-        if time.time() > deadline:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            break
-        time.sleep(0.01)
-    data = os.read(r, 1 << 20)
-    os.close(r)
-    return json.loads(data) if data else None
+    """`fn()`'s dict in a forked child (decompshard's one process isolator); an exception
+    becomes {"error": ...}; None for a crash or a hang past `timeout` seconds."""
+    from decompshard.isolate import isolated
+
+    status, out = isolated(fn, timeout, describe=lambda e: f"{type(e).__name__}: {str(e)[:150]}")
+    if status == "error":
+        return {"error": out}
+    return out if status == "ok" else None
 
 
 def main() -> int:

@@ -82,6 +82,22 @@ def compile_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+def hang(rank: int) -> None:
+    """A rank stuck for good (a collective whose peer never comes): for the spawner's tests."""
+    import threading
+
+    threading.Event().wait()
+
+
+def exit_with(rank: int, code: int) -> None:
+    """Rank 1 dies with `code`; the others hang: for the spawner's tests."""
+    import os
+
+    if rank == 1:
+        os._exit(code)
+    hang(rank)
+
+
 def spawn(fn, args: tuple, nprocs: int, deadline: float = 420.0, hash_seeds: list[int] | None = None) -> None:
     """Start `fn(rank, *args)` in `nprocs` fresh interpreters and wait, with a deadline: a
     hung collective fails the test instead of hanging CI.

@@ -8,9 +8,11 @@ redistributions the simulator needed mending for (Partial -> uneven Shard).
 from __future__ import annotations
 
 import json
+import multiprocessing
 import pickle
 import time
 
+import pytest
 import torch
 
 import _e2e_model as M
@@ -112,3 +114,18 @@ def test_compiled_dynamic_mean_losses_match_one_device_on_gloo(tmp_path):
         assert set(res) == {"mse", "smooth_l1", "huber", "bce_with_logits"}
         for name, errs in res.items():
             assert errs["loss_err"] < 1e-10 and errs["grad_err"] < 1e-10, (r, name, errs)
+
+
+# ------------------------------------------------------------------ the spawner
+
+
+def test_spawn_kills_ranks_that_overrun_the_deadline_and_fails_the_test():
+    with pytest.raises(TimeoutError, match="still running after 1 s"):
+        G.spawn(G.hang, (), 2, deadline=1.0)
+    assert multiprocessing.active_children() == []  # killed and joined, none left behind
+
+
+def test_spawn_fails_the_test_when_a_rank_dies_and_kills_the_others():
+    with pytest.raises(RuntimeError, match=r"\[\(1, 3\)\] exited abnormally"):
+        G.spawn(G.exit_with, (3,), 2)  # rank 0 hangs: only the crash check ends this early
+    assert multiprocessing.active_children() == []

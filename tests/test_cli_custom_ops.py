@@ -127,10 +127,10 @@ def test_check_model_with_custom_ops_compares_them_too(capsys):
     (and rmsnorm_backward in its backward), sharded on the sequence over 2 ranks: the
     custom ops' own outputs are compared with one device, not only the aten ops after
     them, and the step matches."""
-    from decompshard.check.model import _Record
+    from decompshard.dispatch_modes.record import RecordCallOutputs
 
     x = torch.randn(2, 3, 4, dtype=torch.float64)
-    with _Record() as rec:
+    with RecordCallOutputs() as rec:
         _custom_ops_lib.silu_mul(x, x)
     assert [c[0] for c in rec.calls] == ["dstest_lib.silu_mul.default"]
     rc, out, _ = cli(capsys, "check", "--model", f"{LIB}:build_model", "--mesh", "2", "--placements", "S(1)")

@@ -303,10 +303,24 @@ def test_diff_counts_the_rules_of_ops_that_appear_or_disappear():
     assert "+2/-0" in next(line for line in back.splitlines() if line.startswith("aten.a.default"))
 
 
-def test_the_cli_knows_the_statuses_without_importing_the_sweep():
+def test_the_cli_knows_the_statuses_without_importing_the_sweep(tmp_path):
+    """`--status` is checked before anything heavy loads: the CLI's own copy of the status
+    names rejects a bad one and lists them all with neither the sweep nor torch imported
+    (a fresh process), and that copy is the sweep's list, in its order."""
+    import subprocess
+    import sys
+
+    from _cli import ROOT, cli_env
+
     from decompshard.coverage import command
 
     assert command.STATUSES == STATUSES
+    code = ("import sys; from decompshard.cli import main; rc = main(['coverage', '--status', 'bogus']); "
+            "print(rc, [m for m in ('decompshard.coverage.sweep', 'torch') if m in sys.modules])")
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(tmp_path),
+                         cwd=ROOT, timeout=60)
+    assert got.stdout.strip() == "2 []", (got.stdout, got.stderr)
+    assert "unknown --status 'bogus'" in got.stderr and ", ".join(STATUSES) in got.stderr
 
 
 # ------------------------------------------------------------------ bad arguments
@@ -345,8 +359,17 @@ def test_diff_rejects_a_non_report(tmp_path, capsys):
 
 
 class _Hang:
+    """A job that writes its worker's pid to `marker`, sleeps a minute, then writes
+    'finished': read after the pool returns, the file says whether the worker was killed
+    at the deadline or waited for."""
+
+    def __init__(self, marker) -> None:
+        self.marker = str(marker)
+
     def __reduce__(self):
-        return (time.sleep, (60,))
+        code = (f"import os, time\nopen({self.marker!r}, 'w').write(str(os.getpid()))\ntime.sleep(60)\n"
+                f"open({self.marker!r}, 'a').write(' finished')")
+        return (exec, (code,))
 
 
 class _Die:
@@ -354,19 +377,29 @@ class _Die:
         return (os._exit, (7,))
 
 
-def test_workers_survive_hangs_and_crashes(capfd):
-    """A job that hangs is killed at its deadline, one that kills its process is reported
-    as crashed; a fresh worker then runs the next job normally, and the workers replaced
-    or stopped along the way leave quietly (no traceback on stderr)."""
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_workers_survive_hangs_and_crashes(capfd, tmp_path):
+    """A job that hangs is killed at its deadline (the pool returns with its worker gone
+    before the job's minute is up), one that kills its process is reported as crashed; a
+    fresh worker then runs the next job normally, and the workers replaced or stopped
+    along the way leave quietly (no traceback on stderr)."""
+    marker = tmp_path / "hang.pid"
     jobs = [("aten.die.default", pickle.dumps(_Die())),
             # a registry lookup: instant in any worker, so the 3 s deadline holds on a busy machine
             make_job("aten.mul.Tensor", [((torch.randn(3), torch.randn(3)), {}, "test")], False),
             # last: the worker started in its place is stopped while it starts
-            ("aten.hang.default", pickle.dumps(_Hang()))]
+            ("aten.hang.default", pickle.dumps(_Hang(marker)))]
     got: dict[str, dict] = {}
-    t0 = time.monotonic()
     run_jobs(jobs, 1, 3.0, lambda name, rec: got.__setitem__(name, rec))
-    assert time.monotonic() - t0 < 40
+    hung = marker.read_text()
+    assert "finished" not in hung and not _alive(int(hung)), hung  # killed, not waited for
     assert got["aten.hang.default"]["status"] == "unsupported"
     assert got["aten.hang.default"]["reason"] == "timed out after 3 s"
     assert got["aten.die.default"]["reason"] == "crashed: worker exited with code 7"

@@ -21,7 +21,7 @@ import decompshard
 from decompshard.runtime import guard
 from decompshard._compat import DTensor, sharding_propagator
 from decompshard.verify.dtensor_run import run_on_dtensor, simulated_world
-from decompshard.runtime.guard_table import HANDLERS_SKIPPING_REDISTRIBUTION, MEAN_OF_MEANS_LOSSES, READS_OF_ONE_RANKS_PART, STATS_WRITTEN, WRONG_RULES
+from decompshard.runtime.guard_table import HANDLERS_SKIPPING_REDISTRIBUTION, MEAN_OF_MEANS_LOSSES, NEGATIVE_DIMS_UNWRAPPED, READS_OF_ONE_RANKS_PART, STATS_WRITTEN, WRONG_RULES
 from decompshard.placements import P, R, S
 
 aten = torch.ops.aten
@@ -112,6 +112,7 @@ def test_guard_off_leaves_dtensor_exactly_as_without_decompshard(mesh, monkeypat
         assert (o1 is None) == (o2 is None)
         if o1 is not None:
             assert all(torch.equal(o1[r], o2[r]) for r in o1)
+        assert len(g1) == len(g2) and all(torch.equal(a[r], b[r]) for a, b in zip(g1, g2) for r in a), name
     decompshard.enable()  # on by default
     assert _entries() != before and guard.is_installed()
     decompshard.disable()
@@ -200,9 +201,32 @@ def test_guard_refuses_in_place_rather_than_writing_wrong_values(mesh):
     assert not run.ok and "decompshard guard" in run.reason
 
 
-def test_table_names_real_ops():
-    for name in (*HANDLERS_SKIPPING_REDISTRIBUTION, *MEAN_OF_MEANS_LOSSES, *READS_OF_ONE_RANKS_PART, *WRONG_RULES, *STATS_WRITTEN):
-        assert decompshard.resolve_op(name) is not None
+def test_every_table_entry_names_an_op_the_guard_takes_over(monkeypatch):
+    """Each name in guard_table.py is an overload's own name (resolve_op raises on an
+    unknown one), and takes effect: with the guard on, the op's DTensor handler or
+    strategy entry is one the guard put there, not what `enable()` alone leaves. The guard
+    skips a name it cannot resolve or an op DTensor lacks, silently: a typo or a torch
+    that renamed an op would leave an entry guarding nothing."""
+    monkeypatch.delenv(guard.ENV, raising=False)
+
+    def tables() -> tuple[dict, dict]:
+        sp = sharding_propagator()
+        return (dict(DTensor._op_dispatcher._custom_op_handlers),
+                {**sp.op_strategy_funcs, **sp.op_single_dim_strategy_funcs})
+
+    decompshard.disable()
+    with decompshard.enabled(guard_native=False):
+        handlers, strategies = tables()
+    with decompshard.enabled(guard_native=True):
+        guarded_handlers, guarded_strategies = tables()
+    for name in (*HANDLERS_SKIPPING_REDISTRIBUTION, *MEAN_OF_MEANS_LOSSES, *READS_OF_ONE_RANKS_PART, *STATS_WRITTEN):
+        op = decompshard.resolve_op(name)
+        assert str(op) == name
+        assert op in guarded_handlers and guarded_handlers[op] is not handlers.get(op), name
+    for name in (*WRONG_RULES, *NEGATIVE_DIMS_UNWRAPPED):
+        op = decompshard.resolve_op(name)
+        assert str(op) == name
+        assert op in strategies and guarded_strategies[op] is not strategies[op], name
 
 
 def test_gloo_four_processes(tmp_path):

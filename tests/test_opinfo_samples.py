@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
+from torch.utils._pytree import tree_flatten
 
 from decompshard.coverage.opinfo_samples import (
     AtenSample,
@@ -13,6 +12,7 @@ from decompshard.coverage.opinfo_samples import (
     decomp_only_ops,
     status_of,
 )
+from decompshard.dispatch_modes.record import RecordOutermostAtenCalls
 
 aten = torch.ops.aten
 
@@ -123,31 +123,90 @@ def test_samples_record_the_aten_level_args(samples):
     assert aten.addmm.default in samples or aten.mm.default in samples
 
 
+def _bits(t: torch.Tensor) -> tuple:
+    """A tensor as its layout and the raw bytes of its whole storage: equal only if
+    bit for bit the same (NaN included), whatever the view."""
+    raw = torch.tensor([], dtype=torch.uint8).set_(t.untyped_storage()).clone()
+    return (t.dtype, tuple(t.shape), t.stride(), t.storage_offset(), raw)
+
+
+def _same_bits(a: tuple, b: tuple) -> bool:
+    return a[:4] == b[:4] and torch.equal(a[4], b[4])
+
+
 def test_samples_are_private_copies(samples):
-    # In-place ops: running the sample must not change the stored args.
+    """Running a sample of an in-place op (what every caller does: `run()`) writes into
+    fresh copies: the stored tensors, and those the next capture hands out, stay bit for
+    bit as recorded. Among those samples many really change their input when run, so a
+    `run()` on the stored tensors themselves would show."""
     assert aten.add_.Tensor in samples
-    mutable = [op for op in samples if op._schema.is_mutable]
+    mutable = [s for op in samples if op._schema.is_mutable for s in samples[op]]
     assert len(mutable) > 10
-    for op in mutable:
-        for s in samples[op]:
-            before = [t.clone() for t in s.tensors()]
-            s.run()
-            for a, b in zip(before, s.tensors()):
-                assert torch.equal(a, b) or torch.equal(a.isnan(), b.isnan()), op
+    before = [[_bits(t) for t in s.tensors()] for s in mutable]
+    writes = 0
+    for s, bits in zip(mutable, before):
+        args, kwargs = s.cloned_args()
+        try:
+            s.op(*args, **kwargs)  # the op on copies of its own: does it write?
+        except Exception:
+            pass
+        copies = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+        writes += any(not _same_bits(_bits(c), b) for c, b in zip(copies, bits))
+        s.run()
+    assert writes > 10, writes
+    for s, bits in zip(mutable, before):
+        assert all(_same_bits(_bits(t), b) for t, b in zip(s.tensors(), bits)), s
+    again = capture_aten_samples()  # the in-process cache hands out the same recording
+    for s, bits in zip(mutable, before):
+        twin = next(x for x in again[s.op] if repr(x) == repr(s))
+        assert all(_same_bits(_bits(t), b) for t, b in zip(twin.tensors(), bits)), s
+
+
+def test_the_recorder_copies_arguments_before_the_call():
+    """The recorder keeps each call's arguments as they were when the call was made: an
+    in-place op, a later one, or a write after recording leave them alone."""
+    x = torch.arange(4.0)
+    with RecordOutermostAtenCalls() as rec:
+        x.add_(1)
+        x.mul_(2)
+    x.zero_()
+    calls = {op: args for op, args, _ in rec.calls}
+    assert torch.equal(calls[aten.add_.Tensor][0], torch.arange(4.0))
+    assert torch.equal(calls[aten.mul_.Tensor][0], torch.arange(4.0) + 1)
 
 
 def test_as_strided_sample_keeps_storage(samples):
-    # Tensors are cloned with their storage/offset/strides, so as_strided-style ops
-    # replay exactly.
+    """Tensors are copied with their storage, offset and strides, so as_strided-style ops
+    (which address the storage, not the view) replay exactly: a view into the middle of
+    a storage, recorded and run again, reads what the original call read."""
+    base = torch.arange(10.0)
+    view = base[3:7]  # storage offset 3, storage of 10
+    with RecordOutermostAtenCalls() as rec:
+        want = view.as_strided((2,), (2,), 1)  # storage elements 1 and 3: outside the view
+    op, args, kwargs = next(c for c in rec.calls if c[0] is aten.as_strided.default)
+    replay = AtenSample(op, args, kwargs).run()
+    assert torch.equal(replay, want) and replay.tolist() == [1.0, 3.0]
+    # every captured tensor's copy has the recorded layout and storage, bit for bit
+    offset = 0
+    for op_samples in samples.values():
+        for s in op_samples:
+            copies = [x for x in tree_flatten(s.cloned_args())[0] if isinstance(x, torch.Tensor)]
+            for c, t in zip(copies, s.tensors()):
+                assert _same_bits(_bits(c), _bits(t)), s
+                offset += t.storage_offset() != 0
+    assert offset > 0  # the capture holds views with an offset: the layout is exercised
     for op in (aten.as_strided.default, aten.as_strided_copy.default):
-        for s in samples.get(op, []):
-            s.run()
+        assert samples[op]
+        for s in samples[op]:
+            assert torch.equal(s.run(), s.op(*s.args, **s.kwargs)), s
 
 
-def test_capture_is_cached_and_filterable(samples):
-    t0 = time.perf_counter()
-    again = capture_aten_samples()
-    assert time.perf_counter() - t0 < 0.5
+def test_capture_is_cached_and_filterable(samples, monkeypatch):
+    from decompshard.coverage import opinfo_samples as o
+
+    with monkeypatch.context() as m:  # a second capture is served from the cache: nothing runs
+        m.setattr(o, "_capture", lambda *a, **k: pytest.fail("captured again instead of using the cache"))
+        again = capture_aten_samples()
     assert again.keys() == samples.keys()
     assert again is not samples  # callers get a fresh dict
 

@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from decompshard.dispatch_modes.comm_bytes import CommBytes
+from decompshard.dispatch_modes.record import RecordCallOutputs
 from decompshard.verify.rank_sim import close
 
 
@@ -50,39 +51,6 @@ class ModelCheck:
     divergence: Divergence | None
     max_output_err: float = 0.0
     notes: list[str] = field(default_factory=list)
-
-
-class _Record(TorchDispatchMode):
-    """(op, phase, tensor outputs) of each outermost aten call."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[str, str, list[torch.Tensor]]] = []
-        self.phase = "forward"
-        self.current = ""  # the op in flight: the one that raised, if a call raises
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.current = str(func)
-        out = func(*args, **(kwargs or {}))
-        if _recorded(func):
-            self.calls.append((str(func), self.phase, [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]))
-        return out
-
-
-def _recorded(func: Any) -> bool:
-    """aten calls, and custom ops (torch.library.custom_op: one call on both sides, its
-    implementation runs below the recorder), so a custom op's wrong output is named, not
-    the op after it. Not detach, nor the calls that only read metadata: DTensor and a
-    LocalTensor ask for sizes where one device does not."""
-    from decompshard._compat import custom_op_implementation
-
-    if func.namespace != "aten":
-        return custom_op_implementation(func) is not None
-    return func is not torch.ops.aten.detach.default and func not in _METADATA_OPS
-
-
-_METADATA_OPS = frozenset(getattr(torch.ops.aten, n).default for n in (
-    "dim", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_contiguous"))
 
 
 def _split_placements(text: str | None, n_inputs: int, ndim: int, params: dict[str, torch.Tensor],
@@ -117,7 +85,7 @@ def run_model_check(module: torch.nn.Module, inputs: Sequence[torch.Tensor], mes
 
     # one device
     ref_in = [x.clone().requires_grad_(x.dtype.is_floating_point) for x in inputs]
-    rec = _Record()
+    rec = RecordCallOutputs()
     with rec:
         out = ref_model(*ref_in)
     outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
@@ -132,7 +100,7 @@ def run_model_check(module: torch.nn.Module, inputs: Sequence[torch.Tensor], mes
     mesh = device_mesh(mesh_shape)
     n = math.prod(mesh_shape)
     dmodel = copy.deepcopy(module).to(torch.float64)
-    drec = _Record()
+    drec = RecordCallOutputs()
     with switched(True), warnings.catch_warnings(), _simulator_chunks(), LocalTensorMode(frozenset(range(n))):
         warnings.simplefilter("ignore")
         for name, p in list(dmodel.named_parameters()):
@@ -337,7 +305,7 @@ def run_training_step(built: Any, sharding: str, enable: bool, measure: bool = T
                 implicit = not sh.local_output
                 run.warm_s = min(_timed_step(dmodel, built.loss, din, implicit) for _ in range(2))
                 _zero_grads(dmodel)
-                with _CommBytes() as comm:
+                with CommBytes() as comm:
                     _dtensor_step(dmodel, built.loss, din, not sh.local_output)
                 run.collectives, run.bytes = comm.get_total_counts(), comm.bytes
             except Exception as e:  # the first step's verdict stands; say why there are no numbers
@@ -392,7 +360,7 @@ def _failing_op(model: torch.nn.Module, loss_fn: Any, inputs: dict, implicit: bo
     """Run the step again under a recorder to name the aten op that raises (the timed
     step runs without one, so the recorder does not count in its time)."""
     _zero_grads(model)
-    rec = _Record()
+    rec = RecordCallOutputs()
     try:
         with rec:
             _dtensor_step(model, loss_fn, inputs, implicit)
@@ -585,41 +553,3 @@ def _clear_all_caches() -> None:
 def _first_line(e: BaseException) -> str:
     line = (str(e).strip().splitlines() or [""])[0][:300]
     return f"{type(e).__name__}: {line}" if line else type(e).__name__
-
-
-class _CommBytes(TorchDispatchMode):
-    """The collectives CommDebugMode counts (its registry: functional and c10d
-    collectives), and the bytes each rank puts into them (the first tensor argument's
-    size, the largest rank's where ranks differ). Not CommDebugMode itself: its module
-    tracker raises on models whose hooks return early (transformers' output capturing)."""
-
-    def __init__(self) -> None:
-        from torch.distributed.tensor.debug import CommDebugMode
-        from torch.distributed.tensor.debug._comm_mode import c10d_collective_ops
-
-        super().__init__()
-        self.registry = set(CommDebugMode().comm_registry) | set(c10d_collective_ops)
-        self.count = self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.distributed.tensor import DTensor
-
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented  # let DTensor turn the op into local ops and collectives
-        out = func(*args, **(kwargs or {}))
-        if getattr(func, "_overloadpacket", None) in self.registry:
-            self.count += 1
-            self.bytes += _arg_bytes(args)
-        return out
-
-    def get_total_counts(self) -> int:
-        return self.count
-
-
-def _arg_bytes(args: Sequence[Any]) -> int:
-    for a in tree_leaves(args):
-        if isinstance(a, torch.Tensor):
-            per_rank = getattr(a, "_local_tensors", None)
-            ts = list(per_rank.values()) if per_rank else [a]
-            return max(t.numel() * t.element_size() for t in ts)
-    return 0

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch._ops import OpOverload
 
 from decompshard.dim_args import dim_arguments
-from decompshard.coverage.opinfo_samples import AtenSample, _dedupe_key, _keep, _RecordOutermostAtenCalls
+from decompshard.coverage.opinfo_samples import AtenSample, dedupe_key, keepable
+from decompshard.dispatch_modes.record import RecordOutermostAtenCalls
 
 __all__ = ["NEGATIVE_DIMS", "VARIANTS", "Variant", "negative_dim_samples", "variant_samples"]
 
@@ -104,12 +105,12 @@ def variant_samples(max_per_op: int = 6) -> dict[OpOverload, list[AtenSample]]:
         warnings.simplefilter("ignore")
         for v in VARIANTS:
             inputs = v.inputs()
-            recorder = _RecordOutermostAtenCalls()
+            recorder = RecordOutermostAtenCalls()
             with recorder:
                 v.loss(*inputs).backward()
             for op, args, kwargs in recorder.calls:
-                key = (v.name, _dedupe_key(op, args, kwargs))
-                if key in seen or not _keep(args, kwargs):
+                key = (v.name, dedupe_key(op, args, kwargs))
+                if key in seen or not keepable(args, kwargs):
                     continue
                 bucket = out.setdefault(op, [])
                 if len(bucket) < max_per_op:

@@ -1,9 +1,9 @@
 """Op sets and sample inputs taken from torch's OpInfo database.
 
 For every OpInfo in `torch.testing._internal.common_methods_invocations.op_db` we run its
-first few CPU float32 sample inputs under a `TorchDispatchMode` that records the aten
-calls made at the *outermost* dispatch level. A dispatch mode sees calls after
-CompositeImplicitAutograd decomposition, which is exactly the level DTensor (itself a
+first few CPU float32 sample inputs under a dispatch mode that records the aten calls
+made at the *outermost* dispatch level (`dispatch_modes.record.RecordOutermostAtenCalls`).
+A dispatch mode sees calls after CompositeImplicitAutograd decomposition, which is exactly the level DTensor (itself a
 `__torch_dispatch__` subclass) sees, so the recorded overloads and arguments are the
 ones a DTensor would be asked to shard. With `backward=True` each sample of a
 differentiable OpInfo also runs its backward (`_record_backward`), recorded the same way:
@@ -45,12 +45,13 @@ from typing import Any, Callable, Iterable, Sequence, Union
 
 import torch
 from torch._ops import OpOverload
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from decompshard._paths import cache_dir
 from decompshard.coverage import sample_pick
 from decompshard.coverage.sample_pick import pick_diverse
+from decompshard.dispatch_modes import record
+from decompshard.dispatch_modes.record import RecordOutermostAtenCalls, exact_clone
 
 __all__ = [
     "AtenSample",
@@ -58,10 +59,12 @@ __all__ = [
     "capture_is_cached",
     "clear_capture_cache",
     "decomp_only_ops",
+    "dedupe_key",
     "default_cache_dir",
     "has_decomposition",
     "has_dtensor_strategy",
     "is_backward_op",
+    "keepable",
     "status_of",
 ]
 
@@ -103,7 +106,7 @@ class AtenSample:
 
     def cloned_args(self) -> tuple[tuple, dict]:
         """Fresh copies of args/kwargs (tensors cloned exactly, storage included)."""
-        return tree_map(_exact_clone, (self.args, self.kwargs))
+        return tree_map(exact_clone, (self.args, self.kwargs))
 
     def run(self) -> Any:
         """Run the op on fresh copies of the recorded args (the sample stays intact)."""
@@ -129,58 +132,6 @@ class _TensorRepr:
         return f"T{list(self.shape)}:{str(self.dtype).replace('torch.', '')}"
 
 
-def _exact_clone(x: Any) -> Any:
-    """Clone a tensor keeping its storage, offset and strides (as_strided-style ops
-    address the storage directly, so a plain `.clone()` would change their meaning)."""
-    if not isinstance(x, torch.Tensor):
-        return x
-    with torch.no_grad():
-        if (
-            x.layout is torch.strided
-            and type(x) is torch.Tensor
-            and not x.is_conj()
-            and not x.is_neg()
-            and not x.is_quantized
-        ):
-            try:
-                storage = x.untyped_storage()
-                out = torch.empty(0, dtype=x.dtype, device=x.device)
-                out.set_(storage.clone(), x.storage_offset(), x.size(), x.stride())
-                return out
-            except Exception:  # pragma: no cover - exotic tensors fall through
-                pass
-        return x.detach().clone()
-
-
-# ----------------------------------------------------------------------------- capture
-
-
-class _RecordOutermostAtenCalls(TorchDispatchMode):
-    """Records (op, cloned args, cloned kwargs) of each successful aten call.
-
-    A dispatch mode is disabled while its own handler runs, so calls made inside a
-    kernel (CompositeExplicitAutograd decompositions, ...) are not seen: we only get
-    the outermost level, which is what a tensor subclass like DTensor sees.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[OpOverload, tuple, dict]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if getattr(func, "namespace", None) != "aten":
-            return func(*args, **kwargs)
-        try:
-            snap = tree_map(_exact_clone, (tuple(args), dict(kwargs)))
-        except Exception:
-            snap = None
-        out = func(*args, **kwargs)
-        if snap is not None:
-            self.calls.append((func, snap[0], snap[1]))
-        return out
-
-
 def _opinfo_matches(opinfo: Any, opinfo_filter: OpInfoFilter) -> bool:
     if opinfo_filter is None:
         return True
@@ -198,7 +149,10 @@ def _filter_key(opinfo_filter: OpInfoFilter) -> Any:
     return frozenset(opinfo_filter)
 
 
-def _dedupe_key(op: OpOverload, args: tuple, kwargs: dict) -> tuple:
+def dedupe_key(op: OpOverload, args: tuple, kwargs: dict) -> tuple:
+    """What makes two recorded calls the same sample: the op, its tensors' shapes and dtypes
+    and its non-tensor arguments (tensor values do not count)."""
+
     def norm(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             return _TensorRepr(tuple(x.shape), x.dtype)
@@ -207,8 +161,9 @@ def _dedupe_key(op: OpOverload, args: tuple, kwargs: dict) -> tuple:
     return (op, repr(tree_map(norm, (args, kwargs))))
 
 
-def _keep(args: tuple, kwargs: dict) -> bool:
-    """Drop calls with a zero-size tensor dim or a non-strided (sparse, ...) tensor."""
+def keepable(args: tuple, kwargs: dict) -> bool:
+    """False for a call with a zero-size tensor dim or a non-strided (sparse, ...) tensor:
+    such calls are dropped (nothing to shard, or nothing DTensor shards)."""
     for leaf in tree_flatten((args, kwargs))[0]:
         if isinstance(leaf, torch.Tensor):
             if 0 in leaf.shape or leaf.layout is not torch.strided:
@@ -328,7 +283,7 @@ def _capture(
         torch.set_num_threads(threads)
     result = {op: _choose(pool, max_samples_per_op) for op, pool in pools.items()}
     for op, pool in (bwd or {}).items():  # after the forward: the forward buckets stay as they were
-        fresh = [s for s in pool if _dedupe_key(op, s.args, s.kwargs) not in seen]
+        fresh = [s for s in pool if dedupe_key(op, s.args, s.kwargs) not in seen]
         bucket = result.setdefault(op, [])
         room = None if max_samples_per_op is None else max(0, max_samples_per_op - len(bucket))
         bucket.extend(_choose(fresh, room))
@@ -356,9 +311,9 @@ def _add(calls: list[tuple[OpOverload, tuple, dict]], opinfo_name: str, max_samp
     """Pool the recorded calls that are new (not in `seen` nor `exclude`); a full pool is
     cut back to its best `_POOL`, kept in capture order."""
     for op, args, kwargs in calls:
-        if not _keep(args, kwargs):
+        if not keepable(args, kwargs):
             continue
-        dkey = _dedupe_key(op, args, kwargs)
+        dkey = dedupe_key(op, args, kwargs)
         if dkey in seen or (exclude is not None and dkey in exclude):
             continue
         seen.add(dkey)
@@ -386,7 +341,7 @@ def _capture_one(opinfo: Any, max_samples_per_opinfo: int | None, max_samples_pe
     except Exception:
         return
     for index, sample in enumerate(sample_inputs):
-        recorder = _RecordOutermostAtenCalls()
+        recorder = RecordOutermostAtenCalls()
         try:
             with recorder:
                 # The OpInfo calling convention (OpInfo.__call__ / test_ops).
@@ -419,7 +374,7 @@ def _record_backward(opinfo: Any, sample: Any, index: int) -> list[tuple[OpOverl
             return y
         return x
 
-    recorder = _RecordOutermostAtenCalls()
+    recorder = RecordOutermostAtenCalls()
     with torch.random.fork_rng(devices=[]), torch.enable_grad():
         try:
             inp, args, kwargs = tree_map(leaf, (sample.input, tuple(sample.args), dict(sample.kwargs)))
@@ -450,7 +405,7 @@ def _cache_file_name(max_samples_per_opinfo: int | None, max_samples_per_op: int
     """Everything that decides a capture's content is in the name: a file is either valid
     or never looked at (no stale reads, no version field to forget)."""
     digest = hashlib.sha256()
-    for source in (__file__, sample_pick.__file__):  # the capture's code and how it chooses
+    for source in (__file__, record.__file__, sample_pick.__file__):  # the capture's code, its recorder, how it chooses
         with open(source, "rb") as f:
             digest.update(f.read())
     code = digest.hexdigest()[:12]

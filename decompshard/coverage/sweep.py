@@ -50,7 +50,7 @@ from decompshard.solve.derive import DerivedRules, derive_rules
 from decompshard.dispatch_modes.tracing import has_decomposition
 from decompshard.placements import SingleDimRule, format_rule
 from decompshard.verify.rule_check import VerifyReport, check_rules
-from decompshard.coverage.opinfo_samples import _exact_clone
+from decompshard.dispatch_modes.record import exact_clone
 from decompshard.coverage.sample_pick import pick_diverse
 from decompshard.coverage.torch_fallback import torch_fallback_rules
 
@@ -207,7 +207,7 @@ def _analyse_sample(op: torch._ops.OpOverload, sample: Sample, verify: bool) -> 
     args, kwargs, label = sample
     t0 = time.perf_counter()
     out: dict[str, Any] = {"shapes": shapes_text(args, kwargs), "opinfo": label}
-    fresh = lambda: tree_map(_exact_clone, (tuple(args), dict(kwargs)))  # noqa: E731
+    fresh = lambda: tree_map(exact_clone, (tuple(args), dict(kwargs)))  # noqa: E731
     try:
         a, k = fresh()
         ds = derive_rules(op, *a, **k)

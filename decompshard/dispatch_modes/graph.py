@@ -23,7 +23,7 @@ INPUT, CONST, NODE = "input", "const", "node"
 # about 5x faster than torch's pytree, which matters: the tracer and the local check
 # walk every primitive's arguments. torch.Size and TensorMeta are leaves; result tuples
 # (torch.return_types) are walked; dicts in insertion order, as torch's pytree does.
-def _is_container(x: Any) -> bool:
+def is_container(x: Any) -> bool:
     return isinstance(x, (list, dict)) or (
         isinstance(x, tuple) and not isinstance(x, (torch.Size, TensorMeta))
     )
@@ -39,7 +39,7 @@ def leaves(obj: Any, out: list | None = None) -> list:
     elif t is dict:
         for x in obj.values():
             leaves(x, out)
-    elif _is_container(obj):  # a tuple subclass: torch.return_types
+    elif is_container(obj):  # a tuple subclass: torch.return_types
         for x in obj:
             leaves(x, out)
     else:
@@ -56,7 +56,7 @@ def map_leaves(fn: Callable[[Any], Any], obj: Any) -> Any:
         return tuple([map_leaves(fn, x) for x in obj])
     if t is dict:
         return {k: map_leaves(fn, v) for k, v in obj.items()}
-    if _is_container(obj):  # a tuple subclass: torch.return_types
+    if is_container(obj):  # a tuple subclass: torch.return_types
         return [map_leaves(fn, x) for x in obj]
     return fn(obj)
 
@@ -65,7 +65,7 @@ def freeze(obj: Any) -> Any:
     """A hashable form of an argument tree (lists become tuples, dicts sorted pairs)."""
     if isinstance(obj, dict):
         return tuple(sorted(((k, freeze(v)) for k, v in obj.items()), key=lambda kv: kv[0]))
-    if _is_container(obj):
+    if is_container(obj):
         return tuple(freeze(v) for v in obj)
     return obj
 

@@ -21,7 +21,7 @@ from decompshard._compat import TensorMeta, custom_op_implementation, torch_deco
 from decompshard.errors import DataDependent, UnsupportedOp, one_line
 from decompshard.dispatch_modes import signs
 from decompshard.dispatch_modes.strided_kinds import annotate
-from decompshard.dispatch_modes.graph import CONST, INPUT, NODE, PrimGraph, PrimNode, ValueInfo, _is_container, leaves, map_leaves
+from decompshard.dispatch_modes.graph import CONST, INPUT, NODE, PrimGraph, PrimNode, ValueInfo, is_container, leaves, map_leaves
 
 aten = torch.ops.aten
 OpOverload = torch._ops.OpOverload
@@ -290,7 +290,7 @@ class _Recorder:
             for k, x in tree.items():
                 plain[k], meta[k] = self.split(x, in_ids)
             return plain, meta
-        elif _is_container(tree):  # a tuple subclass (torch.return_types): a list
+        elif is_container(tree):  # a tuple subclass (torch.return_types): a list
             items, t = tree, list
         elif isinstance(tree, torch.Tensor):
             vid = self._vid.get(id(tree))

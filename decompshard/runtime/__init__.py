@@ -4,7 +4,10 @@
     guard             the native guard: strategies proved wrong kept away (guard_table
                       lists them; guard_batchnorm, guard_conv, guard_dims, guard_losses
                       handle the ones that need more than a filtered rule list)
-    table_patches     every DTensor table entry replaced, and what it held before
+    table_patches     the one patch mechanism: a record installs a declaration's
+                      (table, key, value) entries and puts back exactly what was there
+                      (enable holds one record, the guard another)
     inplace, inplace_views, as_strided, uneven_views, data_dependent
-                      op families DTensor refuses or gets wrong, handled around it
+                      op families DTensor refuses or gets wrong, handled around it;
+                      each declares its entries (`entries(warn_once)`) for enable's record
 """

@@ -21,15 +21,14 @@ instead of running on the wrong storage. Installed by `enable()`, removed by
 
 from __future__ import annotations
 
-import threading
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from decompshard._compat import custom_op_handlers, local_tensor, return_and_correct_aliasing, set_dtensor_layout
-from decompshard.runtime.table_patches import TablePatches
+from decompshard.runtime.table_patches import Entry, WarnOnce
 
-__all__ = ["install", "is_installed", "uninstall"]
+__all__ = ["LIMITS", "OP", "OUT_OF_PLACE", "entries"]
 
 OP = torch.ops.aten.as_strided_.default
 OUT_OF_PLACE = torch.ops.aten.as_strided.default
@@ -37,30 +36,15 @@ LIMITS = ("enable() runs it only where it moves no element (a restride of size-1
           "Replicate input within its own elements (as_strided.py); anything else on a sharded or Partial input "
           "raises: it addresses the global storage, which no shard holds, and its result must alias the input, "
           "so a view of an all-gathered copy would lose writes. Redistribute to Replicate() first")
-_lock = threading.RLock()
-_patches = TablePatches()
 
 
-def is_installed() -> bool:
-    return bool(_patches)
-
-
-def install() -> None:
-    """Give DTensor the `as_strided_` handler, and let its `as_strided` handler (which
-    takes only an unchanged layout) take a restride too: the backward of `as_strided_`
-    is an `as_strided` of the gradient. Idempotent."""
-    with _lock:
-        handlers = custom_op_handlers()
-        if _patches:
-            return
-        _patches.set(handlers, OP, as_strided__handler)
-        _patches.set(handlers, OUT_OF_PLACE, _restriding(handlers.get(OUT_OF_PLACE)))
-
-
-def uninstall() -> None:
-    """Put back exactly the handlers `install` replaced. Idempotent."""
-    with _lock:
-        _patches.restore()
+def entries(warn_once: WarnOnce) -> Iterator[Entry]:
+    """DTensor's `as_strided_` handler, and its `as_strided` handler (which takes only an
+    unchanged layout) made to take a restride too: the backward of `as_strided_` is an
+    `as_strided` of the gradient (`enable()` installs them)."""
+    handlers = custom_op_handlers()
+    yield handlers, OP, as_strided__handler
+    yield handlers, OUT_OF_PLACE, _restriding(handlers.get(OUT_OF_PLACE))
 
 
 def _bind(args: tuple, kwargs: dict) -> tuple[Any, tuple, tuple, int]:

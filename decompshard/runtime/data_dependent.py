@@ -26,22 +26,15 @@ strategy: `index.Tensor` is data-dependent only with bool indices) are left alon
 from __future__ import annotations
 
 import functools
-import threading
-import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from decompshard._compat import DTensor, DTensorSpec, TensorMeta, TorchReplicate, aten_ops_tagged, custom_op_handlers, has_native_strategy
+from decompshard.runtime.table_patches import Entry, WarnOnce, where_none
 
-from decompshard.runtime.table_patches import TablePatches
-
-__all__ = ["data_dependent_ops", "install", "is_installed", "replicated_reason", "uninstall"]
-
-_lock = threading.RLock()
-_patches = TablePatches()
-_warned: set[str] = set()
+__all__ = ["data_dependent_ops", "entries", "replicated_reason"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -70,39 +63,22 @@ def replicated_reason(op: torch._ops.OpOverload) -> str:
             "(data_dependent.py)")
 
 
-def is_installed() -> bool:
-    return bool(_patches)
+def entries(warn_once: WarnOnce) -> Iterator[Entry]:
+    """The replicated handler for each data-dependent op (`enable()` installs them)."""
+    found = ((op,) for op in data_dependent_ops())
+    return where_none(custom_op_handlers(), found, lambda op: _replicated_handler(op, warn_once))
 
 
-def install() -> None:
-    """Give each data-dependent op the replicated handler. Idempotent."""
-    with _lock:
-        if _patches:
-            return
-        _warned.clear()
-        handlers = custom_op_handlers()
-        for op in data_dependent_ops():
-            if op not in handlers:
-                _patches.set(handlers, op, _replicated_handler(op))
-
-
-def uninstall() -> None:
-    """Remove the handlers `install` added. Idempotent."""
-    with _lock:
-        _patches.restore()
-
-
-def _replicated_handler(op: torch._ops.OpOverload) -> Callable:
+def _replicated_handler(op: torch._ops.OpOverload, warn_once: WarnOnce) -> Callable:
     def handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
         flat, spec = tree_flatten((args, kwargs))
         dts = [x for x in flat if isinstance(x, DTensor)]
         mesh = dts[0].device_mesh
         if any(x.device_mesh != mesh for x in dts):
             raise RuntimeError(f"decompshard: {op} got DTensors on different meshes")
-        if any(not p.is_replicate() for x in dts for p in x.placements) and str(op) not in _warned:
-            _warned.add(str(op))
-            warnings.warn(f"decompshard: {op} has a data-dependent output; running it replicated "
-                          "(its DTensor inputs are all-gathered)", stacklevel=2)
+        if any(not p.is_replicate() for x in dts for p in x.placements):
+            warn_once(f"data:{op}", f"decompshard: {op} has a data-dependent output; running it replicated "
+                      "(its DTensor inputs are all-gathered)")
         local = [x.full_tensor() if isinstance(x, DTensor) else x for x in flat]
         l_args, l_kwargs = tree_unflatten(local, spec)
         out = op_call(*l_args, **l_kwargs)

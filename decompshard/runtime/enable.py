@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
-import warnings
 from typing import Any, Iterator
 
 import torch
@@ -35,17 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from decompshard._compat import DTensorSpec, OpSpec, OpStrategy, TensorMeta, clear_dtensor_caches, route_kwarg_redistribution, sharding_propagator, stage_kwarg_targets, unroute_kwarg_redistribution
 from decompshard.dispatch_modes.clean import clean_dispatch_state
 from decompshard.dispatch_modes.tracing import has_decomposition
-
-_lock = threading.RLock()
-_saved: dict[str, Any] = {}
-_warned: set[str] = set()
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, stacklevel=3)
-
+from decompshard.runtime.table_patches import Entry, TablePatches
 
 class DerivedStrategy:
     """Stands where torch's DecompShardingStrategy stood."""
@@ -378,6 +366,30 @@ def _has_tensor_list_arg(op) -> bool:
                for a in op._schema.arguments)
 
 
+def _declared() -> Iterator[Entry]:
+    """What `enable()` puts where: the hook in place of torch's decomposition fallback,
+    then each op family's entries (the modules' own declarations), in this order."""
+    from decompshard.runtime import as_strided, data_dependent, inplace, inplace_views, uneven_views
+    from decompshard._compat import DecompShardingStrategy
+
+    sp = sharding_propagator()
+    yield sp, "decomp_strategy", DerivedStrategy(sp.decomp_strategy)
+    yield DecompShardingStrategy, "has_decomp", staticmethod(reaches_decompshard)
+    warn = functools.partial(_PATCHES.warn_once, stacklevel=3)
+    for module in (uneven_views, data_dependent, inplace, as_strided, inplace_views):
+        yield from module.entries(warn)
+
+
+def _routed(installed: bool) -> None:
+    """Keyword tensors routed while enabled; DTensor's cached decisions forgotten."""
+    (route_kwarg_redistribution if installed else unroute_kwarg_redistribution)()
+    clear_dtensor_caches()
+
+
+_PATCHES = TablePatches(_declared, on_change=_routed)
+_warn_once = functools.partial(_PATCHES.warn_once, stacklevel=3, per_install=False)
+
+
 def enable(guard_native: bool | None = None) -> None:
     """Route every DTensor op that lacks a strategy through decompshard. Idempotent.
 
@@ -396,52 +408,22 @@ def enable(guard_native: bool | None = None) -> None:
     crash (convolution handlers, batch norm's running statistics, weighted nll_loss).
     Each call sets the guard as it says: `enable(guard_native=False)` after `enable()`
     removes it."""
-    from decompshard.runtime import as_strided, data_dependent, guard, inplace, inplace_views, uneven_views
-    from decompshard._compat import DecompShardingStrategy
+    from decompshard.runtime import guard
 
-    if guard.wanted(guard_native):
-        guard.install()
-    else:
-        guard.uninstall()
-    with _lock:
-        if _saved:
-            return
-        sp = sharding_propagator()
-        _saved["decomp_strategy"] = sp.decomp_strategy
-        _saved["has_decomp"] = DecompShardingStrategy.__dict__["has_decomp"]
-        sp.decomp_strategy = DerivedStrategy(sp.decomp_strategy)
-        DecompShardingStrategy.has_decomp = staticmethod(reaches_decompshard)
-        route_kwarg_redistribution()
-        uneven_views.install()
-        data_dependent.install()
-        inplace.install()
-        as_strided.install()
-        inplace_views.install()
-        clear_dtensor_caches()
+    (guard.install if guard.wanted(guard_native) else guard.uninstall)()
+    _PATCHES.install()
 
 
 def disable() -> None:
     """Restore DTensor exactly as it was before `enable()`. Idempotent."""
-    from decompshard.runtime import as_strided, data_dependent, guard, inplace, inplace_views, uneven_views
-    from decompshard._compat import DecompShardingStrategy
+    from decompshard.runtime import guard
 
     guard.uninstall()
-    with _lock:
-        if not _saved:
-            return
-        sharding_propagator().decomp_strategy = _saved.pop("decomp_strategy")
-        DecompShardingStrategy.has_decomp = _saved.pop("has_decomp")
-        unroute_kwarg_redistribution()
-        uneven_views.uninstall()
-        data_dependent.uninstall()
-        inplace.uninstall()
-        as_strided.uninstall()
-        inplace_views.uninstall()
-        clear_dtensor_caches()
+    _PATCHES.uninstall()
 
 
 def is_enabled() -> bool:
-    return bool(_saved)
+    return _PATCHES.is_installed()
 
 
 @contextlib.contextmanager

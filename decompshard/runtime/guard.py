@@ -54,30 +54,26 @@ Each guarded op warns once, naming the op and what it did.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
-import threading
-import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
-from decompshard._compat import DTensor, DTensorSpec, OpSpec, OpStrategy, TensorMeta, TorchReplicate, clear_dtensor_caches, custom_op_handlers, from_torch_placement, sharding_propagator
+from decompshard._compat import DTensor, DTensorSpec, OpSpec, OpStrategy, TensorMeta, TorchReplicate, clear_dtensor_caches, custom_op_handlers, from_torch_placement, generate_redistribute_costs, sharding_propagator
 from decompshard.dispatch_modes.graph import freeze, leaves
 from decompshard.runtime.guard_batchnorm import stats_writing_handler
 from decompshard.runtime.guard_dims import wrapping_op_strategy, wrapping_single_dim
 from decompshard.runtime.guard_losses import mean_loss_handler
 from decompshard.runtime.guard_table import HANDLERS_SKIPPING_REDISTRIBUTION, MEAN_OF_MEANS_LOSSES, NEGATIVE_DIMS_UNWRAPPED, READS_OF_ONE_RANKS_PART, STATS_WRITTEN, WRONG_RULES
 from decompshard.placements import SingleDimRule, format_rule
-from decompshard.runtime.table_patches import TablePatches
+from decompshard.runtime.table_patches import Entry, TablePatches, where_none
 
 __all__ = ["ENV", "install", "is_installed", "uninstall", "wanted"]
 
 ENV = "DECOMPSHARD_GUARD_NATIVE"
 CHECK_LIMIT = 1 << 18  # input elements up to which a listed rule is checked at the shapes at hand
 
-_lock = threading.RLock()
-_patches = TablePatches()  # every handler and strategy-table entry the guard replaced
-_warned: set[str] = set()
 _verdicts: dict[tuple, frozenset] = {}
 
 
@@ -92,16 +88,6 @@ def wanted(flag: bool | None) -> bool:
     return os.environ.get(ENV, "").strip().lower() not in _OFF
 
 
-def is_installed() -> bool:
-    return bool(_patches)
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, stacklevel=4)
-
-
 def _resolve(name: str) -> torch._ops.OpOverload | None:
     from decompshard.op_names import resolve_op
 
@@ -111,58 +97,74 @@ def _resolve(name: str) -> torch._ops.OpOverload | None:
         return None
 
 
+def _handler_entries() -> Iterator[Entry]:
+    """Handlers: the listed ones that skip their redistribution, wrapped; new ones where
+    DTensor has none (someone else's, such as loss_parallel's, stays)."""
+    handlers = custom_op_handlers()
+    for name in HANDLERS_SKIPPING_REDISTRIBUTION:
+        op = _resolve(name)
+        if op is not None and op in handlers:
+            yield handlers, op, _redistributing_handler(op, handlers[op])
+    added = [
+        *((name, lambda op: mean_loss_handler(_warn_mean_of_means)) for name in MEAN_OF_MEANS_LOSSES),
+        *((name, _replicated_read) for name in READS_OF_ONE_RANKS_PART),
+        *((name, lambda op, w=w, t=t: stats_writing_handler(op, w, t, _warn_once))
+          for name, (w, t) in STATS_WRITTEN.items()),
+    ]
+    found = [(op, make) for op, make in ((_resolve(name), make) for name, make in added) if op is not None]
+    yield from where_none(handlers, found, lambda op, make: make(op))
+
+
+def _strategy_entries() -> Iterator[Entry]:
+    """Strategy-table entries: listed wrong rules filtered, negative dims wrapped."""
+    sp = sharding_propagator()
+    single, full = sp.op_single_dim_strategy_funcs, sp.op_strategy_funcs
+    for name, rules in WRONG_RULES.items():
+        op = _resolve(name)
+        if op is None:
+            continue
+        if op in single:
+            yield single, op, dataclasses.replace(
+                single[op], func=_filtered_single_dim(op, single[op].func, frozenset(rules)))
+        elif op in full:
+            yield full, op, _filtered_op_strategy(op, full[op], frozenset(rules))
+    for name in NEGATIVE_DIMS_UNWRAPPED:
+        op = _resolve(name)
+        if op in single:
+            yield single, op, dataclasses.replace(single[op], func=wrapping_single_dim(op, single[op].func, _warn_once))
+        elif op in full:
+            yield full, op, wrapping_op_strategy(op, full[op], _warn_once)
+
+
+def _declared() -> Iterator[Entry]:
+    """What the guard puts where."""
+    yield from _handler_entries()
+    yield from _strategy_entries()
+
+
+def _changed(installed: bool) -> None:
+    """Verdicts belong to one installation; DTensor's cached decisions are forgotten."""
+    if not installed:
+        _verdicts.clear()
+    clear_dtensor_caches()
+
+
+_PATCHES = TablePatches(_declared, on_change=_changed)
+_warn_once = functools.partial(_PATCHES.warn_once, stacklevel=4)
+
+
 def install() -> None:
     """Wrap the listed ops' handlers and strategy-table entries. Idempotent."""
-    with _lock:
-        if _patches:
-            return
-        _warned.clear()  # one warning per op and installation
-        sp = sharding_propagator()
-        handlers = custom_op_handlers()
-        for name in HANDLERS_SKIPPING_REDISTRIBUTION:
-            op = _resolve(name)
-            if op is not None and op in handlers:
-                _patches.set(handlers, op, _redistributing_handler(op, handlers[op]))
-        added = [  # handlers where DTensor has none; someone else's (loss_parallel) stays
-            *((name, lambda op: mean_loss_handler(_warn_mean_of_means)) for name in MEAN_OF_MEANS_LOSSES),
-            *((name, _replicated_read) for name in READS_OF_ONE_RANKS_PART),
-            *((name, lambda op, w=w, t=t: stats_writing_handler(op, w, t, _warn_once))
-              for name, (w, t) in STATS_WRITTEN.items()),
-        ]
-        for name, make in added:
-            op = _resolve(name)
-            if op is not None and op not in handlers:
-                _patches.set(handlers, op, make(op))
-        for name, rules in WRONG_RULES.items():
-            op = _resolve(name)
-            if op is None:
-                continue
-            if op in sp.op_single_dim_strategy_funcs:
-                info = sp.op_single_dim_strategy_funcs[op]
-                _patches.set(sp.op_single_dim_strategy_funcs, op, dataclasses.replace(
-                    info, func=_filtered_single_dim(op, info.func, frozenset(rules))))
-            elif op in sp.op_strategy_funcs:
-                _patches.set(sp.op_strategy_funcs, op,
-                             _filtered_op_strategy(op, sp.op_strategy_funcs[op], frozenset(rules)))
-        for name in NEGATIVE_DIMS_UNWRAPPED:
-            op = _resolve(name)
-            if op in sp.op_single_dim_strategy_funcs:
-                info = sp.op_single_dim_strategy_funcs[op]
-                _patches.set(sp.op_single_dim_strategy_funcs, op, dataclasses.replace(
-                    info, func=wrapping_single_dim(op, info.func, _warn_once)))
-            elif op in sp.op_strategy_funcs:
-                _patches.set(sp.op_strategy_funcs, op, wrapping_op_strategy(op, sp.op_strategy_funcs[op], _warn_once))
-        clear_dtensor_caches()
+    _PATCHES.install()
 
 
 def uninstall() -> None:
     """Put back exactly what `install` replaced. Idempotent."""
-    with _lock:
-        if not _patches:
-            return
-        _patches.restore()
-        _verdicts.clear()
-        clear_dtensor_caches()
+    _PATCHES.uninstall()
+
+
+def is_installed() -> bool:
+    return _PATCHES.is_installed()
 
 
 # ------------------------------------------------------------------ handlers
@@ -317,8 +319,6 @@ def _replicated_read(op: Any) -> Callable:
 
 def _replicated(op_schema: Any, strategy: OpStrategy) -> OpSpec:
     """All inputs and outputs Replicate: right for every op."""
-    from torch.distributed.tensor._ops.utils import generate_redistribute_costs
-
     inputs = op_schema.args_strategy
     mesh = inputs[0].mesh
     rep = tuple(TorchReplicate() for _ in range(mesh.ndim))

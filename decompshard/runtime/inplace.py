@@ -22,19 +22,14 @@ ops are left alone. `disable()` removes the handlers.
 from __future__ import annotations
 
 import functools
-import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from decompshard._compat import DTensor, custom_op_handlers, has_native_strategy, local_tensor
+from decompshard.runtime.table_patches import Entry, WarnOnce, where_none
 
-from decompshard.runtime.table_patches import TablePatches
-
-__all__ = ["install", "is_installed", "uninstall", "written_back_ops"]
-
-_lock = threading.RLock()
-_patches = TablePatches()
+__all__ = ["entries", "written_back_ops"]
 
 
 def _single_tensor_return(op: torch._ops.OpOverload) -> bool:
@@ -76,25 +71,9 @@ def written_back_ops() -> tuple[tuple[torch._ops.OpOverload, torch._ops.OpOverlo
     return tuple(sorted(found, key=lambda p: str(p[0])))
 
 
-def is_installed() -> bool:
-    return bool(_patches)
-
-
-def install() -> None:
-    """Give each such in-place op the write-back handler. Idempotent."""
-    with _lock:
-        if _patches:
-            return
-        handlers = custom_op_handlers()
-        for op, twin in written_back_ops():
-            if op not in handlers:
-                _patches.set(handlers, op, _write_back_handler(op, twin))
-
-
-def uninstall() -> None:
-    """Remove the handlers `install` added. Idempotent."""
-    with _lock:
-        _patches.restore()
+def entries(warn_once: WarnOnce) -> Iterator[Entry]:
+    """The write-back handler for each such in-place op (`enable()` installs them)."""
+    return where_none(custom_op_handlers(), written_back_ops(), _write_back_handler)
 
 
 def _write_back_handler(op: torch._ops.OpOverload, twin: torch._ops.OpOverload) -> Callable:

@@ -25,18 +25,14 @@ removes the handlers.
 from __future__ import annotations
 
 import functools
-import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from decompshard._compat import custom_op_handlers, dtensor_output_sharding, has_native_strategy, local_tensor, rebind_dtensor, return_and_correct_aliasing
-from decompshard.runtime.table_patches import TablePatches
+from decompshard.runtime.table_patches import Entry, WarnOnce, where_none
 
-__all__ = ["in_place_view_ops", "install", "is_installed", "uninstall"]
-
-_lock = threading.RLock()
-_patches = TablePatches()
+__all__ = ["entries", "in_place_view_ops"]
 
 
 def _arguments(op: torch._ops.OpOverload) -> list[tuple[str, str]]:
@@ -64,25 +60,9 @@ def in_place_view_ops() -> tuple[tuple[torch._ops.OpOverload, torch._ops.OpOverl
     return tuple(sorted(found, key=lambda p: str(p[0])))
 
 
-def is_installed() -> bool:
-    return bool(_patches)
-
-
-def install() -> None:
-    """Give each in-place view op its handler. Idempotent."""
-    with _lock:
-        if _patches:
-            return
-        handlers = custom_op_handlers()
-        for op, twin in in_place_view_ops():
-            if op not in handlers:
-                _patches.set(handlers, op, _in_place_view_handler(op, twin))
-
-
-def uninstall() -> None:
-    """Remove the handlers `install` added. Idempotent."""
-    with _lock:
-        _patches.restore()
+def entries(warn_once: WarnOnce) -> Iterator[Entry]:
+    """The handler for each in-place view op (`enable()` installs them)."""
+    return where_none(custom_op_handlers(), in_place_view_ops(), _in_place_view_handler)
 
 
 def _in_place_view_handler(op: torch._ops.OpOverload, twin: torch._ops.OpOverload) -> Callable:

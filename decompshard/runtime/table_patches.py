@@ -1,39 +1,119 @@
-"""What decompshard put into DTensor's dispatch tables, and what each entry held before.
+"""The one mechanism that puts decompshard into DTensor's tables and takes it out again.
 
 `enable()` and the native guard replace entries in DTensor's process-wide tables (custom
-op handlers, strategy functions); `disable()` must leave every table holding exactly the
-objects it held before, an empty slot included. Each module that patches keeps one
-`TablePatches` record, so putting back is written once.
+op handlers, strategy functions, the sharding propagator's decomposition fallback);
+`disable()` must leave every table holding exactly the objects it held before, an empty
+slot included, from any thread, however often it is called. A module that patches says
+only WHAT it puts where: a declaration, a function that yields `(table, key, value)`
+entries (a dict and its key, or an object and the name of its attribute). A
+`TablePatches` record installs a declaration's entries, remembers what each slot held,
+and puts it back; it owns the lock, the saved entries and the warn-once set, so this is
+written once. `enable()` holds one record (its hook and the op families around DTensor),
+the guard another (it can be switched alone).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+import warnings
+from typing import Any, Callable, Iterable, Iterator
 
-__all__ = ["TablePatches"]
+__all__ = ["Entry", "TablePatches", "WarnOnce", "where_none"]
+
+Entry = tuple[Any, Any, Any]  # (a dict, or an object whose attribute is the slot; key; value)
+WarnOnce = Callable[[str, str], None]  # warn_once(key, message)
 
 _ABSENT = object()  # the slot had no entry
 
 
+def _read(table: Any, key: Any) -> Any:
+    """What the slot holds itself: a dict's item, or the attribute in the object's own
+    `__dict__` (a class's staticmethod object, not what attribute access makes of it)."""
+    if isinstance(table, dict):
+        return table.get(key, _ABSENT)
+    return vars(table).get(key, _ABSENT)
+
+
+def _write(table: Any, key: Any, value: Any) -> None:
+    """Put `value` in the slot, or empty it for `_ABSENT`."""
+    if isinstance(table, dict):
+        if value is _ABSENT:
+            table.pop(key, None)
+        else:
+            table[key] = value
+    elif value is _ABSENT:
+        if key in vars(table):
+            delattr(table, key)
+    else:
+        setattr(table, key, value)
+
+
+def where_none(table: dict, found: Iterable[tuple], make: Callable[..., Any]) -> Iterator[Entry]:
+    """An entry `make(op, *rest)` for each `(op, *rest)` found whose op the table has no
+    entry for: an entry someone else put there (torch's own, `loss_parallel()`'s) stays."""
+    for op, *rest in found:
+        if op not in table:
+            yield table, op, make(op, *rest)
+
+
 class TablePatches:
-    """Entries set in dicts owned by someone else, restorable exactly."""
+    """One declaration's entries, installed together and put back exactly, under one lock.
 
-    def __init__(self) -> None:
-        self._before: dict[tuple[int, Any], tuple[dict, Any]] = {}
+    `install()` and `uninstall()` are idempotent; `on_change(installed)` runs under the
+    lock after each real change (DTensor caches its decisions, so they must be forgotten
+    then)."""
 
-    def __bool__(self) -> bool:
+    def __init__(self, declare: Callable[[], Iterable[Entry]],
+                 on_change: Callable[[bool], None] | None = None) -> None:
+        self._declare = declare
+        self._on_change = on_change
+        self._lock = threading.RLock()
+        self._before: dict[tuple[int, Any], tuple[Any, Any]] = {}
+        self._warned: dict[str, bool] = {}  # key -> forgotten at the next install
+
+    def is_installed(self) -> bool:
         return bool(self._before)
 
-    def set(self, table: dict, key: Any, value: Any) -> None:
-        """`table[key] = value`, remembering the first value the slot held (or none)."""
-        self._before.setdefault((id(table), key), (table, table.get(key, _ABSENT)))
-        table[key] = value
+    def install(self) -> None:
+        """Set every declared entry, in order (a declaration reading a table sees the
+        entries set before it). Idempotent. If the declaration fails, what it set is put
+        back before the error goes on."""
+        with self._lock:
+            if self._before:
+                return
+            self._warned = {k: again for k, again in self._warned.items() if not again}
+            try:
+                for table, key, value in self._declare():
+                    self._set(table, key, value)
+            except BaseException:
+                self._restore()
+                raise
+            if self._on_change is not None:
+                self._on_change(True)
 
-    def restore(self) -> None:
-        """Put every slot back as it was before the first `set`, in reverse order."""
+    def uninstall(self) -> None:
+        """Put every slot back as it was before `install`. Idempotent."""
+        with self._lock:
+            if not self._before:
+                return
+            self._restore()
+            if self._on_change is not None:
+                self._on_change(False)
+
+    def warn_once(self, key: str, message: str, stacklevel: int = 2, per_install: bool = True) -> None:
+        """`warnings.warn(message, stacklevel)` the first time `key` is seen: once per
+        installation, or once per process where `per_install` is False (a warning about
+        an op's derivation, whose result is cached: a `with enabled():` around each
+        training step must not repeat it)."""
+        if key not in self._warned:
+            self._warned[key] = per_install
+            warnings.warn(message, stacklevel=stacklevel)
+
+    def _set(self, table: Any, key: Any, value: Any) -> None:
+        self._before.setdefault((id(table), key), (table, _read(table, key)))
+        _write(table, key, value)
+
+    def _restore(self) -> None:
         for (_, key), (table, old) in reversed(list(self._before.items())):
-            if old is _ABSENT:
-                table.pop(key, None)
-            else:
-                table[key] = old
+            _write(table, key, old)
         self._before.clear()

@@ -43,52 +43,27 @@ from __future__ import annotations
 
 import itertools
 import math
-import threading
-import warnings
 from typing import Any, Callable, Iterator
 
 import torch
 
-from decompshard._compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, TorchReplicate, TorchShard, TorchStridedShard, clear_dtensor_caches, redistribute_cost, sharding_propagator, view_family_ops, view_shape_arg_index
-
+from decompshard._compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, TorchReplicate, TorchShard, TorchStridedShard, redistribute_cost, sharding_propagator, view_family_ops, view_shape_arg_index
 from decompshard.mesh.lift import local_shape_nd
-from decompshard.runtime.table_patches import TablePatches
+from decompshard.runtime.table_patches import Entry, WarnOnce
 
-__all__ = ["install", "is_installed", "uninstall"]
-
-_lock = threading.RLock()
-_patches = TablePatches()
-_warned: set[str] = set()
+__all__ = ["entries"]
 
 
-def is_installed() -> bool:
-    return bool(_patches)
+def entries(warn_once: WarnOnce) -> Iterator[Entry]:
+    """Every view-family entry of DTensor's strategy table, wrapped (`enable()` installs them)."""
+    table = sharding_propagator().op_strategy_funcs
+    for op in view_family_ops():
+        if op._schema.is_mutable:  # squeeze_: DTensor cannot move self (it would relabel a copy)
+            continue
+        yield table, op, _redistributing_view_strategy(op, table[op], warn_once)
 
 
-def install() -> None:
-    """Wrap every view-family entry of DTensor's strategy table. Idempotent."""
-    with _lock:
-        if _patches:
-            return
-        _warned.clear()
-        table = sharding_propagator().op_strategy_funcs
-        for op in view_family_ops():
-            if op._schema.is_mutable:  # squeeze_: DTensor cannot move self (it would relabel a copy)
-                continue
-            _patches.set(table, op, _redistributing_view_strategy(op, table[op]))
-        clear_dtensor_caches()
-
-
-def uninstall() -> None:
-    """Put back exactly the entries `install` replaced. Idempotent."""
-    with _lock:
-        if not _patches:
-            return
-        _patches.restore()
-        clear_dtensor_caches()
-
-
-def _redistributing_view_strategy(op: torch._ops.OpOverload, native: Callable) -> Callable:
+def _redistributing_view_strategy(op: torch._ops.OpOverload, native: Callable, warn_once: WarnOnce) -> Callable:
     def strategy(op_schema: Any) -> Any:
         source = op_schema.args_schema[0] if op_schema.args_schema else None
         if not isinstance(source, OpStrategy) or len(source.strategies) != 1:
@@ -109,14 +84,11 @@ def _redistributing_view_strategy(op: torch._ops.OpOverload, native: Callable) -
             raise RuntimeError(f"decompshard: {op}: no layout of {spec} that DTensor's view strategy "
                                f"accepts ({refusal})")
         best = min(found, key=lambda s: sum(itertools.chain.from_iterable(s.redistribute_cost)))
-        key = f"{op}"
-        if key not in _warned:
-            _warned.add(key)
-            warnings.warn(
-                f"decompshard: {op} on {_spec_text(spec)}: DTensor's view strategy refuses it ({refusal}); "
-                f"redistributing the input to {tuple(best.input_specs[0].placements)} first "
-                f"(cheapest valid layout by DTensor's cost model). The result views that copy: "
-                f"an in-place write to it does not reach the input", stacklevel=2)
+        warn_once(f"view:{op}", (
+            f"decompshard: {op} on {_spec_text(spec)}: DTensor's view strategy refuses it ({refusal}); "
+            f"redistributing the input to {tuple(best.input_specs[0].placements)} first "
+            f"(cheapest valid layout by DTensor's cost model). The result views that copy: "
+            f"an in-place write to it does not reach the input"))
         return OpStrategy(found)
 
     strategy.__wrapped__ = native  # type: ignore[attr-defined]

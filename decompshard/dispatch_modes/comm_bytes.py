@@ -1,0 +1,60 @@
+"""`CommBytes`: a dispatch mode that counts the collectives a DTensor program issues and
+the bytes each rank puts into them (the model zoo's communication columns,
+check/model.py `run_training_step`).
+
+It sits below DTensor on purpose: DTensor turns each op into local ops and collectives,
+and only those collectives reach this mode. Not torch's `CommDebugMode` itself: its
+module tracker raises on models whose hooks return early (transformers' output
+capturing); the collectives counted are the ones CommDebugMode's registry names.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["CommBytes"]
+
+
+class CommBytes(TorchDispatchMode):
+    """The collectives CommDebugMode counts (its registry: functional and c10d
+    collectives), and the bytes each rank puts into them (the first tensor argument's
+    size, the largest rank's where ranks differ). Not CommDebugMode itself: its module
+    tracker raises on models whose hooks return early (transformers' output capturing)."""
+
+    def __init__(self) -> None:
+        from torch.distributed.tensor.debug import CommDebugMode
+        from torch.distributed.tensor.debug._comm_mode import c10d_collective_ops
+
+        super().__init__()
+        self.registry = set(CommDebugMode().comm_registry) | set(c10d_collective_ops)
+        self.count = self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor turn the op into local ops and collectives
+        out = func(*args, **(kwargs or {}))
+        if getattr(func, "_overloadpacket", None) in self.registry:
+            self.count += 1
+            self.bytes += _arg_bytes(args)
+        return out
+
+    def get_total_counts(self) -> int:
+        """The number of collectives counted (CommDebugMode's name for it)."""
+        return self.count
+
+
+def _arg_bytes(args: Sequence[Any]) -> int:
+    """Bytes of the first tensor argument on the rank that holds the most (a
+    LocalTensor's ranks may hold different sizes: uneven shards)."""
+    for a in tree_leaves(args):
+        if isinstance(a, torch.Tensor):
+            per_rank = getattr(a, "_local_tensors", None)
+            ts = list(per_rank.values()) if per_rank else [a]
+            return max(t.numel() * t.element_size() for t in ts)
+    return 0
