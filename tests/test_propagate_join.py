@@ -181,6 +181,7 @@ def test_merged_keeps_the_parts_order_and_their_flags():
 
 def test_joined_entries_come_entry_major_then_rule_order():
     f = _factor({1: r}, {1: s0})
+    f.entries[1].even = True  # a part's [even] carries over
     owner = {1: f}
     node = _node((1, 5), (3,), index=4)
     sides = [_side(node.inputs, f, owner, [True, True])]
@@ -196,7 +197,7 @@ def test_joined_entries_come_entry_major_then_rule_order():
     assert got == [
         ({1: r, 5: r, 3: r}, False, (4, 1, (p0,)), False),
         ({1: r, 5: s1, 3: s1}, True, (4, 2, (p0,)), True),
-        ({1: s0, 5: r, 3: s0}, False, (4, 0, (p1,)), True),
+        ({1: s0, 5: r, 3: s0}, True, (4, 0, (p1,)), True),
     ]
     assert entries[0].env is not f.entries[0].env  # a copy: the factor's entry is untouched
     assert f.entries[0].env == {1: r}
