@@ -235,99 +235,147 @@ def torch_fallback_rules(
     into NotImplementedError); RuntimeError / KeyError / IndexError reject the
     candidate; no accepted candidate at all means torch fails the op too.
     """
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
-    from torch.distributed.tensor._op_schema import OpSchema
-    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-
     kwargs = dict(kwargs or {})
     result = FallbackResult(op)
     t0 = time.perf_counter()
     try:
         sp = _sharding_propagator()
         ds = sp.decomp_strategy
-        if not ds.has_decomp(op):
-            result.unsupported_reason = f"NotImplementedError: No decomposition found for {op}"
+        result.unsupported_reason = _refused_outright(ds, op, args, kwargs)
+        if result.unsupported_reason is not None:
             return result
-        tensors = tensor_inputs(args, kwargs)
-        if not tensors:
-            # torch's propagate_strategy returns None when no input is a DTensor.
-            result.unsupported_reason = "no tensor inputs (torch's fallback needs a DTensor input)"
-            return result
-
-        _, _, TReplicate, _ = _torch_placement_types()
-        fake_mesh = ds._get_fake_mesh("cpu")
-        args_schema, kwargs_schema = _specs(args, kwargs, fake_mesh, lambda _t: TReplicate())
-        op_schema = OpSchema(op, args_schema, kwargs_schema)
-        # Same leaf order as torch's _get_candidate_placements / to_meta.
-        leaves = tree_flatten(list(args_schema) + list(kwargs_schema.values()))[0]
-        spec_positions = [i for i, x in enumerate(leaves) if isinstance(x, DTensorSpec)]
-        assert len(spec_positions) == len(tensors)
-
-        cands = default_candidates(args, kwargs) if candidates is None else candidates
+        call = _fallback_call(ds, op, args, kwargs)
         seen: set[SingleDimRule] = set()
         accepted: list[list[Any]] = []  # torch's single_dim_strategies: outputs + inputs
-        for cand in cands:
+        for cand in default_candidates(args, kwargs) if candidates is None else candidates:
             cand = tuple(cand)
-            if len(cand) != len(tensors):
-                raise ValueError(
-                    f"candidate {cand} has {len(cand)} placements; {op} has "
-                    f"{len(tensors)} tensor inputs"
-                )
-            full: list[Any] = [None] * len(leaves)
-            for pos, p in zip(spec_positions, cand):
-                full[pos] = to_torch_placement(p)
+            full = call.torch_candidate(op, cand)
             result.n_candidates += 1
-            try:
-                out = ds._propagate_through_decomp(op_schema, tuple(full), fake_mesh)
-            except (NotImplementedError, GuardOnDataDependentSymNode) as e:
-                result.unsupported_reason = one_line(e)
-                result.rules.clear()
-                result.unrepresentable.clear()
+            if _run_candidate(result, ds, call, cand, full, seen, accepted):
                 return result
-            except (RuntimeError, KeyError, IndexError) as e:
-                reason = one_line(e)
-                result.rejected[reason] = result.rejected.get(reason, 0) + 1
-                continue
-            except Exception as e:  # torch: propagate_strategy raises -> op unsupported
-                result.unsupported_reason = one_line(e)
-                result.rules.clear()
-                result.unrepresentable.clear()
-                return result
-            result.n_accepted += 1
-            outs = out if isinstance(out, tuple) else (out,)
-            accepted.append(list(outs) + full)
-            try:
-                ours = tuple(from_torch_placement(p) for p in outs)
-            except UnrepresentablePlacement:
-                lhs = ", ".join(format_placement(p) for p in cand)
-                rhs = ", ".join("None" if p is None else str(p) for p in outs)
-                result.unrepresentable.append(f"{lhs} -> {rhs}")
-                continue
-            rule = SingleDimRule(cand, ours, even_only=False, source=SOURCE)
-            if rule.is_trivial() or rule in seen:
-                continue
-            seen.add(rule)
-            result.rules.append(rule)
-        if result.n_accepted == 0 and result.n_candidates > 0:
-            first = next(iter(result.rejected), "no candidate")
-            result.unsupported_reason = (
-                "no candidate accepted (torch: 'Sharding propagation should have produced "
-                f"at least Replicate() strategy'); first rejection: {first}"
-            )
-            result.rules.clear()
-        elif accepted:
-            # torch's propagate_strategy then expands the single-dim strategies to the
-            # mesh; a failure there fails the op too (e.g. tensor-list inputs such as
-            # _chunk_cat's: "input_specs(2) != strategies(0: 0 args + 0 kwargs)").
-            n_outputs = len(accepted[-1]) - len(leaves)
-            reason = _expansion_error(sp, op_schema, fake_mesh, accepted, n_outputs)
-            if reason is not None:
-                result.unsupported_reason = f"mesh expansion failed: {reason}"
-                result.rules.clear()
-                result.unrepresentable.clear()
+        _judge_the_op(result, sp, call, accepted)
         return result
     finally:
         result.seconds = time.perf_counter() - t0
+
+
+def _refused_outright(ds, op: OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> str | None:
+    """Why torch's fallback refuses the op before trying any candidate, or None."""
+    if not ds.has_decomp(op):
+        return f"NotImplementedError: No decomposition found for {op}"
+    if not tensor_inputs(args, kwargs):
+        # torch's propagate_strategy returns None when no input is a DTensor.
+        return "no tensor inputs (torch's fallback needs a DTensor input)"
+    return None
+
+
+@dataclass
+class _FallbackCall:
+    """The op's call as torch's fallback sees it: its schema on the fake 1-rank mesh,
+    and where its DTensorSpecs sit among the flattened leaves (the order of torch's
+    `_get_candidate_placements`), which is where a candidate's placements go."""
+
+    mesh: Any
+    op_schema: Any
+    n_leaves: int
+    spec_positions: list[int]
+
+    def torch_candidate(self, op: OpOverload, cand: tuple[MaybePlacement, ...]) -> list[Any]:
+        """One torch placement (or None) per leaf: `cand`'s at the tensors' positions."""
+        if len(cand) != len(self.spec_positions):
+            raise ValueError(
+                f"candidate {cand} has {len(cand)} placements; {op} has "
+                f"{len(self.spec_positions)} tensor inputs"
+            )
+        full: list[Any] = [None] * self.n_leaves
+        for pos, p in zip(self.spec_positions, cand):
+            full[pos] = to_torch_placement(p)
+        return full
+
+
+def _fallback_call(ds, op: OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> _FallbackCall:
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._op_schema import OpSchema
+
+    _, _, TReplicate, _ = _torch_placement_types()
+    fake_mesh = ds._get_fake_mesh("cpu")
+    args_schema, kwargs_schema = _specs(args, kwargs, fake_mesh, lambda _t: TReplicate())
+    op_schema = OpSchema(op, args_schema, kwargs_schema)
+    # Same leaf order as torch's _get_candidate_placements / to_meta.
+    leaves = tree_flatten(list(args_schema) + list(kwargs_schema.values()))[0]
+    spec_positions = [i for i, x in enumerate(leaves) if isinstance(x, DTensorSpec)]
+    assert len(spec_positions) == len(tensor_inputs(args, kwargs))
+    return _FallbackCall(fake_mesh, op_schema, len(leaves), spec_positions)
+
+
+def _give_up(result: FallbackResult, reason: str) -> None:
+    """Torch fails the whole op: no rule of it stands."""
+    result.unsupported_reason = reason
+    result.rules.clear()
+    result.unrepresentable.clear()
+
+
+def _run_candidate(result: FallbackResult, ds, call: _FallbackCall, cand: tuple[MaybePlacement, ...],
+                   full: list[Any], seen: set[SingleDimRule], accepted: list[list[Any]]) -> bool:
+    """Torch's step 2 for one candidate, recorded in `result` (and `accepted`, torch's
+    single-dim strategies); True when torch gives up on the whole op."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    try:
+        out = ds._propagate_through_decomp(call.op_schema, tuple(full), call.mesh)
+    except (NotImplementedError, GuardOnDataDependentSymNode) as e:
+        _give_up(result, one_line(e))
+        return True
+    except (RuntimeError, KeyError, IndexError) as e:
+        reason = one_line(e)
+        result.rejected[reason] = result.rejected.get(reason, 0) + 1
+        return False
+    except Exception as e:  # torch: propagate_strategy raises -> op unsupported
+        _give_up(result, one_line(e))
+        return True
+    result.n_accepted += 1
+    outs = out if isinstance(out, tuple) else (out,)
+    accepted.append(list(outs) + full)
+    _record_rule(result, cand, outs, seen)
+    return False
+
+
+def _record_rule(result: FallbackResult, cand: tuple[MaybePlacement, ...], outs: tuple,
+                 seen: set[SingleDimRule]) -> None:
+    """An accepted candidate as one of our rules (new, non-trivial ones only), or as an
+    unrepresentable torch rule when an output placement has no counterpart here."""
+    try:
+        ours = tuple(from_torch_placement(p) for p in outs)
+    except UnrepresentablePlacement:
+        lhs = ", ".join(format_placement(p) for p in cand)
+        rhs = ", ".join("None" if p is None else str(p) for p in outs)
+        result.unrepresentable.append(f"{lhs} -> {rhs}")
+        return
+    rule = SingleDimRule(cand, ours, even_only=False, source=SOURCE)
+    if rule.is_trivial() or rule in seen:
+        return
+    seen.add(rule)
+    result.rules.append(rule)
+
+
+def _judge_the_op(result: FallbackResult, sp, call: _FallbackCall, accepted: list[list[Any]]) -> None:
+    """After every candidate: torch fails the op when none was accepted, or when its
+    expansion of the accepted ones to the mesh fails."""
+    if result.n_accepted == 0 and result.n_candidates > 0:
+        first = next(iter(result.rejected), "no candidate")
+        result.unsupported_reason = (
+            "no candidate accepted (torch: 'Sharding propagation should have produced "
+            f"at least Replicate() strategy'); first rejection: {first}"
+        )
+        result.rules.clear()
+    elif accepted:
+        # torch's propagate_strategy then expands the single-dim strategies to the
+        # mesh; a failure there fails the op too (e.g. tensor-list inputs such as
+        # _chunk_cat's: "input_specs(2) != strategies(0: 0 args + 0 kwargs)").
+        n_outputs = len(accepted[-1]) - call.n_leaves
+        reason = _expansion_error(sp, call.op_schema, call.mesh, accepted, n_outputs)
+        if reason is not None:
+            _give_up(result, f"mesh expansion failed: {reason}")
 
 
 def _expansion_error(sp, op_schema, mesh, single_dim_strategies, n_outputs) -> str | None:

@@ -252,203 +252,155 @@ class _Joined:
     matched: set[tuple[int, ...]]  # combinations of the touched factors' entries some rule took
 
 
-def _fresh(memo: dict, wants: tuple, node: PrimNode, owner: dict, allowed: dict, floating) -> list:
-    """The placements a rule wanting `wants` gives the node's values read for the first
-    time (graph inputs, constants), each with whether it shards one: once per distinct
-    `wants` (`memo`, one per join). Callers skip the call when every input already has
-    an owner factor (then there is nothing to choose: `[({}, False)]`)."""
-    fresh = memo.get(wants)
-    if fresh is None:
-        fresh = memo[wants] = [
-            (a, not _SHARD_C.isdisjoint(a.values())) for a in _fresh_assignments(wants, node, owner, allowed, floating)
-        ]
+_NO_FRESH: list = [({}, False)]  # every input of the node already placed: nothing to choose
+
+
+def _fresh_lookup(node: PrimNode, owner: dict, allowed: dict, floating) -> Callable[[tuple], list]:
+    """For one join: the placements a rule wanting `wants` (codes) gives the node's values
+    read for the first time (graph inputs, constants), each with whether it shards one.
+    Computed once per distinct `wants` (rules often want the same inputs); when every input
+    already has an owner factor there is nothing to choose (`_NO_FRESH`)."""
+    if all(v in owner for v in node.inputs):
+        return lambda wants: _NO_FRESH
+    memo: dict[tuple, list] = {}
+
+    def fresh(wants: tuple) -> list:
+        found = memo.get(wants)
+        if found is None:
+            found = memo[wants] = [
+                (a, not _SHARD_C.isdisjoint(a.values()))
+                for a in _fresh_assignments(wants, node, owner, allowed, floating)
+            ]
+        return found
+
     return fresh
 
 
-def _join(node: PrimNode, table: tuple, touched: list[_Factor], owner: dict, allowed: dict, floating) -> _Joined:
-    """Every (entry of each touched factor, rule, placement of values read for the first
-    time) that fits the node. Each rule filters each factor on its own, so only the
-    combinations that match are ever built: independent inputs cost the rule set's size,
-    not the product of every factor's entries. `table` is `_encoded`, `allowed` in codes.
+@dataclass(slots=True)
+class _Side:
+    """One touched factor as a node sees it: the node's input positions it placed, and
+    its entries grouped by the placements (codes) they hold there, so that the entries a
+    rule takes are a dict look-up, not a `_reads` per (entry, input)."""
 
-    A factor's entries are grouped by the placements they give the node's inputs, and
-    rules wanting the same placements share one filtering: the work per rule is a dict
-    look-up, not a `_reads` per (entry, input). Entries come out entry-major, then in
-    rule order (as a per-state scan visits them). Most nodes read one factor, or none
-    (only graph inputs and constants): those are built here directly; `_join_many`
-    joins several."""
-    n_f = len(touched)
-    if n_f > 1:
-        return _join_many(node, table, touched, owner, allowed, floating)
-    inputs = node.inputs
-    n_in = len(inputs)
-    outputs = node.outputs
-    index = node.index
-    no_fresh = [({}, False)] if all(v in owner for v in inputs) else None
-    fresh_memo: dict[tuple, list] = {}
-    out_pairs_memo: dict[int, list] = {}
-    entries: list[_Entry] = []
-    if n_f == 0:
-        for ri, (wants, outs, r_even, out_sharded, _) in enumerate(table):
-            fresh = no_fresh or _fresh(fresh_memo, wants, node, owner, allowed, floating)
-            if not fresh:
-                continue
-            out_pairs = [(v, p) for v, p in zip(outputs, outs) if v is not None]
-            path = (index, ri, ())
-            for assigned, fresh_sharded in fresh:
-                env = dict(assigned)
-                for v, p in out_pairs:
-                    env[v] = p
-                entries.append(_Entry(env, r_even, path, fresh_sharded or out_sharded))
-        return _Joined(entries, {()} if entries else set())
-    f = touched[0]
-    f_entries = f.entries
-    pos = tuple([i for i, v in enumerate(inputs) if owner.get(v) is f])
-    vals = [inputs[i] for i in pos]
+    factor: _Factor
+    pos: tuple[int, ...]
+    groups: dict[tuple, list[int]]
+    float_at: list[bool]  # per position in `pos`: the input is floating (R reads as P)
+    whole: bool  # it placed every input of the node: a rule's inputs are the key as they are
+
+
+def _group(entries: list[_Entry], vals: Sequence[int]) -> dict[tuple, list[int]]:
+    """Entry indices (ascending) by the placements the entries give `vals`."""
     groups: dict[tuple, list[int]] = {}
-    for i, e in enumerate(f_entries):
+    for i, e in enumerate(entries):
         env = e.env
         groups.setdefault(tuple([env[v] for v in vals]), []).append(i)
-    is_float = [v in floating for v in inputs]
-    float_at = [is_float[i] for i in pos]
-    whole = len(pos) == n_in  # the factor placed every input: wants = rule.inputs
-    by_entry: list = [None] * len(f_entries)  # per entry: (rule index, fresh) it takes
+    return groups
+
+
+def _side(inputs: tuple, factor: _Factor, owner: dict, is_float: list[bool]) -> _Side:
+    """`factor` as the node reading `inputs` sees it (`is_float`: per input)."""
+    pos = tuple([i for i, v in enumerate(inputs) if owner.get(v) is factor])
+    groups = _group(factor.entries, [inputs[i] for i in pos])
+    return _Side(factor, pos, groups, [is_float[i] for i in pos], len(pos) == len(inputs))
+
+
+def _side_fits(side: _Side, wants: tuple, rsat: bool, n_in: int, is_float: list[bool]) -> list[int]:
+    """Indices (ascending) of the side's entries that fit a rule wanting `wants` (codes)
+    at the side's positions; `rsat`: the rule wants some input as P(avg|max|min), which
+    a floating R also meets. A rule shorter than the node's inputs constrains only its
+    own (a position past its end makes the key shorter than the groups': nothing fits)."""
+    if len(wants) < n_in:
+        pos = tuple([i for i in side.pos if i < len(wants)])
+        return _fits(side.groups, tuple([wants[i] for i in pos]), [is_float[i] for i in pos])
+    key = wants if side.whole else tuple([wants[i] for i in side.pos])
+    if not rsat:  # no R-reads-as-P option: one look-up
+        return side.groups.get(key, _NONE)
+    return _fits(side.groups, key, side.float_at)
+
+
+def _takers(table: tuple, sides: list[_Side], n_in: int, is_float: list[bool],
+            fresh: Callable[[tuple], list]) -> dict[tuple[int, ...], list[tuple[int, list]]]:
+    """Per combination of the sides' entries (one index per side) that some rule takes:
+    the rules that take it (table order), each with the fresh placements it brings.
+    Each rule filters each side on its own, so only matching combinations are built:
+    independent inputs cost the rule set's size, not the product of every factor's
+    entries. With no side, the one combination is `()`."""
+    takers: dict[tuple[int, ...], list[tuple[int, list]]] = {}
     for ri, rule in enumerate(table):
-        wants_all = rule[0]
-        if len(wants_all) < n_in:  # a short rule constrains only its own inputs
-            p2 = tuple([i for i in pos if i < len(wants_all)])
-            fits = _fits(groups, tuple([wants_all[i] for i in p2]), [is_float[i] for i in p2])
-        elif not rule[4]:  # no R-reads-as-P option: one look-up
-            fits = groups.get(wants_all if whole else tuple([wants_all[i] for i in pos]))
-        elif whole:
-            fits = _fits(groups, wants_all, float_at)
+        wants, rsat = rule[0], rule[4]
+        per_side = []
+        for side in sides:
+            fits = _side_fits(side, wants, rsat, n_in, is_float)
+            if not fits:
+                break
+            per_side.append(fits)
         else:
-            fits = _fits(groups, tuple([wants_all[i] for i in pos]), float_at)
-        if not fits:
-            continue
-        fresh = no_fresh or _fresh(fresh_memo, wants_all, node, owner, allowed, floating)
-        if not fresh:
-            continue
-        took = (ri, fresh)
-        for i in fits:
-            b = by_entry[i]
-            if b is None:
-                by_entry[i] = [took]
-            else:
-                b.append(took)
-    matched: set[tuple[int, ...]] = set()
-    for i, b in enumerate(by_entry):
-        if b is None:
-            continue
-        matched.add((i,))
-        e = f_entries[i]
-        e_env, e_even, e_sharded, paths = e.env, e.even, e.sharded, (e.path,)
-        for ri, fresh in b:
+            assignments = fresh(wants)
+            if not assignments:
+                continue
+            took = (ri, assignments)
+            for combo in itertools.product(*per_side):
+                b = takers.get(combo)
+                if b is None:
+                    takers[combo] = [took]
+                else:
+                    b.append(took)
+    return takers
+
+
+def _merged(parts: list[_Entry]) -> tuple[dict, tuple, bool, bool]:
+    """One entry from each touched factor, as one: their placements (in the parts'
+    order; the dict is a part's own when there is one part, so copy before writing),
+    their paths, whether some part is [even], whether some part placed a shard."""
+    if len(parts) == 1:  # most nodes read one factor: nothing to merge
+        e = parts[0]
+        return e.env, (e.path,), e.even, e.sharded
+    env: dict[int, int | None] = {}
+    for e in parts:
+        env.update(e.env)
+    return env, tuple([e.path for e in parts]), any([e.even for e in parts]), any([e.sharded for e in parts])
+
+
+def _joined_entries(node: PrimNode, table: tuple, sides: list[_Side], takers: dict) -> list[_Entry]:
+    """The joined factor's entries: combinations in ascending order (entry-major), then
+    rule order, then fresh placements' order (as a per-state scan visits them). Each
+    holds the parts' placements, the fresh ones and the rule's outputs (in that order),
+    is [even] if the rule or a part is, and sharded if anything it placed is."""
+    outputs, index = node.outputs, node.index
+    out_pairs_memo: dict[int, list] = {}
+    entries: list[_Entry] = []
+    for combo in sorted(takers):
+        base, paths, p_even, p_sharded = _merged([side.factor.entries[i] for side, i in zip(sides, combo)])
+        for ri, assignments in takers[combo]:
             _, outs, r_even, out_sharded, _ = table[ri]
             out_pairs = out_pairs_memo.get(ri)
             if out_pairs is None:
                 out_pairs = out_pairs_memo[ri] = [(v, p) for v, p in zip(outputs, outs) if v is not None]
             path = (index, ri, paths)
-            even = r_even or e_even
-            for assigned, fresh_sharded in fresh:
-                env = e_env.copy()
+            even = r_even or p_even
+            for assigned, fresh_sharded in assignments:
+                env = base.copy()
                 if assigned:
                     env.update(assigned)
                 for v, p in out_pairs:
                     env[v] = p
-                entries.append(_Entry(env, even, path, e_sharded or fresh_sharded or out_sharded))
-    return _Joined(entries, matched)
+                entries.append(_Entry(env, even, path, p_sharded or fresh_sharded or out_sharded))
+    return entries
 
 
-def _join_many(node: PrimNode, table: tuple, touched: list[_Factor], owner: dict, allowed: dict, floating) -> _Joined:
-    """`_join` for a node that reads values of two or more factors: each factor filtered
-    per rule as in `_join`, then the product of the matching entries, sorted entry-major
-    and in rule order."""
+def _join(node: PrimNode, table: tuple, touched: list[_Factor], owner: dict, allowed: dict, floating) -> _Joined:
+    """Every (entry of each touched factor, rule, placement of values read for the first
+    time) that fits the node: one code path for a node that reads no factor (only graph
+    inputs and constants), one, or several. `table` is `_encoded`, `allowed` in codes.
+    The pieces: `_side` (a factor grouped by what it gives the node's inputs),
+    `_takers` (which rules take which combination of entries, `_side_fits` per side),
+    `_joined_entries` (the new entries, in a fixed order)."""
     inputs = node.inputs
-    n_in = len(inputs)
-    # per touched factor: the node's input positions it placed, and its entries grouped
-    # by the placements they hold there
-    positions = [tuple(i for i, v in enumerate(inputs) if owner.get(v) is f) for f in touched]
-    groups: list[dict[tuple, list[int]]] = []
-    for f, pos in zip(touched, positions):
-        vals = [inputs[i] for i in pos]
-        g: dict[tuple, list[int]] = {}
-        for i, e in enumerate(f.entries):
-            env = e.env
-            g.setdefault(tuple([env[v] for v in vals]), []).append(i)
-        groups.append(g)
     is_float = [v in floating for v in inputs]
-    every = tuple(range(n_in))
-    float_at = [[is_float[i] for i in pos] for pos in positions]
-    whole = [pos == every for pos in positions]  # the factor placed every input: wants = rule.inputs
-    no_fresh = [({}, False)] if all(v in owner for v in inputs) else None
-    fresh_memo: dict[tuple, list] = {}
-    found: list[tuple[tuple, int, int, dict, bool]] = []
-    matched: set[tuple[int, ...]] = set()
-    n_f = len(touched)
-    for ri, rule in enumerate(table):
-        wants_all = rule[0]
-        short = len(wants_all) < n_in
-        per_factor = []
-        for k in range(n_f):
-            if short:  # a rule shorter than the node's inputs constrains only its own
-                pos = tuple(i for i in positions[k] if i < len(wants_all))
-                fits = _fits(groups[k], tuple([wants_all[i] for i in pos]), [is_float[i] for i in pos])
-            elif whole[k]:
-                fits = _fits(groups[k], wants_all, float_at[k])
-            else:
-                fits = _fits(groups[k], tuple([wants_all[i] for i in positions[k]]), float_at[k])
-            if not fits:
-                break
-            per_factor.append(fits)
-        else:
-            fresh = no_fresh or _fresh(fresh_memo, wants_all, node, owner, allowed, floating)
-            if not fresh:
-                continue
-            if n_f == 1:
-                for i in per_factor[0]:
-                    combo = (i,)
-                    matched.add(combo)
-                    for k, (assigned, fresh_sharded) in enumerate(fresh):
-                        found.append((combo, ri, k, assigned, fresh_sharded))
-                continue
-            for combo in itertools.product(*per_factor):
-                matched.add(combo)
-                for k, (assigned, fresh_sharded) in enumerate(fresh):
-                    found.append((combo, ri, k, assigned, fresh_sharded))
-    # entry-major, then rule order: as a per-state scan visits them. (combo, rule, k) is
-    # unique, so the tuples compare on those alone and never reach the dicts.
-    found.sort()
-    entries = []
-    outputs = node.outputs
-    out_pairs_memo: dict[int, list] = {}
-    index = node.index
-    single = len(touched) == 1
-    for combo, ri, _, assigned, fresh_sharded in found:
-        _, rule_outs, rule_even, out_sharded, _ = table[ri]
-        out_pairs = out_pairs_memo.get(ri)
-        if out_pairs is None:
-            out_pairs = out_pairs_memo[ri] = [(v, p) for v, p in zip(outputs, rule_outs) if v is not None]
-        if single:
-            e = touched[0].entries[combo[0]]
-            env = e.env.copy()
-            paths = (e.path,)
-            even = rule_even or e.even
-            sharded = e.sharded or fresh_sharded or out_sharded
-        else:
-            parts = [f.entries[i] for f, i in zip(touched, combo)]
-            env = {}
-            for e in parts:
-                env.update(e.env)
-            paths = tuple(e.path for e in parts)
-            even = rule_even or any(e.even for e in parts)
-            sharded = any(e.sharded for e in parts) or fresh_sharded or out_sharded
-        if assigned:
-            env.update(assigned)
-        for v, p in out_pairs:
-            env[v] = p
-        entries.append(_Entry(env, even, (index, ri, paths), sharded))
-    return _Joined(entries, matched)
+    sides = [_side(inputs, f, owner, is_float) for f in touched]
+    takers = _takers(table, sides, len(inputs), is_float, _fresh_lookup(node, owner, allowed, floating))
+    return _Joined(_joined_entries(node, table, sides, takers), set(takers))
 
 
 def _fits(groups: dict[tuple, list[int]], wants: tuple, is_float: list[bool]) -> list[int]:

@@ -61,6 +61,60 @@ def _value_code(x: Any, names: dict[int, str]) -> str:
     return repr(x)
 
 
+_IMPORTS = (
+    "import torch",
+    "import torch.distributed as dist",
+    "from torch.distributed._local_tensor import LocalTensor, LocalTensorMode",
+    "from torch.distributed.device_mesh import DeviceMesh",
+    "from torch.distributed.tensor import DTensor, Partial, Replicate, Shard",
+    "from torch.testing._internal.distributed.fake_pg import FakeStore",
+    "from torch.utils._pytree import tree_flatten",
+    "",
+)
+
+# The script's second half: run the op on the DTensors built from `pieces` and compare
+# every rank's full_tensor() with `expected` (the one-device result).
+_RUN_AND_COMPARE = (
+    "",
+    "expected = tree_flatten(op(*[x.clone() if isinstance(x, torch.Tensor) else x for x in args], **kwargs))[0]",
+    "",
+    "reproduced, what = False, []",
+    "try:",
+    "    with LocalTensorMode(frozenset(range(W))):",
+    "        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]",
+    "        swap = {}",
+    "        for t, ps, pl in zip(tensors, pieces, placements):",
+    "            if isinstance(pl, Shard) and len(ps) < W:  # torch.chunk gave fewer pieces: empty shards",
+    "                ps = ps + [ps[0].narrow(pl.dim, 0, 0)] * (W - len(ps))",
+    "            lt = LocalTensor({r: ps[r].clone() for r in range(W)})",
+    "            swap[id(t)] = DTensor.from_local(lt, mesh, [pl], run_check=False, shape=t.shape, stride=t.stride())",
+    "        def put(x):",
+    "            if isinstance(x, (list, tuple)):",
+    "                return type(x)(put(v) for v in x)",
+    "            if isinstance(x, dict):",
+    "                return {k: put(v) for k, v in x.items()}",
+    "            return swap.get(id(x), x)",
+    "        out = tree_flatten(op(*put(args), **put(kwargs)))[0]",
+    "        for j, (o, e) in enumerate(zip(out, expected)):",
+    "            if not isinstance(o, DTensor):",
+    "                continue",
+    "            full = o.full_tensor()",
+    "            for r in range(W):",
+    "                got = full._local_tensors[r]",
+    "                same = got.shape == e.shape and torch.allclose(got, e, rtol=1e-6, atol=1e-8, equal_nan=True)",
+    "                if not same:",
+    "                    c = torch.complex128",
+    "                    err = (got.to(c) - e.to(c)).abs().max().item() if got.shape == e.shape else 'shape'",
+    "                    what.append(f'output {j} ({o.placements}), rank {r}: shape {list(got.shape)} "
+    "vs {list(e.shape)}, max error {err}')",
+    "                    reproduced = True",
+    "except Exception as e:  # accepted the placements, then a local kernel failed",
+    "    what.append(f'{type(e).__name__}: {str(e).splitlines()[0][:200]}')",
+    "    reproduced = 'Sharding propagation failed' not in str(e)",
+    "print('REPRODUCED' if reproduced else 'NOT REPRODUCED', *what[:4], sep='\\n  ')",
+)
+
+
 def reproducer(op: Any, args: Sequence[Any], kwargs: dict[str, Any] | None,
                placements: Sequence[MaybePlacement], world_size: int, *, seed: int = 0) -> str:
     """Python source that reruns `op(*args, **kwargs)` through DTensor with the tensor
@@ -70,38 +124,45 @@ def reproducer(op: Any, args: Sequence[Any], kwargs: dict[str, Any] | None,
     pos = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
     names = {id(leaves[i]): f"t{k}" for k, i in enumerate(pos)}
     a, kw = tree_unflatten(leaves, spec)
-    lines = [
-        f'"""DTensor vs one device: {op} with inputs on ({", ".join(str(p) for p in placements)}),',
-        f'a 1-D mesh of {world_size} simulated ranks (torch {torch.__version__.split("+")[0]}).',
-        'Found by `decompshard coverage --verify-native`."""',
-        "import torch",
-        "import torch.distributed as dist",
-        "from torch.distributed._local_tensor import LocalTensor, LocalTensorMode",
-        "from torch.distributed.device_mesh import DeviceMesh",
-        "from torch.distributed.tensor import DTensor, Partial, Replicate, Shard",
-        "from torch.testing._internal.distributed.fake_pg import FakeStore",
-        "from torch.utils._pytree import tree_flatten",
-        "",
-        f"W = {world_size}",
-        "if not dist.is_initialized():",
-        '    dist.init_process_group("fake", rank=0, world_size=W, store=FakeStore())',
-        "mesh = DeviceMesh(\"cpu\", torch.arange(W))",
-        "",
-    ]
-    for k, i in enumerate(pos):
-        lines.append(_literal(leaves[i], f"t{k}", seed + k))
+    lines = _header(op, placements, world_size)
+    lines += [_literal(leaves[i], f"t{k}", seed + k) for k, i in enumerate(pos)]
     lines += [
         "",
         f"op = torch.ops.{op.namespace}.{op._opname}.{op._overloadname}",
         f"args = {_value_code(a, names)}",
         f"kwargs = {_value_code(kw, names)}",
         "",
-        "# each rank's piece of each input (Partial: parts that reduce to the input)",
     ]
+    lines += _pieces([leaves[i] for i in pos], placements, world_size, seed)
+    lines += _RUN_AND_COMPARE
+    return "\n".join(lines) + "\n"
+
+
+def _header(op: Any, placements: Sequence[MaybePlacement], world_size: int) -> list[str]:
+    """The docstring (what is compared), the imports and the simulated world."""
+    return [
+        f'"""DTensor vs one device: {op} with inputs on ({", ".join(str(p) for p in placements)}),',
+        f'a 1-D mesh of {world_size} simulated ranks (torch {torch.__version__.split("+")[0]}).',
+        'Found by `decompshard coverage --verify-native`."""',
+        *_IMPORTS,
+        f"W = {world_size}",
+        "if not dist.is_initialized():",
+        '    dist.init_process_group("fake", rank=0, world_size=W, store=FakeStore())',
+        "mesh = DeviceMesh(\"cpu\", torch.arange(W))",
+        "",
+    ]
+
+
+def _pieces(tensors: list[torch.Tensor], placements: Sequence[MaybePlacement], world_size: int,
+            seed: int) -> list[str]:
+    """`pieces` (each rank's piece of each tensor input `t{k}`) and `placements`. A
+    Partial input's parts are written out (drawn so that they reduce to the input); a
+    shard is cut by torch.chunk in the script; a replicated input is the whole tensor."""
+    lines = ["# each rank's piece of each input (Partial: parts that reduce to the input)"]
     part_names = []
-    for k, (i, p) in enumerate(zip(pos, placements)):
+    for k, (t, p) in enumerate(zip(tensors, placements)):
         if isinstance(p, Partial):
-            parts = make_local(leaves[i], p, world_size, (seed, False), salt=k)
+            parts = make_local(t, p, world_size, (seed, False), salt=k)
             for r, q in enumerate(parts):
                 lines.append(_literal(q, f"t{k}_rank{r}", seed + 100 * k + r))
             part_names.append(f"[{', '.join(f't{k}_rank{r}' for r in range(world_size))}]")
@@ -111,43 +172,4 @@ def reproducer(op: Any, args: Sequence[Any], kwargs: dict[str, Any] | None,
             part_names.append(f"[t{k}] * W")
     lines.append(f"pieces = [{', '.join(part_names)}]")
     lines.append(f"placements = [{', '.join(_placement_code(p) for p in placements)}]")
-    lines += [
-        "",
-        "expected = tree_flatten(op(*[x.clone() if isinstance(x, torch.Tensor) else x for x in args], **kwargs))[0]",
-        "",
-        "reproduced, what = False, []",
-        "try:",
-        "    with LocalTensorMode(frozenset(range(W))):",
-        "        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]",
-        "        swap = {}",
-        "        for t, ps, pl in zip(tensors, pieces, placements):",
-        "            if isinstance(pl, Shard) and len(ps) < W:  # torch.chunk gave fewer pieces: empty shards",
-        "                ps = ps + [ps[0].narrow(pl.dim, 0, 0)] * (W - len(ps))",
-        "            lt = LocalTensor({r: ps[r].clone() for r in range(W)})",
-        "            swap[id(t)] = DTensor.from_local(lt, mesh, [pl], run_check=False, shape=t.shape, stride=t.stride())",
-        "        def put(x):",
-        "            if isinstance(x, (list, tuple)):",
-        "                return type(x)(put(v) for v in x)",
-        "            if isinstance(x, dict):",
-        "                return {k: put(v) for k, v in x.items()}",
-        "            return swap.get(id(x), x)",
-        "        out = tree_flatten(op(*put(args), **put(kwargs)))[0]",
-        "        for j, (o, e) in enumerate(zip(out, expected)):",
-        "            if not isinstance(o, DTensor):",
-        "                continue",
-        "            full = o.full_tensor()",
-        "            for r in range(W):",
-        "                got = full._local_tensors[r]",
-        "                same = got.shape == e.shape and torch.allclose(got, e, rtol=1e-6, atol=1e-8, equal_nan=True)",
-        "                if not same:",
-        "                    c = torch.complex128",
-        "                    err = (got.to(c) - e.to(c)).abs().max().item() if got.shape == e.shape else 'shape'",
-        "                    what.append(f'output {j} ({o.placements}), rank {r}: shape {list(got.shape)} "
-        "vs {list(e.shape)}, max error {err}')",
-        "                    reproduced = True",
-        "except Exception as e:  # accepted the placements, then a local kernel failed",
-        "    what.append(f'{type(e).__name__}: {str(e).splitlines()[0][:200]}')",
-        "    reproduced = 'Sharding propagation failed' not in str(e)",
-        "print('REPRODUCED' if reproduced else 'NOT REPRODUCED', *what[:4], sep='\\n  ')",
-    ]
-    return "\n".join(lines) + "\n"
+    return lines
