@@ -156,7 +156,7 @@ def run_jobs(jobs: Sequence[Job], workers: int, timeout: float,
                     if w.job:
                         on_failure(w.job, f"crashed: worker exited with code {code}", time.monotonic() - w.started)
                     elif (early_deaths := early_deaths + 1) >= 3:
-                        raise RuntimeError(f"worker processes fail to start (exit code {code})")
+                        raise RuntimeError(f"worker processes fail to start (exit code {code})") from None
                     pool[pool.index(w)] = _Worker(ctx)
                     w.stop(kill=True)
                     continue

@@ -168,7 +168,7 @@ def distribute(model: E2EModel, inputs, mesh):
     from torch.distributed.tensor import distribute_tensor
 
     dmodel = copy.deepcopy(model)
-    for n, mod in dmodel.branches.items():
+    for mod in dmodel.branches.values():
         for a in mod.branch.args:
             if not a.param:
                 continue

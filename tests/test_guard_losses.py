@@ -255,7 +255,7 @@ def test_item_of_a_partial_or_sharded_value_reads_the_global_value(meshes):
             lambda: distribute_tensor(torch.tensor([2.5], dtype=torch.float64), mesh, [S0]), 2.5),
     }
     decompshard.disable()
-    for name, (make, want) in cases.items():
+    for name, (make, _want) in cases.items():
         assert isinstance(_item(mesh, make), str), name  # DTensor alone: ranks disagree, or a kernel error
     decompshard.enable(guard_native=True)
     try:

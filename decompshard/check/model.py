@@ -161,7 +161,7 @@ def _first_divergence(reference, calls, mesh, rank_locals, prefix: bool = False)
     reference = [c for c in reference if c[0] not in LAYOUT_OPS]
     calls = [c for c in calls if c[0] not in LAYOUT_OPS]
     worst = 0.0
-    for i, ((rop, rphase, routs), (dop, dphase, douts)) in enumerate(zip(reference, calls)):
+    for i, ((rop, _rphase, routs), (dop, dphase, douts)) in enumerate(zip(reference, calls)):
         if rop != dop:
             return ModelCheck(len(calls), Divergence(i, dop, dphase, f"the call sequence differs: one device ran {rop}"), worst)
         for j, (r, d) in enumerate(zip(routs, douts)):
