@@ -181,11 +181,14 @@ def candidate_key(cost: Cost, order: tuple[int, ...]) -> tuple:
 # own, with no communication, for the same op, global shapes, placements and mesh, and
 # DTensor hangs (or computes garbage) if two ranks pick different strategies. The order
 # is a pure function of those inputs: the same float operations in the same order give
-# bit-identical results on every rank (IEEE 754, no parallel reductions, no dict order
-# that depends on hashing of objects with identity hashes), and every tie is broken by
-# rule indices (derive's order), never by anything rank-local. The constants below keep
-# the search's order equal to sorting every strategy by `candidate_key`: a prefix's key
-# must be <= each of its completions' exact keys, component by component.
+# bit-identical results on every rank (IEEE 754 doubles, sequential sums; dicts iterate
+# in insertion order, and no order comes from a set of strings, whose hashes are salted
+# per process), and every tie is broken by rule indices (derive's order), never by
+# anything rank-local. Rounding (`Cost.sort_key`: 1 ns, 10 significant digits of bytes)
+# makes float noise a tie. The constants below keep the search's order equal to sorting
+# every strategy by `candidate_key`: a prefix's key must be <= each of its completions'
+# exact keys, component by component, although the bounds are float sums taken in
+# another order than the exact model's (tests/test_lift_pieces.py checks both).
 
 # the search's bound on seconds is scaled by this before rounding: float sums in another
 # order than the exact model's must not lift a bound above the exact (their error is
