@@ -204,6 +204,11 @@ class LocalWork:
     seconds: float
 
 
+# decimal digits of seconds ``Cost.sort_key`` keeps (1 ns): float noise in a sum of
+# collectives' times must be a tie, not an order that differs with summation order
+SECONDS_DIGITS = 9
+
+
 def bytes_key(nbytes: float) -> float:
     """Bytes as ``Cost.sort_key`` compares them: to 10 significant digits. Monotone, so a
     lower bound's key is <= the exact key."""
@@ -239,7 +244,7 @@ class Cost:
         rounded so that a search bounding them from below (lift) can see a tie as one:
         a bound a hair under the exact sum would otherwise rank every prefix that ties
         with a strategy on bytes before it."""
-        return (round(self.total_seconds, 9), len(self.collectives), bytes_key(self.bytes_moved))
+        return (round(self.total_seconds, SECONDS_DIGITS), len(self.collectives), bytes_key(self.bytes_moved))
 
     def __add__(self, other: Cost) -> Cost:
         """Cost of doing both (e.g. redistributing every input of a strategy)."""
@@ -622,73 +627,112 @@ def _fused_known_free(src: Sequence[_Pl], dst: Sequence, m: int, mesh: MeshShape
     return known, free
 
 
+# reduce ops whose Partial is the identity of a Replicate in torch: R -> P(x) is free
+_FREE_PARTIALS = ("avg", "max", "min")
+
+
 def _dim_bound(shape: Sequence[int], itemsize: int, src: Sequence[_Pl], dst: Sequence,
                m: int, mesh: MeshShape, topology: Topology, rows: Sequence[TargetRow],
                reverse: bool) -> CostBound:
     """The bound for mesh dim ``m`` (``dst[m]`` known), given what is known of the others:
     ``dst[j]`` a tuple lists the placements mesh dim j may end in, None means any;
-    ``rows[j]`` is `target_row` of ``dst[j]``, ``reverse`` whether the source has shards."""
+    ``rows[j]`` is `target_row` of ``dst[j]``, ``reverse`` whether the source has shards.
+
+    Four cases, each its own piece: from Replicate the first step is local work
+    (`_local_work_bound`); from Shard or Partial it is a collective, which a flattened
+    group holding m may fuse with other dims' steps (`_fused_share_bound`: a share only)
+    or not (`_collective_bound`)."""
     n = mesh.sizes[m]
     a, b = src[m], dst[m]
     if n <= 1 or a == b:
         return CostBound()
-    ndim = len(shape)
     groups = [len(g) for g in mesh.flattened if m in g]
     if groups:
         known, free = _fused_known_free(src, dst, m, mesh, reverse)
-    else:
-        free = 1
-        if a.kind != "R":  # a collective, in the last-to-first pass when there is one
-            known = _divisions(ndim, src, m, mesh, reverse, reverse, rows)
-        else:  # local work, in whichever pass the planner puts it: the least of both
-            passes = {False}
-            if reverse and b.kind != "S":
-                passes = {True}
-            elif reverse:
-                misaligned = any(rows[i].off[b.dim] for i in range(m))
-                kept = all(rows[i].ok[b.dim] for i in range(m))
-                passes = ({True} if kept else set()) | ({False} if misaligned else set())
-            elems = []
-            for in_reverse in passes:
-                known = _divisions(ndim, src, m, mesh, reverse, in_reverse, rows)
-                if b.kind == "S":  # slice: the sliced result is what is copied
-                    elems.append(_fewest_elems(shape, known + [(b.dim, n)], 1))
-                elif b.reduce_op not in ("avg", "max", "min"):
-                    elems.append(_fewest_elems(shape, known, 1))
-            if not elems:
-                return CostBound()
-            least = min(elems) * itemsize
-            return CostBound(False, 2 * least / topology.memory_bandwidth, 0.0, 2 * least)
-    if a.kind == "R":  # (fused groups only; see above for the rest)
-        if b.kind == "S":
-            elems = _fewest_elems(shape, known + [(b.dim, n)], free) * itemsize
-        elif b.reduce_op not in ("avg", "max", "min"):
-            elems = _fewest_elems(shape, known, free) * itemsize
-        else:
-            return CostBound()
-        return CostBound(False, 2 * elems / topology.memory_bandwidth, 0.0, 2 * elems)
-    before = _fewest_elems(shape, known + ([(a.dim, n)] if a.kind == "S" else []), free) * itemsize
-    unsupported = b.is_partial()
-    if groups:  # may be fused with other mesh dims' steps: a share only
-        share = 1.0 / max(groups)
-        alpha = min(topology.intra_node_latency, topology.inter_node_latency)
-        seconds = topology.collective_launch_latency * share + (n - 1) * alpha
-        return CostBound(unsupported, seconds, share, (n - 1) / n * before * share)
-    # the least the first collective can be: an all-gather when the target is not a
-    # shard (to Replicate, or via Replicate to a Partial), an all-reduce from a Partial
-    # to anything but a shard, else an all-to-all / reduce-scatter (or worse, via R)
+        if a.kind == "R":
+            return _local_work_bound(shape, itemsize, b, n, [known], free, topology)
+        before = _fewest_elems(shape, known + ([(a.dim, n)] if a.kind == "S" else []), free) * itemsize
+        return _fused_share_bound(b, n, before, max(groups), topology)
+    if a.kind == "R":  # local work, in whichever pass the planner puts it: the least of both
+        knowns = [_divisions(len(shape), src, m, mesh, reverse, in_reverse, rows)
+                  for in_reverse in _local_work_passes(b, m, rows, reverse)]
+        return _local_work_bound(shape, itemsize, b, n, knowns, 1, topology)
+    # a collective, in the last-to-first pass when there is one
+    known = _divisions(len(shape), src, m, mesh, reverse, reverse, rows)
+    return _collective_bound(shape, itemsize, src, dst, m, mesh, topology, known, reverse)
+
+
+def _local_work_passes(b: _Pl, m: int, rows: Sequence[TargetRow], reverse: bool) -> set[bool]:
+    """The greedy planner's passes (True: last-to-first) that may run mesh dim m's step
+    from Replicate to ``b``: without sharded sources only the first-to-last one; a
+    non-shard target moves in the last-to-first one; Shard(d) in it when every earlier
+    dim may keep d's nesting, and in the first-to-last one when some may break it."""
+    if not reverse:
+        return {False}
+    if b.kind != "S":
+        return {True}
+    misaligned = any(rows[i].off[b.dim] for i in range(m))
+    kept = all(rows[i].ok[b.dim] for i in range(m))
+    return ({True} if kept else set()) | ({False} if misaligned else set())
+
+
+def _local_work_bound(shape: Sequence[int], itemsize: int, b: _Pl, n: int,
+                      knowns: Sequence[list[tuple[int, int]]], free: int,
+                      topology: Topology) -> CostBound:
+    """The least local work of a step from Replicate to ``b`` over a mesh dim of size
+    ``n``, the other dims dividing the tensor as one of ``knowns`` (plus ``free``, see
+    `_fewest_elems`): a slice copies the sliced piece, a division to P(sum) the whole
+    piece, R -> P(avg|max|min) is free. No collective, so no count."""
+    if not knowns or (b.kind != "S" and b.reduce_op in _FREE_PARTIALS):
+        return CostBound()
+    extra = [(b.dim, n)] if b.kind == "S" else []
+    least = min(_fewest_elems(shape, known + extra, free) for known in knowns) * itemsize
+    return CostBound(False, 2 * least / topology.memory_bandwidth, 0.0, 2 * least)
+
+
+def _fused_share_bound(b: _Pl, n: int, before: float, largest_group: int,
+                       topology: Topology) -> CostBound:
+    """A collective step a flattened group may fuse with other mesh dims' steps: this dim
+    is charged only its share (1 / the largest group holding it) of the launch, of the
+    count and of the wire bytes of ``before`` (bytes a rank holds before it), its own
+    hops at the lower latency, and no bandwidth term (see `redistribute_lower_bound`)."""
+    share = 1.0 / largest_group
+    alpha = min(topology.intra_node_latency, topology.inter_node_latency)
+    seconds = topology.collective_launch_latency * share + (n - 1) * alpha
+    return CostBound(b.is_partial(), seconds, share, (n - 1) / n * before * share)
+
+
+def _first_collective(a: _Pl, b: _Pl, before: float, n: int) -> tuple[str, float]:
+    """(kind, message bytes) of the least the first collective from ``a`` to ``b`` can be:
+    an all-gather when the target is not a shard (to Replicate, or via Replicate to a
+    Partial), an all-reduce from a Partial to anything but a shard, else an all-to-all /
+    reduce-scatter (or worse, via R)."""
     if a.kind == "S" and b.kind != "S":
-        kind, msg = ALL_GATHER, before * n
-    elif a.kind == "P" and b.kind != "S":
-        kind, msg = ALL_REDUCE, before
-    else:
-        kind, msg = ALL_TO_ALL, before
+        return ALL_GATHER, before * n
+    if a.kind == "P" and b.kind != "S":
+        return ALL_REDUCE, before
+    return ALL_TO_ALL, before
+
+
+def _chunk_copy_bytes(shape: Sequence[int], itemsize: int, known: list[tuple[int, int]],
+                      extra: tuple[int, int] | tuple[()], d: int) -> float:
+    """Read+write bytes of the chunk-and-cat copy DTensor makes to gather / scatter tensor
+    dim ``d`` of the fewest-elements piece, when ``d`` is not outermost there, else 0."""
+    lo = _fewest_shape(shape, known + [extra] if extra else known, 1)
+    return 2.0 * math.prod(lo) * itemsize if math.prod(lo[:d]) > 1 else 0.0
+
+
+def _collective_bound(shape: Sequence[int], itemsize: int, src: Sequence[_Pl], dst: Sequence,
+                      m: int, mesh: MeshShape, topology: Topology,
+                      known: list[tuple[int, int]], reverse: bool) -> CostBound:
+    """The least mesh dim m's first step can cost when it is a collective of its own (no
+    flattened group holds m): one collective of `_first_collective`'s kind, plus the
+    chunk copies around it when surely needed, on the fewest elements ``known`` allows."""
+    n = mesh.sizes[m]
+    a, b = src[m], dst[m]
+    before = _fewest_elems(shape, known + ([(a.dim, n)] if a.kind == "S" else []), 1) * itemsize
+    kind, msg = _first_collective(a, b, before, n)
     copies = 0.0  # chunk copies DTensor makes around it, when surely needed
-
-    def leading(extra: tuple[int, int], d: int) -> float:
-        lo = _fewest_shape(shape, known + [extra] if extra else known, free)
-        return 2.0 * math.prod(lo) * itemsize if math.prod(lo[:d]) > 1 else 0.0
-
     if (a.kind == "S" and b.kind == "S" and reverse
             and all(isinstance(x, _Pl) for x in dst[:m])):
         # the planner's choice is known: all-to-all, unless the nesting before m differs
@@ -697,13 +741,14 @@ def _dim_bound(shape: Sequence[int], itemsize: int, src: Sequence[_Pl], dst: Seq
                 or a.split_factor or b.split_factor):
             kind, msg = ALL_GATHER, before * n
         else:
-            copies = leading((b.dim, n), a.dim) + leading((a.dim, n), b.dim)
+            copies = (_chunk_copy_bytes(shape, itemsize, known, (b.dim, n), a.dim)
+                      + _chunk_copy_bytes(shape, itemsize, known, (a.dim, n), b.dim))
     elif kind == ALL_GATHER:
-        copies = leading((), a.dim)
+        copies = _chunk_copy_bytes(shape, itemsize, known, (), a.dim)
     inter, per_node = _layout(mesh.sizes, (m,), topology.devices_per_node)
     seconds = collective_seconds(kind, msg, n, inter_node=inter, topology=topology,
                                  ranks_per_node=per_node)
-    return CostBound(unsupported, seconds + copies / topology.memory_bandwidth, 1.0,
+    return CostBound(b.is_partial(), seconds + copies / topology.memory_bandwidth, 1.0,
                      _RING[kind] * (n - 1) / n * msg + copies)
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -36,6 +36,7 @@ from decompshard._compat import TorchPartial, TorchReplicate, TorchShard, TorchS
 from decompshard.mesh.cost import H100, Cost, CostBound, MeshShape, Topology, bytes_key, lower_bound_model, model_placement, redistribute_cost, target_row
 from decompshard.solve.derive import derive_rules
 from decompshard.dispatch_modes.clean import clean_dispatch_state
+from decompshard.mesh.cost import SECONDS_DIGITS, TargetRow  # the search's pieces (issue 21)
 from decompshard.solve.localcheck import real_kernel_refusal
 from decompshard.placements import MaybePlacement, Partial, R, ShardPlaceholder, SingleDimRule, StridedShard, local_shape
 
@@ -169,6 +170,269 @@ def candidate_key(cost: Cost, order: tuple[int, ...]) -> tuple:
     return (not cost.dtensor_supported, *cost.sort_key(), order)
 
 
+# ------------------------------------------------------------ the best-first search
+#
+# The candidate order is what every rank must agree on: each rank runs the search on its
+# own, with no communication, for the same op, global shapes, placements and mesh, and
+# DTensor hangs (or computes garbage) if two ranks pick different strategies. The order
+# is a pure function of those inputs: the same float operations in the same order give
+# bit-identical results on every rank (IEEE 754 doubles, sequential sums; dicts iterate
+# in insertion order, and no order comes from a set of strings, whose hashes are salted
+# per process), and every tie is broken by rule indices (derive's order), never by
+# anything rank-local. Rounding (`Cost.sort_key`: 1 ns, 10 significant digits of bytes)
+# makes float noise a tie. The constants below keep the search's order equal to sorting
+# every strategy by `candidate_key`: a prefix's key must be <= each of its completions'
+# exact keys, component by component, although the bounds are float sums taken in
+# another order than the exact model's (tests/test_lift_pieces.py checks both).
+
+# the search's bound on seconds is scaled by this before rounding: float sums in another
+# order than the exact model's must not lift a bound above the exact (their error is
+# ~1e-14 relative); 1e-9 relative is far above that and far below the 1 ns rounding
+SECONDS_SLACK = 1 - 1e-9
+# the same for bytes: they keep 10 significant digits (bytes_key), so a slack this small
+# leaves a tight bound tying with the exact key instead of ranking below it
+BYTES_SLACK = 1 - 1e-12
+# a count of collectives is whole: a bound of 0.999... (float sums of fused shares) is a
+# bound of 1, and must be, or every prefix would come before the strategies that tie
+# with it on time and count; this tolerance absorbs the float error before rounding up
+COUNT_TOLERANCE = 1e-6
+
+# (unsupported, seconds, collectives, bytes): a bound on `candidate_key`'s components,
+# summed over inputs and mesh dims, not yet rounded
+BoundSum = tuple[bool, float, float, float]
+ZERO_BOUND: BoundSum = (False, 0.0, 0.0, 0.0)
+
+
+@dataclass
+class SearchTables:
+    """What `cheapest_first` knows of one problem, worked out once, and its caches.
+
+    Indices: i a tensor input, m a mesh dim, c a choice (an index into `choices`), k the
+    length of a prefix (mesh dims 0..k-1 chosen). Placements in the model's form
+    (`model_placement`) are what the cost model prices fast; small-int target ids
+    (`tid`) make cache keys that hash fast."""
+
+    choices: Sequence[SingleDimRule]
+    mesh: MeshShape
+    topology: Topology
+    shapes: list[tuple[int, ...]]  # [i]
+    itemsizes: list[int]  # [i]
+    srcs: list[tuple]  # [i][m]: current placement, model form
+    cols: list[list[tuple[tuple, tuple]]]  # [m][c]: (input, output) torch placements there
+    model: list[list[tuple]]  # [m][c][i]: the input's target, model form
+    # [i][m]: the targets the choices allow there (what an unchosen mesh dim may end in:
+    # the bounds use it to know which tensor dims it may shard)
+    unknown: list[tuple[tuple, ...]]
+    tid: list[list[tuple[int, ...]]]  # [m][c][i]: index of model[m][c][i] in unknown[i][m]
+    members: list[dict[int, list[int]]] = field(default_factory=list)  # see equivalent_choices
+    rest: list[BoundSum] = field(default_factory=list)  # see remaining_bounds
+    _rows: dict = field(default_factory=dict, repr=False)  # (i, m, target id): TargetRow
+    _alone: dict = field(default_factory=dict, repr=False)  # (i, m, target): CostBound
+    _known: dict = field(default_factory=dict, repr=False)  # (i, prefix ids): CostBound
+    _exact: dict = field(default_factory=dict, repr=False)  # (i, ids): Cost
+
+    @property
+    def n_dims(self) -> int:
+        return self.mesh.ndim
+
+    def row(self, i: int, m: int, x: int) -> TargetRow:
+        """`target_row` of target id x of tensor i on mesh dim m (-1: any it may end in),
+        worked out when first needed: most targets are never bounded."""
+        r = self._rows.get((i, m, x))
+        if r is None:
+            u = self.unknown[i][m]
+            r = self._rows[(i, m, x)] = target_row(self.srcs[i][m], u if x < 0 else u[x], len(self.shapes[i]))
+        return r
+
+    def bound_alone(self, i: int, m: int, dst) -> CostBound:
+        """Tensor i's bound for mesh dim m ending in `dst`, every other dim unknown."""
+        b = self._alone.get((i, m, dst))
+        if b is None:
+            u = self.unknown[i]
+            rows = [self.row(i, j, u[m].index(dst) if j == m else -1) for j in range(self.n_dims)]
+            b = self._alone[(i, m, dst)] = lower_bound_model(
+                self.shapes[i], self.itemsizes[i], self.srcs[i], u[:m] + (dst,) + u[m + 1:],
+                self.mesh, self.topology, rows)
+        return b
+
+    def prefix_bound_of(self, i: int, order: tuple[int, ...]) -> CostBound:
+        """Tensor i's bound for the mesh dims `order` chooses, knowing each other (see
+        `redistribute_lower_bound`), the others unknown."""
+        ids = tuple(self.tid[m][c][i] for m, c in enumerate(order))
+        b = self._known.get((i, ids))
+        if b is None:
+            k = len(order)
+            dst = tuple(self.model[m][c][i] for m, c in enumerate(order)) + self.unknown[i][k:]
+            rows = [self.row(i, m, ids[m] if m < k else -1) for m in range(self.n_dims)]
+            b = self._known[(i, ids)] = lower_bound_model(
+                self.shapes[i], self.itemsizes[i], self.srcs[i], dst, self.mesh, self.topology, rows)
+        return b
+
+    def cost_of(self, i: int, order: tuple[int, ...]) -> Cost:
+        """Tensor i's exact redistribution cost for the full strategy `order`."""
+        ids = tuple(self.tid[m][c][i] for m, c in enumerate(order))
+        one = self._exact.get((i, ids))
+        if one is None:
+            dst = tuple(self.model[m][c][i] for m, c in enumerate(order))
+            one = self._exact[(i, ids)] = redistribute_cost(
+                self.shapes[i], self.itemsizes[i], self.srcs[i], dst, self.mesh, self.topology)
+        return one
+
+
+def search_tables(
+    choices: Sequence[SingleDimRule], tensors: Sequence[torch.Tensor],
+    current: Sequence[Sequence[TorchPlacement]], mesh: MeshShape, topology: Topology = H100,
+) -> SearchTables:
+    """The tables `cheapest_first` searches with: each choice's placements per mesh dim
+    (strided kinds kept as `expand` keeps them), the targets per tensor and mesh dim, the
+    classes of choices that cost alike, and the least each mesh dim can add."""
+    shapes = [tuple(t.shape) for t in tensors]
+    srcs = [tuple(model_placement(p, len(s)) for p in c) for c, s in zip(current, shapes)]
+    cols, model = _columns(choices, current, shapes, mesh.ndim)
+    n_t, n_c, dims = len(tensors), len(choices), range(mesh.ndim)
+    unknown = [tuple(tuple(dict.fromkeys(model[m][c][i] for c in range(n_c))) for m in dims) for i in range(n_t)]
+    tid = [[tuple(unknown[i][m].index(model[m][c][i]) for i in range(n_t)) for c in range(n_c)] for m in dims]
+    tables = SearchTables(choices, mesh, topology, shapes, [t.element_size() for t in tensors],
+                          srcs, cols, model, unknown, tid)
+    bounds = [dim_alone_bounds(tables, m) for m in dims]
+    tables.members = [equivalent_choices(tables, m) for m in dims]
+    tables.rest = remaining_bounds(bounds)
+    return tables
+
+
+def _columns(choices: Sequence[SingleDimRule], current: Sequence[Sequence[TorchPlacement]],
+             shapes: Sequence[tuple[int, ...]], n_dims: int) -> tuple[list, list]:
+    """Per mesh dim, per choice: (its (input, output) torch placements there, its input
+    targets in the model's form)."""
+    cols: list[list[tuple[tuple, tuple]]] = []
+    model: list[list[tuple]] = []
+    for m in range(n_dims):
+        cur = [c[m] for c in current]
+        cols.append([])
+        model.append([])
+        for rule in choices:
+            strided = _strided_factors(rule, cur)
+            ins = tuple(_fill(p, strided) for p in rule.inputs)
+            cols[m].append((ins, tuple(_fill(p, strided) for p in rule.outputs)))
+            model[m].append(tuple(model_placement(p, len(s)) for p, s in zip(ins, shapes)))
+    return cols, model
+
+
+def dim_alone_bounds(tables: SearchTables, m: int) -> list[BoundSum]:
+    """Per choice, the least it adds on mesh dim m whatever the other dims choose; only
+    a zero one when a choice keeps every input as it is there (nothing is less: the
+    others need not be bounded, as only the minimum is used)."""
+    t, srcs = tables, tables.srcs
+    n_t = len(srcs)
+    if any(all(t.model[m][c][i] == srcs[i][m] for i in range(n_t)) for c in range(len(t.choices))):
+        return [ZERO_BOUND]
+    return [_total([t.bound_alone(i, m, dst) for i, dst in enumerate(t.model[m][c])])
+            for c in range(len(t.choices))]
+
+
+def equivalent_choices(tables: SearchTables, m: int) -> dict[int, list[int]]:
+    """Classes of choices on mesh dim m that cost the same in every strategy, whatever
+    the other dims choose, as {lowest index: all its members, ascending}: the search
+    visits the lowest and fans the class out when priced. Non-shard targets on a mesh dim
+    of size 1 (DTensor skips the dim), and Replicate / P(avg|max|min) from a Replicate
+    input (free, no collective) when no flattened group could fuse across the step. On
+    2x2x2x2 this turns 6**4 strategies into 3**4."""
+    groups: dict[tuple, list[int]] = {}
+    for c in range(len(tables.choices)):
+        targets = tables.model[m][c]
+        key = tuple(None if _free(x, tables.srcs[i][m], tables.mesh, m) else x for i, x in enumerate(targets))
+        groups.setdefault(key, []).append(c)
+    return {g[0]: g for g in groups.values()}
+
+
+def remaining_bounds(bounds: Sequence[Sequence[BoundSum]]) -> list[BoundSum]:
+    """rest[k]: per component, the least any choice can add on mesh dims k, k+1, ...
+    (`bounds[m]`: `dim_alone_bounds` of mesh dim m); rest[len(bounds)] is zero."""
+    n_dims = len(bounds)
+    rest = [ZERO_BOUND] * (n_dims + 1)
+    for m in reversed(range(n_dims)):
+        lo = [min(b[j] for b in bounds[m]) for j in range(4)]
+        rest[m] = (lo[0] or rest[m + 1][0], *(lo[j] + rest[m + 1][j] for j in (1, 2, 3)))
+    return rest
+
+
+def prefix_bound(tables: SearchTables, order: tuple[int, ...]) -> BoundSum:
+    """The admissible bound of every strategy starting with `order` (choices for mesh
+    dims 0..k-1): the chosen dims' bound, knowing each other, plus the least each
+    unchosen dim can add on its own (`remaining_bounds`). Each component is <= that of
+    any completion's exact cost (tests/test_lift_pieces.py checks it by brute force)."""
+    acc = _total([tables.prefix_bound_of(i, order) for i in range(len(tables.srcs))])
+    r = tables.rest[len(order)]
+    return (acc[0] or r[0], acc[1] + r[1], acc[2] + r[2], acc[3] + r[3])
+
+
+def prefix_key(bound: BoundSum, order: tuple[int, ...]) -> tuple:
+    """The heap key of a prefix (or of a full strategy not yet priced) with `bound`:
+    `candidate_key`'s components, rounded as `Cost.sort_key` rounds them but never above
+    (SECONDS_SLACK, COUNT_TOLERANCE, BYTES_SLACK), then `order`, a prefix of each
+    completion's tie-break. So no key is above a completion's: when a full strategy is
+    popped, nothing unpopped is cheaper, and the order is the sorted enumeration's."""
+    return (bound[0], round(bound[1] * SECONDS_SLACK, SECONDS_DIGITS),
+            math.ceil(bound[2] - COUNT_TOLERANCE), bytes_key(bound[3] * BYTES_SLACK), order)
+
+
+def price(tables: SearchTables, order: tuple[int, ...]) -> Cost:
+    """The exact cost of the full strategy `order`: the sum over inputs, in input order."""
+    cost = Cost()
+    for i in range(len(tables.srcs)):
+        cost = cost + tables.cost_of(i, order)
+    return cost
+
+
+def payload(tables: SearchTables, order: tuple[int, ...], cost: Cost) -> tuple:
+    """What `cheapest_first` yields for the full strategy `order`."""
+    cols = tables.cols
+    ins = tuple(tuple(cols[m][c][0][i] for m, c in enumerate(order)) for i in range(len(tables.srcs)))
+    n_out = len(cols[0][order[0]][1])
+    outs = tuple(tuple(cols[m][c][1][k] for m, c in enumerate(order)) for k in range(n_out))
+    outs = tuple(None if any(p is None for p in o) else o for o in outs)
+    return tuple(tables.choices[c] for c in order), ins, outs, cost
+
+
+def cuts_unevenly(tables: SearchTables, even: Sequence[bool], order: tuple[int, ...]) -> bool:
+    """The validity check the search can make early: the last choice of `order` is a
+    surely-[even] rule (`even`, for every member of its class) that shards a tensor dim
+    some rank's piece before it cannot split. Every completion fails the lift's [even]
+    check, so none is generated."""
+    m, c = len(order) - 1, order[-1]
+    if not all(even[x] for x in tables.members[m][c]):
+        return False
+    for i in range(len(tables.srcs)):
+        placements = tuple(tables.cols[j][order[j]][0][i] for j in range(m + 1))
+        if _uneven_piece(tables.shapes[i], placements, tables.mesh.sizes) is not None:
+            return True
+    return False
+
+
+def expand_prefix(tables: SearchTables, order: tuple[int, ...],
+                  even: Sequence[bool] | None) -> Iterator[tuple]:
+    """The expansion step: heap entries (key, order, None) for `order` extended by each
+    class of choices on the next mesh dim, in rule order, less those `cuts_unevenly`
+    rules out (only when `even` is given)."""
+    for c in tables.members[len(order)]:
+        child = order + (c,)
+        if even is not None and cuts_unevenly(tables, even, child):
+            continue
+        yield prefix_key(prefix_bound(tables, child), child), child, None
+
+
+def priced_entry(tables: SearchTables, order: tuple[int, ...]) -> tuple:
+    """The heap entry of a full strategy reached on its bound, now priced: it goes back
+    in at its exact key, standing for its class (state (cost, key, members left)). Its
+    equivalents cost the same; they come in rule order (the product of ascending member
+    lists, the first being this one), so each is pushed when the one before it is
+    yielded, not all at once (8**3 on 2x2x2x2 for addmv)."""
+    cost = price(tables, order)
+    key = candidate_key(cost, ())[:-1]
+    same = itertools.product(*(tables.members[m][c] for m, c in enumerate(order)))
+    return key + (next(same),), order, (cost, key, same)
+
+
 def cheapest_first(
     choices: Sequence[SingleDimRule], tensors: Sequence[torch.Tensor],
     current: Sequence[Sequence[TorchPlacement]], mesh: MeshShape, topology: Topology = H100,
@@ -182,159 +446,26 @@ def cheapest_first(
     Exact cost is a sum over inputs of `redistribute_cost` of whole placement tuples,
     which does not split over mesh dims; `redistribute_lower_bound` bounds the share of
     the mesh dims chosen so far, knowing each other, admissibly. A* over the choices for
-    mesh dims 0, 1, ...: a prefix is keyed by that bound plus the smallest bound of each
-    remaining dim on its own, a full strategy by its exact key. Every component of a
-    prefix's key is <= that of each completion (and the rule-order tie-break of a prefix
-    is a prefix of theirs), so when a full strategy is popped, nothing unpopped is
-    cheaper: the order is exactly the sorted enumeration's. A full strategy is priced
-    only when its bound comes up, so most are never priced."""
-    n_dims, n_t = mesh.ndim, len(tensors)
-    cols: list[list[tuple[tuple, tuple]]] = []  # per mesh dim, per choice: (ins, outs) there
-    model: list[list[tuple]] = []  # the same inputs in the cost model's form (fast to price)
-    shapes = [tuple(t.shape) for t in tensors]
-    srcs = [tuple(model_placement(p, len(s)) for p in c) for c, s in zip(current, shapes)]
-    sizes = [t.element_size() for t in tensors]
-    for m in range(n_dims):
-        cur = [c[m] for c in current]
-        cols.append([])
-        model.append([])
-        for rule in choices:
-            strided = _strided_factors(rule, cur)
-            ins = tuple(_fill(p, strided) for p in rule.inputs)
-            cols[m].append((ins, tuple(_fill(p, strided) for p in rule.outputs)))
-            model[m].append(tuple(model_placement(p, len(s)) for p, s in zip(ins, shapes)))
-    # per tensor, per mesh dim: the targets the choices allow there (what an unchosen
-    # mesh dim may end in: the bounds use it to know which tensor dims it may shard)
-    unknown = [tuple(tuple(dict.fromkeys(model[m][c][i] for c in range(len(choices)))) for m in range(n_dims))
-               for i in range(n_t)]
-    # the same as small ints (index into unknown[i][m]): cache keys that hash fast
-    tid = [[tuple(unknown[i][m].index(model[m][c][i]) for i in range(n_t)) for c in range(len(choices))]
-           for m in range(n_dims)]
-    # and what the bounds need of each: rows[i][m][id], the last one (-1) for "unknown"
-    # (worked out when first needed: most targets are never bounded)
-    rows_seen: dict[tuple[int, int, int], Any] = {}
-
-    def row(i: int, m: int, x: int):
-        r = rows_seen.get((i, m, x))
-        if r is None:
-            r = rows_seen[(i, m, x)] = target_row(
-                srcs[i][m], unknown[i][m] if x < 0 else unknown[i][m][x], len(shapes[i]))
-        return r
-    alone: dict[tuple[int, int, Any], CostBound] = {}  # (tensor, mesh dim, target): bound
-
-    def bound_alone(i: int, m: int, dst) -> CostBound:
-        b = alone.get((i, m, dst))
-        if b is None:
-            b = alone[(i, m, dst)] = lower_bound_model(
-                shapes[i], sizes[i], srcs[i], unknown[i][:m] + (dst,) + unknown[i][m + 1:], mesh, topology,
-                [row(i, j, unknown[i][m].index(dst) if j == m else -1) for j in range(n_dims)])
-        return b
-
-    def dim_alone(m: int) -> list[tuple[bool, float, float, float]]:
-        """Bounds of mesh dim m alone, per choice; only a zero one when a choice keeps
-        every input as it is there (nothing is less: the others need not be bounded)."""
-        if any(all(model[m][c][i] == srcs[i][m] for i in range(n_t)) for c in range(len(choices))):
-            return [(False, 0.0, 0.0, 0.0)]
-        return [_total([bound_alone(i, m, dst) for i, dst in enumerate(model[m][c])]) for c in range(len(choices))]
-
-    bound = [dim_alone(m) for m in range(n_dims)]
-    # Choices that cost the same in every strategy, whatever the other dims choose, are
-    # searched once (their lowest index stands for all) and fanned out when priced:
-    # non-shard targets on a mesh dim of size 1 (DTensor skips the dim), and Replicate /
-    # P(avg|max|min) from a Replicate input (free, no collective) when no flattened group
-    # could fuse across the step. On 2x2x2x2 this turns 6**4 strategies into 3**4.
-    members: list[dict[int, list[int]]] = []
-    for m in range(n_dims):
-        groups: dict[tuple, list[int]] = {}
-        for c in range(len(choices)):
-            groups.setdefault(tuple(None if _free(t, srcs[i][m], mesh, m) else t
-                                    for i, t in enumerate(model[m][c])), []).append(c)
-        members.append({g[0]: g for g in groups.values()})
-    # rest[k]: per component, the least any choice can add on mesh dims k, k+1, ...
-    rest = [(False, 0.0, 0.0, 0.0)] * (n_dims + 1)
-    for m in reversed(range(n_dims)):
-        lo = [min(b[j] for b in bound[m]) for j in range(4)]
-        rest[m] = (lo[0] or rest[m + 1][0], *(lo[j] + rest[m + 1][j] for j in (1, 2, 3)))
-
-    # float sums in another order must not lift a bound above the exact (their error is
-    # ~1e-14 relative); bytes keep 10 digits (bytes_key), so a tight bound still ties
-    slack, bytes_slack = 1 - 1e-9, 1 - 1e-12
-    known: dict[tuple[int, tuple], CostBound] = {}  # (tensor, known target ids): its bound
-
-    def prefix_key(order: tuple[int, ...]) -> tuple:
-        """The bound of the chosen dims, knowing each other (see redistribute_lower_bound),
-        plus the least each unchosen dim can add."""
-        k, parts = len(order), []
-        for i in range(n_t):
-            ids = tuple(tid[m][c][i] for m, c in enumerate(order))
-            b = known.get((i, ids))
-            if b is None:
-                dst = tuple(model[m][c][i] for m, c in enumerate(order)) + unknown[i][k:]
-                b = known[(i, ids)] = lower_bound_model(
-                    shapes[i], sizes[i], srcs[i], dst, mesh, topology,
-                    [row(i, m, ids[m] if m < k else -1) for m in range(n_dims)])
-            parts.append(b)
-        acc, r = _total(parts), rest[k]
-        # a count of collectives is whole: a bound of 0.999... (float sums of fused
-        # shares) is a bound of 1, and must be, or every prefix would come before the
-        # strategies that tie with it on time and count
-        return (acc[0] or r[0], round((acc[1] + r[1]) * slack, 9), math.ceil(acc[2] + r[2] - 1e-6),
-                bytes_key((acc[3] + r[3]) * bytes_slack), order)
-
-    exact: dict[tuple[int, tuple], Cost] = {}  # (tensor, target ids): its cost
-
-    def price(order: tuple[int, ...]) -> Cost:
-        cost = Cost()
-        for i, src in enumerate(srcs):
-            ids = tuple(tid[m][c][i] for m, c in enumerate(order))
-            one = exact.get((i, ids))
-            if one is None:
-                dst = tuple(model[m][c][i] for m, c in enumerate(order))
-                one = exact[(i, ids)] = redistribute_cost(shapes[i], sizes[i], src, dst, mesh, topology)
-            cost = cost + one
-        return cost
-
-    def payload(order: tuple[int, ...], cost: Cost) -> tuple:
-        ins = tuple(tuple(cols[m][c][0][i] for m, c in enumerate(order)) for i in range(n_t))
-        n_out = len(cols[0][order[0]][1])
-        outs = tuple(tuple(cols[m][c][1][k] for m, c in enumerate(order)) for k in range(n_out))
-        outs = tuple(None if any(p is None for p in o) else o for o in outs)
-        return tuple(choices[c] for c in order), ins, outs, cost
-
-    # entries: (key, order, state); state None: bounded (prefix, or a full strategy not
-    # yet priced), ("class", cost): priced, stands for its equivalents, ("one", cost)
-    def uneven(order: tuple[int, ...]) -> bool:
-        """The last choice is a surely-[even] rule (`even`, for every member of its
-        class) that shards a tensor dim some rank's piece before it cannot split: every
-        completion fails the lift's [even] check, so none is generated."""
-        m, c = len(order) - 1, order[-1]
-        if not all(even[x] for x in members[m][c]):
-            return False
-        for i in range(n_t):
-            placements = tuple(cols[j][order[j]][0][i] for j in range(m + 1))
-            if _uneven_piece(shapes[i], placements, mesh.sizes) is not None:
-                return True
-        return False
-
-    heap: list = [(prefix_key(()), (), None)]
+    mesh dims 0, 1, ...: a prefix is keyed by `prefix_key` of its `prefix_bound`, a full
+    strategy by its exact key once priced (`priced_entry`). Every component of a
+    prefix's key is <= that of each completion, so when a full strategy is popped,
+    nothing unpopped is cheaper: the order is exactly the sorted enumeration's. A full
+    strategy is priced only when its bound comes up, so most are never priced.
+    `even`: per choice, whether it is surely [even] (see `cuts_unevenly`)."""
+    tables = search_tables(choices, tensors, current, mesh, topology)
+    heap: list = [(prefix_key(prefix_bound(tables, ()), ()), (), None)]
+    # entries: (key, order, state); state None: bounded (a prefix, or a full strategy not
+    # yet priced); (cost, key, members left): priced, stands for its class
     while heap:
         _, order, state = heapq.heappop(heap)
-        if state is None and len(order) < n_dims:
-            for c in members[len(order)]:
-                if even is not None and uneven(order + (c,)):
-                    continue
-                heapq.heappush(heap, (prefix_key(order + (c,)), order + (c,), None))
-        elif state is None:  # reached on its bound: price it, back in at its cost
-            cost = price(order)
-            key = candidate_key(cost, ())[:-1]
-            # its equivalents cost the same; they come in rule order (the product of
-            # ascending member lists, the first being this one), so each is pushed when
-            # the one before it is yielded, not all at once (8**3 on 2x2x2x2 for addmv)
-            same = itertools.product(*(members[m][c] for m, c in enumerate(order)))
-            heapq.heappush(heap, (key + (next(same),), order, (cost, key, same)))
+        if state is None and len(order) < tables.n_dims:
+            for entry in expand_prefix(tables, order, even):
+                heapq.heappush(heap, entry)
+        elif state is None:
+            heapq.heappush(heap, priced_entry(tables, order))
         else:
             cost, key, same = state
-            yield payload(order, cost)
+            yield payload(tables, order, cost)
             one = next(same, None)
             if one is not None:
                 heapq.heappush(heap, (key + (one,), one, state))
