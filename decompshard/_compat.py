@@ -18,8 +18,7 @@ __all__ = [
     "DTensor", "DTensorSpec", "DecompShardingStrategy", "OpSchema", "OpSpec", "OpStrategy",
     "TensorMeta", "TorchPartial", "TorchReplicate", "TorchShard", "TorchStridedShard",
     "TupleStrategy", "_ShardingPlaceholder", "_compute_local_shape_and_global_offset", "aten_ops_tagged",
-    "clear_dtensor_caches", "custom_op_handlers", "fake_store", "local_tensor_mode", "make_local_tensor",
-    "per_rank_call", "simulating_ranks", "simulator_chunks", "custom_op_overload", "dtensor_default_dispatch", "dtensor_local_results",
+    "clear_dtensor_caches", "custom_op_handlers", "custom_op_overload", "dtensor_default_dispatch", "dtensor_local_results",
     "dtensor_output_sharding", "dtensor_output_spec", "fake_one_rank_mesh", "from_torch_placement",
     "has_native_strategy", "is_dispatchable",
     "kwarg_routing_active", "local_tensor", "op_strategy_func", "rebind_dtensor", "redistribute_cost",
@@ -472,6 +471,9 @@ def unroute_kwarg_redistribution() -> None:
 # LocalTensorMode (torch.distributed._local_tensor), both private. Imported on first use:
 # neither is needed outside a simulated run.
 
+__all__ += ["fake_store", "local_tensor_mode", "make_local_tensor", "per_rank_call", "rank_tensors",
+            "simulating_ranks", "simulator_chunks"]
+
 
 def fake_store() -> Any:
     """The store of a "fake" process group (collectives that move no data)."""
@@ -494,6 +496,11 @@ def make_local_tensor(per_rank: dict) -> Any:
     return LocalTensor(per_rank)
 
 
+def rank_tensors(t: Any) -> dict | None:
+    """A LocalTensor's plain tensor per simulated rank; None for anything else."""
+    return getattr(t, "_local_tensors", None)
+
+
 def simulating_ranks() -> bool:
     """Whether a LocalTensorMode is active (one process plays every rank)."""
     from torch.distributed._local_tensor import local_tensor_mode as active_mode
@@ -507,7 +514,7 @@ def per_rank_call(fn: Any) -> Any:
     from torch.distributed._local_tensor import LocalTensor, maybe_disable_local_tensor_mode
 
     def wrapped(tensor: torch.Tensor, *rest: Any, **kwargs: Any) -> Any:
-        per_rank = getattr(tensor, "_local_tensors", None)
+        per_rank = rank_tensors(tensor)
         if per_rank is None:
             return fn(tensor, *rest, **kwargs)
         with maybe_disable_local_tensor_mode():

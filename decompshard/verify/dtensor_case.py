@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from decompshard._compat import (
     TorchPartial, TorchReplicate, TorchShard, TorchStridedShard, fake_store, local_tensor_mode, make_local_tensor,
-    simulating_ranks, simulator_chunks,
+    rank_tensors, simulating_ranks, simulator_chunks,
 )
 from decompshard.verify.rank_sim import close, make_parts, promote
 from decompshard.placements import REDUCE_OPS, Partial, _split_top_level, parse_mesh_shape
@@ -208,7 +208,7 @@ def _maybe_strided(row: list, shape: Sequence[int], mesh_sizes: tuple[int, ...],
 def per_rank_values(t: torch.Tensor, n: int) -> dict[int, torch.Tensor]:
     """Each simulated rank's tensor (LocalTensorMode gives a plain tensor where every
     rank holds the same)."""
-    lt = getattr(t, "_local_tensors", None)
+    lt = rank_tensors(t)
     return dict(lt) if lt is not None else {r: t for r in range(n)}
 
 
