@@ -152,15 +152,13 @@ def device_mesh(shape: Sequence[int]) -> Any:
     return _MESHES[key]
 
 
-def simulation(n: int, *, mend_chunks: bool = True) -> contextlib.ExitStack:
+@contextlib.contextmanager
+def simulation(n: int, *, mend_chunks: bool = True) -> Iterator[None]:
     """Every one of `n` ranks simulated in this process (LocalTensorMode), with the chunk
     mend (`_compat.simulator_chunks`) unless `mend_chunks=False` (the native audit runs
     DTensor as torch ships it)."""
-    stack = contextlib.ExitStack()
-    if mend_chunks:
-        stack.enter_context(simulator_chunks())
-    stack.enter_context(local_tensor_mode(frozenset(range(n))))
-    return stack
+    with simulator_chunks() if mend_chunks else contextlib.nullcontext(), local_tensor_mode(frozenset(range(n))):
+        yield
 
 
 # ------------------------------------------------------------------ random placements
