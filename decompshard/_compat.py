@@ -7,9 +7,10 @@ message instead of deep inside a sweep.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -474,3 +475,90 @@ def unroute_kwarg_redistribution() -> None:
     del sp.propagate_op_sharding_non_cached
     del DTensor._op_dispatcher.redistribute_local_args
     clear_dtensor_caches()
+
+
+# ------------------------------------------------------------------ simulated ranks
+#
+# The DTensor runner (verify/dtensor_case.py) simulates every rank of a mesh in this
+# process: a fake process group (FakeStore, from torch's test utilities) and
+# LocalTensorMode (torch.distributed._local_tensor), both private. Imported on first use:
+# neither is needed outside a simulated run.
+
+__all__ += ["fake_store", "local_tensor_mode", "make_local_tensor", "per_rank_call", "rank_tensors",
+            "simulating_ranks", "simulator_chunks"]
+
+
+def fake_store() -> Any:
+    """The store of a "fake" process group (collectives that move no data)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def local_tensor_mode(ranks: Any) -> Any:
+    """LocalTensorMode over `ranks`: every tensor op runs once per simulated rank."""
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    return LocalTensorMode(ranks)
+
+
+def make_local_tensor(per_rank: dict) -> Any:
+    """A LocalTensor holding a different plain tensor per simulated rank."""
+    from torch.distributed._local_tensor import LocalTensor
+
+    return LocalTensor(per_rank)
+
+
+def rank_tensors(t: Any) -> dict | None:
+    """A LocalTensor's plain tensor per simulated rank; None for anything else."""
+    return getattr(t, "_local_tensors", None)
+
+
+def simulating_ranks() -> bool:
+    """Whether a LocalTensorMode is active (one process plays every rank)."""
+    from torch.distributed._local_tensor import local_tensor_mode as active_mode
+
+    return active_mode() is not None
+
+
+def per_rank_call(fn: Any) -> Any:
+    """`fn(tensor, ...)` run on each simulated rank's tensor separately (outside the
+    mode), its results (a tensor or a list of them) put back together as LocalTensors."""
+    from torch.distributed._local_tensor import LocalTensor, maybe_disable_local_tensor_mode
+
+    def wrapped(tensor: torch.Tensor, *rest: Any, **kwargs: Any) -> Any:
+        per_rank = rank_tensors(tensor)
+        if per_rank is None:
+            return fn(tensor, *rest, **kwargs)
+        with maybe_disable_local_tensor_mode():
+            results = {r: fn(t, *rest, **kwargs) for r, t in per_rank.items()}
+        first = next(iter(results.values()))
+        if isinstance(first, torch.Tensor):
+            return LocalTensor(results)
+        return [LocalTensor({r: p[i] for r, p in results.items()}) for i in range(len(first))]
+
+    return wrapped
+
+
+@contextlib.contextmanager
+def simulator_chunks() -> Iterator[None]:
+    """Mend one LocalTensorMode gap for the duration: DTensor and its collectives split
+    tensors with `torch.chunk`, which returns fewer pieces when a dim is short or empty.
+    With ranks of unequal local sizes (an uneven or empty shard on another mesh dim) the
+    simulated ranks disagree on the count and the simulator fails ('NoneType' object has
+    no attribute 'requires_grad'; "Sizes of tensors must match" in an all-gather). Each
+    real process splits its own tensor; we run the two splitting helpers per rank, which
+    is what they do there. Process-wide (DTensor's `Shard._custom_chunk` and
+    `torch._utils._chunk_or_narrow_cat` are patched) and only for the simulation:
+    tests/test_check_gloo.py runs such cases on real gloo processes."""
+    import torch._utils as tutils
+
+    original_chunk = TorchShard.__dict__["_custom_chunk"]
+    original_cat = tutils._chunk_or_narrow_cat
+    TorchShard._custom_chunk = staticmethod(per_rank_call(original_chunk.__func__))
+    tutils._chunk_or_narrow_cat = per_rank_call(original_cat)
+    try:
+        yield
+    finally:
+        TorchShard._custom_chunk = original_chunk
+        tutils._chunk_or_narrow_cat = original_cat

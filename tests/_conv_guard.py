@@ -54,7 +54,7 @@ def rule_cases():
 
 def run_rule_case(op, args, placements: list[str], mesh) -> bool:
     """On real processes (gloo): whether DTensor's result equals one device's. (Under
-    LocalTensorMode use decompshard.verify.dtensor_run.run_on_dtensor: rank-dependent parts
+    LocalTensorMode use decompshard.verify.native_rules.run_on_dtensor: rank-dependent parts
     cannot be written with an `if rank == 0` there.)"""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 

@@ -18,7 +18,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import _loss_cases as L
 import decompshard
-from decompshard.verify.dtensor_run import simulated_world
+from decompshard.verify.dtensor_case import simulated_world
 
 W = 4
 C = 5

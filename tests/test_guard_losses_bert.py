@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import decompshard
-from decompshard.verify.dtensor_run import simulated_world
+from decompshard.verify.dtensor_case import simulated_world
 
 transformers = pytest.importorskip("transformers")
 try:  # transformers imports torchvision, whose PyPI wheel needs a shim beside CPU torch

@@ -272,7 +272,7 @@ def test_choice_equals_full_enumeration_first_valid_on_random_cases():
         if len(choices) ** mesh.ndim > 800:
             continue
         best = choose(op, args, {}, mesh, current)
-        for combo, ins, outs, _cost in _enumerate_sorted(choices, tensors, current, mesh):
+        for combo, ins, outs, cost in _enumerate_sorted(choices, tensors, current, mesh):  # noqa: B007 (cost: read after the loop)
             checked = [derived.validated(r) for r in combo]
             if None in checked:
                 continue

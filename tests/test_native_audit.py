@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from decompshard.cli import main
-from decompshard.verify.dtensor_run import run_on_dtensor, simulated_world
+from decompshard.verify.dtensor_case import simulated_world
+from decompshard.verify.native_rules import run_on_dtensor
 from decompshard.verify.native_rules import DISPATCH, KERNEL_ERROR, RULE, WRONG_SHAPE, WRONG_VALUES, audit_native_op, audit_native_op_detailed
 from decompshard.placements import P, R, S
 

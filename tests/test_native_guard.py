@@ -20,7 +20,8 @@ import _conv_guard as C
 import decompshard
 from decompshard.runtime import guard
 from decompshard._compat import DTensor, sharding_propagator
-from decompshard.verify.dtensor_run import run_on_dtensor, simulated_world
+from decompshard.verify.dtensor_case import simulated_world
+from decompshard.verify.native_rules import run_on_dtensor
 from decompshard.runtime.guard_table import HANDLERS_SKIPPING_REDISTRIBUTION, MEAN_OF_MEANS_LOSSES, NEGATIVE_DIMS_UNWRAPPED, READS_OF_ONE_RANKS_PART, STATS_WRITTEN, WRONG_RULES
 from decompshard.placements import P, R, S
 

@@ -13,7 +13,7 @@ import torch
 from decompshard.runtime import guard
 from decompshard.coverage.native_audit import audit_samples
 from decompshard.coverage.native_variants import IGNORE, VARIANTS, variant_samples
-from decompshard.verify.dtensor_run import simulated_world
+from decompshard.verify.dtensor_case import simulated_world
 from decompshard.verify.native_rules import audit_native_op_detailed
 
 aten = torch.ops.aten

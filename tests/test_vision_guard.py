@@ -14,7 +14,7 @@ from torch.distributed._local_tensor import LocalTensorMode
 
 import _vision_step as V
 import decompshard
-from decompshard.verify.dtensor_run import simulated_world
+from decompshard.verify.dtensor_case import simulated_world
 
 aten = torch.ops.aten
 

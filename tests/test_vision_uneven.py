@@ -18,7 +18,8 @@ from torch import nn
 import _vision_step as V
 import decompshard
 from decompshard import derive_rules
-from decompshard.verify.dtensor_run import run_on_dtensor, simulated_world
+from decompshard.verify.dtensor_case import simulated_world
+from decompshard.verify.native_rules import run_on_dtensor
 from decompshard.placements import S
 
 aten = torch.ops.aten

@@ -75,7 +75,8 @@ def run_model_check(module: torch.nn.Module, inputs: Sequence[torch.Tensor], mes
     from torch.distributed._local_tensor import LocalTensorMode
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from decompshard.verify.dtensor_case import _simulator_chunks, device_mesh, make_dtensor, rank_locals
+    from decompshard._compat import simulator_chunks as _simulator_chunks
+    from decompshard.verify.dtensor_case import device_mesh, make_dtensor, rank_locals
     from decompshard.runtime.enable import switched
 
     ref_model = copy.deepcopy(module).to(torch.float64)
@@ -255,7 +256,8 @@ def run_training_step(built: Any, sharding: str, enable: bool, measure: bool = T
     collectives (three more steps)."""
     from torch.distributed._local_tensor import LocalTensorMode
 
-    from decompshard.verify.dtensor_case import _simulator_chunks, device_mesh
+    from decompshard._compat import simulator_chunks as _simulator_chunks
+    from decompshard.verify.dtensor_case import device_mesh
     from decompshard.runtime.enable import switched
 
     sh = SHARDINGS[sharding]
@@ -382,7 +384,7 @@ def _compare_step(loss: Any, model: torch.nn.Module, ref: _RefStep, dtype: torch
     value, the tensors outside the TP layers) is compared rank by rank."""
     from torch.distributed.tensor import DTensor
 
-    from decompshard.verify.dtensor_case import _max_err, rank_locals
+    from decompshard.verify.dtensor_case import max_error as _max_err, rank_locals
 
     worst: tuple[float, str] = (-1.0, "")
     pairs = [("loss", loss, ref.loss)]
@@ -420,7 +422,7 @@ def _local_shape_lie(t: Any) -> str:
     """'' if every rank holds the shape the DTensor's placements say, else the first
     rank that does not (a result whose metadata and data disagree is wrong)."""
     from decompshard.mesh.lift import local_shape_nd
-    from decompshard.verify.dtensor_case import _mesh_coords, rank_locals
+    from decompshard.verify.dtensor_case import mesh_coords as _mesh_coords, rank_locals
 
     mesh_shape = tuple(t.device_mesh.shape)
     coords = _mesh_coords(mesh_shape)

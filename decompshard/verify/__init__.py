@@ -3,11 +3,12 @@
     rank_sim      one mesh dim simulated with plain per-rank tensors (real data, random
                   Partial parts, uneven shards)
     rule_check    single-dim rules proved on rank_sim (the precision behind every claim)
-    dtensor_case  real DTensors on simulated (or gloo) meshes, forward and backward, every
-                  rank's full_tensor() against one device; the caller says whether
-                  decompshard's runtime is on (`runtime=switched(...)`)
-    dtensor_run   one aten call through DTensor for the native audit
+    dtensor_case  the one DTensor runner: real DTensors on simulated (or gloo) meshes,
+                  forward and backward, every rank's full_tensor() against one device
+                  (`run_case`, for check/); the caller says whether decompshard's runtime
+                  is on (`runtime=switched(...)`)
     native_rules  audit of DTensor's hand-written strategies: torch's rules and its runs
+                  (`run_on_dtensor`: the runner's engine in the audit's words)
     native_repro  a standalone script that reproduces one wrong native behaviour
 
 Below the runtime: the native guard (runtime/guard.py) proves torch's rules at a call's

@@ -1,6 +1,6 @@
-"""Runtime truth: the DTensor-level twin of verify.py.
+"""Runtime truth: the one DTensor runner, for the check and for the native audit.
 
-verify.py proves single-dim *rules* on plain per-rank tensors. Users do not run rules:
+rule_check.py proves single-dim *rules* on plain per-rank tensors. Users do not run rules:
 they run DTensor with `enable()`, where list arguments, redistribution, output metadata,
 N-D meshes and autograd all sit between the rule and the numbers. This module checks
 that whole path on one case: real DTensors on a simulated mesh (LocalTensorMode over a
@@ -12,6 +12,12 @@ of every output, every written input and every input gradient compared with one 
 A case's verdict is `ok`, `WRONG` (a number or a DTensor's metadata disagrees with one
 device: the bug class that corrupts training runs) or `error` (the op raised). The same
 case can be run with decompshard enabled or with torch's own fallback, side by side.
+
+One engine serves both callers: the simulated world and meshes (`simulated_world`,
+`device_mesh`, `simulation`), the one-device result (`reference`), every rank's copy of a
+global value (`every_rank_full`) and the comparison (`rank_sim.close`, `max_error`).
+`run_case` builds on it for `check/`; the native audit's `run_on_dtensor`
+(verify/native_rules.py) builds its own layouts and verdict words on the same pieces.
 
 Placement text, per tensor input ';'-separated, per mesh dim ','-separated, in the one
 placement grammar (placements.py): `R`, `S(d)`, `P(sum|avg|max|min)`, and `_S(d,k)` for
@@ -32,7 +38,11 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from decompshard._compat import TorchPartial, TorchReplicate, TorchShard, TorchStridedShard, from_torch_placement, to_torch_placement
+from decompshard._compat import (
+    TorchPartial, TorchReplicate, TorchShard, TorchStridedShard, fake_store, from_torch_placement, local_tensor_mode, make_local_tensor,
+    rank_tensors, simulating_ranks, simulator_chunks,
+    to_torch_placement,
+)
 from decompshard.errors import one_line
 from decompshard.verify.rank_sim import close, make_parts, promote
 from decompshard.placements import REDUCE_OPS, Partial, check_placement_rows, format_placement_rows, parse_mesh_shape, parse_placement_rows
@@ -84,7 +94,6 @@ _MESHES: dict[tuple[int, ...], Any] = {}
 def simulated_world(world_size: int) -> Iterator[None]:
     """A fake process group of at least `world_size` ranks (reused if one is up)."""
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     created = False
     _MESHES.clear()  # a mesh belongs to the process group it was made under
@@ -94,7 +103,7 @@ def simulated_world(world_size: int) -> Iterator[None]:
                 f"a {dist.get_backend()} process group of {dist.get_world_size()} ranks is already "
                 f"initialized; the simulated check needs a fake one of >= {world_size}")
     else:
-        dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+        dist.init_process_group("fake", rank=0, world_size=world_size, store=fake_store())
         created = True
     try:
         yield
@@ -112,6 +121,15 @@ def device_mesh(shape: Sequence[int]) -> Any:
     if key not in _MESHES:
         _MESHES[key] = DeviceMesh("cpu", torch.arange(math.prod(key)).view(*key))
     return _MESHES[key]
+
+
+@contextlib.contextmanager
+def simulation(n: int, *, mend_chunks: bool = True) -> Iterator[None]:
+    """Every one of `n` ranks simulated in this process (LocalTensorMode), with the chunk
+    mend (`_compat.simulator_chunks`) unless `mend_chunks=False` (the native audit runs
+    DTensor as torch ships it)."""
+    with simulator_chunks() if mend_chunks else contextlib.nullcontext(), local_tensor_mode(frozenset(range(n))):
+        yield
 
 
 # ------------------------------------------------------------------ random placements
@@ -159,26 +177,29 @@ def _maybe_strided(row: list, shape: Sequence[int], mesh_sizes: tuple[int, ...],
 def per_rank_values(t: torch.Tensor, n: int) -> dict[int, torch.Tensor]:
     """Each simulated rank's tensor (LocalTensorMode gives a plain tensor where every
     rank holds the same)."""
-    lt = getattr(t, "_local_tensors", None)
+    lt = rank_tensors(t)
     return dict(lt) if lt is not None else {r: t for r in range(n)}
-
-
-def _simulating() -> bool:
-    from torch.distributed._local_tensor import local_tensor_mode
-
-    return local_tensor_mode() is not None
 
 
 def rank_locals(t: torch.Tensor, mesh: Any) -> dict[int, torch.Tensor]:
     """The local values this process can see, by rank index within `mesh` (row-major):
     every rank when simulated, this process's own rank in a real process group."""
-    if _simulating():
+    if simulating_ranks():
         return per_rank_values(t, mesh.size())
     coord = mesh.get_coordinate()
-    return {_mesh_coords(tuple(mesh.shape)).index(tuple(coord)): t}
+    return {mesh_coords(tuple(mesh.shape)).index(tuple(coord)): t}
 
 
-def _mesh_coords(mesh_shape: Sequence[int]) -> list[tuple[int, ...]]:
+def every_rank_full(value: Any, mesh: Any) -> dict[int, Any]:
+    """Every visible rank's copy of the global value of one result (a DTensor's
+    `full_tensor()`, gathered by each rank; a plain value as each rank holds it)."""
+    from torch.distributed.tensor import DTensor
+
+    return rank_locals(value.full_tensor() if isinstance(value, DTensor) else value, mesh)
+
+
+def mesh_coords(mesh_shape: Sequence[int]) -> list[tuple[int, ...]]:
+    """Every rank's coordinate on a mesh of this shape, in rank (row-major) order."""
     return list(itertools.product(*(range(s) for s in mesh_shape)))
 
 
@@ -187,7 +208,6 @@ def make_dtensor(x: torch.Tensor, mesh: Any, placements: Sequence[TorchPlacement
     _StridedShard, random parts (see `_rank_sim.make_parts`) for Partial. Runs under
     LocalTensorMode (every rank at once) or in one real process of a group (its own
     rank's part: the same numbers either way); `x` is a plain tensor."""
-    from torch.distributed._local_tensor import LocalTensor
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     placements = tuple(placements)
@@ -202,12 +222,12 @@ def make_dtensor(x: torch.Tensor, mesh: Any, placements: Sequence[TorchPlacement
     reduce_op = placements[partial_dims[0]].reduce_op
     mesh_shape = tuple(mesh.shape)
     per_rank = rank_locals(dt.to_local(), mesh)
-    rank_of = {c: r for r, c in enumerate(_mesh_coords(mesh_shape))}
+    rank_of = {c: r for r, c in enumerate(mesh_coords(mesh_shape))}
     w = math.prod(mesh_shape[m] for m in partial_dims)
     groups: dict[tuple, list[int]] = {}
     for c, r in rank_of.items():
         groups.setdefault(tuple(v for m, v in enumerate(c) if m not in partial_dims), []).append(r)
-    for g, (key, ranks) in enumerate(sorted(groups.items())):
+    for g, (_key, ranks) in enumerate(sorted(groups.items())):
         held = [r for r in ranks if r in per_rank]
         if not held:
             continue
@@ -215,7 +235,7 @@ def make_dtensor(x: torch.Tensor, mesh: Any, placements: Sequence[TorchPlacement
         for r, part in zip(ranks, parts):  # ranks are in row-major order of their partial coords
             if r in per_rank:
                 per_rank[r] = part.detach()
-    local = LocalTensor(per_rank) if _simulating() else next(iter(per_rank.values()))
+    local = make_local_tensor(per_rank) if simulating_ranks() else next(iter(per_rank.values()))
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=x.shape, stride=dt.stride())
 
 
@@ -240,50 +260,6 @@ def _strided_dtensor(x, mesh, placements, seed, salt):
     return out
 
 
-@contextlib.contextmanager
-def _simulator_chunks() -> Iterator[None]:
-    """Mend one LocalTensorMode gap for the duration: DTensor and its collectives split
-    tensors with `torch.chunk`, which returns fewer pieces when a dim is short or empty.
-    With ranks of unequal local sizes (an uneven or empty shard on another mesh dim) the
-    simulated ranks disagree on the count and the simulator fails ('NoneType' object has
-    no attribute 'requires_grad'; "Sizes of tensors must match" in an all-gather). Each
-    real process splits its own tensor; we run the two splitting helpers per rank, which
-    is what they do there. Only the simulation changes: tests/test_check_gloo.py runs
-    such cases on real gloo processes."""
-    import torch._utils as tutils
-
-    from decompshard._compat import TorchShard as Shard
-
-    original_chunk = Shard.__dict__["_custom_chunk"]
-    original_cat = tutils._chunk_or_narrow_cat
-    Shard._custom_chunk = staticmethod(_per_rank(original_chunk.__func__))
-    tutils._chunk_or_narrow_cat = _per_rank(original_cat)
-    try:
-        yield
-    finally:
-        Shard._custom_chunk = original_chunk
-        tutils._chunk_or_narrow_cat = original_cat
-
-
-def _per_rank(fn: Any) -> Any:
-    """`fn(tensor, ...)` run on each simulated rank's tensor separately (outside the
-    mode), its results (a tensor or a list of them) put back together as LocalTensors."""
-    from torch.distributed._local_tensor import LocalTensor, maybe_disable_local_tensor_mode
-
-    def wrapped(tensor: torch.Tensor, *rest: Any, **kwargs: Any) -> Any:
-        per_rank = getattr(tensor, "_local_tensors", None)
-        if per_rank is None:
-            return fn(tensor, *rest, **kwargs)
-        with maybe_disable_local_tensor_mode():
-            results = {r: fn(t, *rest, **kwargs) for r, t in per_rank.items()}
-        first = next(iter(results.values()))
-        if isinstance(first, torch.Tensor):
-            return LocalTensor(results)
-        return [LocalTensor({r: p[i] for r, p in results.items()}) for i in range(len(first))]
-
-    return wrapped
-
-
 # ------------------------------------------------------------------ one case
 
 
@@ -304,16 +280,14 @@ class Outcome:
 
 
 @dataclass
-class _Reference:
+class Reference:
+    """One device's run of a call: what every DTensor run is compared with."""
+
     outputs: list[Any]
     written: dict[int, torch.Tensor]  # flat input index -> value after the call
     grads: list[torch.Tensor | None] | None  # per leaf; None: no backward
     cotangents: list[torch.Tensor | None]
     leaves: list[int]  # flat indices of the inputs differentiated against
-
-
-def _one_line(e: BaseException) -> str:
-    return one_line(e, 200)
 
 
 def _floating(t: Any) -> bool:
@@ -344,7 +318,18 @@ def differentiable_inputs(op, flat: list, spec, tensor_idx: list[int]) -> list[i
     return [i for i in cands if runs([i])]
 
 
-def _reference(op, flat: list, spec, tensor_idx: list[int], seed: int, backward: bool) -> _Reference:
+def flatten_call(args: Sequence[Any], kwargs: dict | None) -> tuple[list[Any], Any, list[int]]:
+    """(flat leaves, spec, indices of the tensor leaves) of a call, floating tensors
+    promoted to float64 / complex128 so a tight tolerance separates rounding from real
+    mismatches (both sides of every comparison run on these)."""
+    flat, spec = tree_flatten((tuple(args), dict(kwargs or {})))
+    flat = [promote(x) if isinstance(x, torch.Tensor) else x for x in flat]
+    return flat, spec, [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+
+
+def reference(op: Any, flat: list, spec: Any, tensor_idx: list[int], seed: int, backward: bool) -> Reference:
+    """The call on one device (on copies of the inputs): outputs, inputs it wrote, and,
+    with `backward`, the gradients of random cotangents (drawn from `seed`)."""
     flat = [x.clone() if isinstance(x, torch.Tensor) else x for x in flat]
     leaves = differentiable_inputs(op, flat, spec, tensor_idx) if backward else []
     grad_on = bool(leaves)
@@ -370,7 +355,7 @@ def _reference(op, flat: list, spec, tensor_idx: list[int], seed: int, backward:
                                              [c for _, c in pairs], allow_unused=True))
         except RuntimeError:  # not differentiable (an integer path, a non-differentiable op)
             grads = None
-    return _Reference([o.detach() if isinstance(o, torch.Tensor) else o for o in outs], written, grads, cots, leaves)
+    return Reference([o.detach() if isinstance(o, torch.Tensor) else o for o in outs], written, grads, cots, leaves)
 
 
 def _mutates(op: Any) -> bool:
@@ -392,29 +377,21 @@ def run_case(op: Any, args: tuple, kwargs: dict | None, mesh_shape: Sequence[int
     rounding from real mismatches. Simulated (default): needs a fake process group of
     >= prod(mesh_shape) ranks (`simulated_world`); `simulate=False` runs in every process
     of a real group (gloo) of exactly that size, each judging its own rank."""
-    from torch.distributed._local_tensor import LocalTensorMode
-
-    kwargs = dict(kwargs or {})
-    flat, spec = tree_flatten((tuple(args), kwargs))
-    flat = [promote(x) if isinstance(x, torch.Tensor) else x for x in flat]
-    tensor_idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+    flat, spec, tensor_idx = flatten_call(args, kwargs)
     if len(placements) != len(tensor_idx):
         raise ValueError(f"expected placements for {len(tensor_idx)} tensor inputs, got {len(placements)}")
     try:
-        ref = _reference(op, flat, spec, tensor_idx, seed, backward)
+        ref = reference(op, flat, spec, tensor_idx, seed, backward)
     except Exception as e:
-        return Outcome("n/a", "setup", f"the op fails on one device: {_one_line(e)}")
+        return Outcome("n/a", "setup", f"the op fails on one device: {one_line(e, 200)}")
     mesh = device_mesh(mesh_shape)
     n = math.prod(mesh_shape)
-    sim = (_simulator_chunks(), LocalTensorMode(frozenset(range(n)))) if simulate else ()
-    with runtime, warnings.catch_warnings(), contextlib.ExitStack() as stack:
-        for ctx in sim:
-            stack.enter_context(ctx)
+    with runtime, warnings.catch_warnings(), simulation(n) if simulate else contextlib.nullcontext():
         warnings.simplefilter("ignore")
         return _run_dtensor(op, flat, spec, tensor_idx, mesh, placements, ref, seed)
 
 
-def _run_dtensor(op, flat, spec, tensor_idx, mesh, placements, ref: _Reference, seed: int) -> Outcome:
+def _run_dtensor(op, flat, spec, tensor_idx, mesh, placements, ref: Reference, seed: int) -> Outcome:
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     grad_on = ref.grads is not None
@@ -426,7 +403,7 @@ def _run_dtensor(op, flat, spec, tensor_idx, mesh, placements, ref: _Reference, 
             dflat[i] = d.detach().requires_grad_(True) if i in leaves else d
         inputs = list(dflat)
     except Exception as e:
-        return Outcome("n/a", "setup", f"cannot build the input DTensors: {_one_line(e)}")
+        return Outcome("n/a", "setup", f"cannot build the input DTensors: {one_line(e, 200)}")
     args, kwargs = tree_unflatten(dflat, spec)
     # Every verdict below is agreed by all ranks before anyone moves on (`_agreed`): in
     # a real group, a rank that stopped early while the others entered the next
@@ -436,7 +413,7 @@ def _run_dtensor(op, flat, spec, tensor_idx, mesh, placements, ref: _Reference, 
             out = op(*args, **kwargs)
         failed = None
     except Exception as e:
-        failed = Outcome("error", "forward", _one_line(e))
+        failed = Outcome("error", "forward", one_line(e, 200))
     if (failed := _agreed(failed, "forward")) is not None:
         return failed
     outs = tree_flatten(out)[0]
@@ -445,7 +422,7 @@ def _run_dtensor(op, flat, spec, tensor_idx, mesh, placements, ref: _Reference, 
             [inputs[i] for i in ref.written], list(ref.written.values()), "input after the call", only_dtensor=True)
         verdict = Outcome("WRONG", "forward", *bad) if bad else None
     except Exception as e:
-        verdict = Outcome("error", "forward", f"reading the result: {_one_line(e)}")
+        verdict = Outcome("error", "forward", f"reading the result: {one_line(e, 200)}")
     if (verdict := _agreed(verdict, "forward")) is not None or not grad_on:
         return verdict or Outcome("ok")
     pairs = [(o, c) for o, c in zip(outs, ref.cotangents) if c is not None]
@@ -457,7 +434,7 @@ def _run_dtensor(op, flat, spec, tensor_idx, mesh, placements, ref: _Reference, 
             dcots = [distribute_tensor(c, mesh, [TorchReplicate()] * mesh.ndim) for _, c in pairs]
             grads = torch.autograd.grad([o for o, _ in pairs], [inputs[i] for i in leaves], dcots, allow_unused=True)
         except Exception as e:
-            verdict = Outcome("error", "backward", _one_line(e))
+            verdict = Outcome("error", "backward", one_line(e, 200))
     if (verdict := _agreed(verdict, "backward")) is not None:
         return verdict
     try:
@@ -469,7 +446,7 @@ def _run_dtensor(op, flat, spec, tensor_idx, mesh, placements, ref: _Reference, 
                 f"gradient {plain[0]} is a plain torch.Tensor, not a DTensor (torch's autograd formula for "
                 f"{op} builds it from sizes); its values are right, but using it with a DTensor raises"))
     except Exception as e:
-        verdict = Outcome("error", "backward", f"reading the gradients: {_one_line(e)}")
+        verdict = Outcome("error", "backward", f"reading the gradients: {one_line(e, 200)}")
     return _agreed(verdict, "backward") or Outcome("ok")
 
 
@@ -500,7 +477,7 @@ def _agreed(mine: Outcome | None, stage: str) -> Outcome | None:
     group (simulated: one process judges every rank, nothing to agree)."""
     import torch.distributed as dist
 
-    if _simulating() or not dist.is_initialized() or dist.get_world_size() == 1:
+    if simulating_ranks() or not dist.is_initialized() or dist.get_world_size() == 1:
         return mine
     code = {None: 0, "error": 1, "WRONG": 2}.get(mine.status if mine else None, 1)
     worst = torch.tensor([code])
@@ -518,7 +495,7 @@ def _compare_all(got: Sequence[Any], want: Sequence[Any], what: str, *, allow_no
         return f"{len(got)} {what}s, one device gives {len(want)}", math.inf
     # gather every value before judging any: in a real group each rank judges its own
     # shard, and all must run the same collectives whatever they find
-    fulls = [g.full_tensor() if isinstance(g, DTensor) else None for g in got]
+    fulls = [every_rank_full(g, g.device_mesh) if isinstance(g, DTensor) else None for g in got]
     for j, (g, w, full) in enumerate(zip(got, want, fulls)):
         if j in skip:  # judged by the caller
             continue
@@ -540,7 +517,7 @@ def _compare_all(got: Sequence[Any], want: Sequence[Any], what: str, *, allow_no
     return None
 
 
-def _compare_dtensor(g: Any, w: torch.Tensor, full: torch.Tensor) -> tuple[str, float] | None:
+def _compare_dtensor(g: Any, w: torch.Tensor, fulls: dict[int, torch.Tensor]) -> tuple[str, float] | None:
     """Metadata the DTensor claims against what each rank holds, then the value on every
     rank against one device."""
     from decompshard.mesh.lift import local_shape_nd
@@ -553,7 +530,7 @@ def _compare_dtensor(g: Any, w: torch.Tensor, full: torch.Tensor) -> tuple[str, 
         return f"{where} has dtype {g.dtype}, one device gives {w.dtype}", math.inf
     mesh_shape = tuple(g.device_mesh.shape)
     per_rank = rank_locals(g.to_local(), g.device_mesh)
-    coords = _mesh_coords(mesh_shape)
+    coords = mesh_coords(mesh_shape)
     for r, lt in per_rank.items():
         coord = coords[r]
         expect = local_shape_nd(tuple(g.shape), placements, mesh_shape, coord)
@@ -562,9 +539,9 @@ def _compare_dtensor(g: Any, w: torch.Tensor, full: torch.Tensor) -> tuple[str, 
         if _layout_disagrees(g, lt):
             return (f"{where}: the DTensor's strides {list(g.stride())} disagree with rank {r}'s local "
                     f"strides {list(lt.stride())} (a later view would fail)"), math.inf
-    for r, f in rank_locals(full, g.device_mesh).items():
+    for r, f in fulls.items():
         if not close(f, w, []):
-            err = _max_err(f, w)
+            err = max_error(f, w)
             return f"{where}: rank {r}'s full_tensor() differs from one device (max error {err:.3g})", err
     return None
 
@@ -582,11 +559,29 @@ def _layout_disagrees(g: Any, lt: torch.Tensor) -> bool:
     return order_g != order_l and any(gs[a] != gs[b] for a, b in zip(order_g, order_g[1:]))
 
 
-def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    if a.shape != b.shape:
+def max_error(got: torch.Tensor, want: torch.Tensor, *, count_integers: bool = True,
+              equal_infinities: bool = False) -> float:
+    """How far `got` is from `want` (the number reported beside a verdict; the verdict
+    itself is `rank_sim.close`): inf when the shapes differ; for integer and bool results
+    the number of differing elements (`count_integers`, the check's number: a class
+    index off by 3 is no worse than off by 1) or the largest difference (the audit's);
+    for floating results the largest |difference| in float64 / complex128, NaN against
+    NaN counting 0. `equal_infinities` (the audit's number) also counts a matching
+    infinity 0 on real dtypes, and masks nothing on complex ones; without it a matching
+    infinity gives inf - inf = NaN, reported as inf."""
+    if got.shape != want.shape:
         return math.inf
-    if not (b.dtype.is_floating_point or b.is_complex()):
-        return float((a != b).sum())
-    d = (a.to(torch.complex128 if b.is_complex() else torch.float64) - b).abs()
-    d = torch.where(torch.isnan(a) & torch.isnan(b), torch.zeros_like(d), d)
+    if not (want.dtype.is_floating_point or want.is_complex()):
+        if count_integers:
+            return float((got != want).sum())
+        return float((got.to(torch.float64) - want.to(torch.float64)).abs().max()) if want.numel() else 0.0
+    hi = torch.complex128 if want.is_complex() else torch.float64
+    d = (got.to(hi) - want.to(hi)).abs()
+    if not equal_infinities:
+        same = torch.isnan(got) & torch.isnan(want)
+    elif want.is_complex():
+        same = torch.zeros_like(d, dtype=torch.bool)
+    else:
+        same = (got.isnan() & want.isnan()) | ((got == want) & want.isinf())
+    d = torch.where(same, torch.zeros_like(d), d)
     return float(torch.nan_to_num(d, nan=math.inf).max()) if d.numel() else 0.0

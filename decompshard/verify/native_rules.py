@@ -8,7 +8,7 @@ For one op and a few sample calls this module asks two questions:
    the numerical checker (`verify.check_rules_at`) at the world sizes where DTensor would
    apply it: every W in 2..4 that leaves each sharded input dim at least W long (torch's
    `is_tensor_shardable`; `allow_uneven_sharding=False` does *not* mean even shards).
-   A refuted rule is reported only when a real DTensor run (`dtensor_run.py`) at its
+   A refuted rule is reported only when a real DTensor run (`run_on_dtensor`) at its
    input placements gives wrong results too: a rule that DTensor never applies as read
    (say, an op strategy that behaves differently on a real mesh than on the 1-rank
    mesh it is queried on) is listed as unconfirmed, not as wrong.
@@ -18,6 +18,12 @@ For one op and a few sample calls this module asks two questions:
    custom handler that skips the redistribution its strategy asked for (convolution),
    output metadata that does not match the local tensor.
 
+Both run DTensor with `run_on_dtensor`: the one DTensor runner of `dtensor_case.py` (its
+world, mesh, one-device reference and comparison) with the audit's own layouts (the
+checker's single-dim placements and Partial parts, or exact ones) and verdict words
+(refused, local kernel error, ranks disagree), and without the runner's chunk mend:
+DTensor as torch ships it.
+
 Every finding is a `WrongRule` with the placements, shapes, the max error and a
 standalone reproducer script (`native_repro.py`). Entry points: `audit_native_op` (the
 confirmed findings) and `audit_native_op_detailed` (counts, unconfirmed refutations).
@@ -26,22 +32,31 @@ Ops are run on float64 copies of the samples; random ops are skipped.
 
 from __future__ import annotations
 
+import math
 import time
+import traceback
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Sequence
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from decompshard._compat import op_strategy_func, single_dim_strategy_info
-from decompshard.verify.rank_sim import OpCase, input_alphabet
+from decompshard._compat import make_local_tensor, op_strategy_func, single_dim_strategy_info, to_torch_placement
+from decompshard.verify.rank_sim import OpCase, close, input_alphabet, leaves_equal, make_local
 from decompshard.dispatch_modes.clean import clean_dispatch_state
-from decompshard.verify.dtensor_run import LOCAL_KERNEL, RANKS_DISAGREE, DTensorRun, run_on_dtensor, simulated_world
-from decompshard.placements import P, R, S, Partial, SingleDimRule, format_placement, format_rule, is_shard, shard_size
+from decompshard.errors import one_line
+from decompshard.verify.dtensor_case import (
+    device_mesh, every_rank_full, flatten_call, max_error, reference, simulated_world, simulation,
+)
+from decompshard.placements import (
+    P, R, S, MaybePlacement, Partial, SingleDimRule, format_placement, format_rule, is_shard, shard_size,
+)
 from decompshard.verify.rule_check import check_rules_at
 
-__all__ = ["DISPATCH", "DISPATCH_WORLD_SIZE", "KERNEL_ERROR", "NativeAudit", "RULE", "WRONG_SHAPE", "WRONG_VALUES",
-           "WrongRule", "audit_native_op", "audit_native_op_detailed", "native_rules_raw"]
+__all__ = ["DISPATCH", "DISPATCH_WORLD_SIZE", "DTensorRun", "KERNEL_ERROR", "LOCAL_KERNEL", "NativeAudit", "RANKS_DISAGREE",
+           "REFUSED", "RULE", "WRONG_SHAPE", "WRONG_VALUES", "WrongRule", "audit_native_op", "audit_native_op_detailed",
+           "exact_parts", "native_rules_raw", "run_on_dtensor"]
 
 RULE_WORLD_SIZES = (2, 3, 4)
 CONFIRM_SAMPLES = ("base", "zeros")
@@ -102,6 +117,200 @@ class NativeAudit:
     skipped: str = ""  # why nothing was checked
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+
+
+# ------------------------------------------------------------------ one DTensor run, in the audit's words
+
+
+# How a DTensor run ended when it did not return: DTensor refused the placements (a
+# clean error from sharding propagation or redistribution), it accepted them and the
+# op's kernel then failed on the local shards it was handed, or the ranks returned
+# different Python values where one value was due (LocalTensorMode says so by raising;
+# on real processes each rank would silently carry on with its own). Both are bugs.
+REFUSED, LOCAL_KERNEL, RANKS_DISAGREE = "refused", "local-kernel-error", "ranks-disagree"
+_DISAGREE = "rank results must be equal for all ranks"
+
+
+@dataclass
+class DTensorRun:
+    """What DTensor did with one op call at one input layout."""
+
+    world_size: int
+    input_placements: tuple[MaybePlacement, ...]
+    output_placements: list[str] = field(default_factory=list)  # per output leaf, torch's words
+    ok: bool = True  # every rank's full_tensor() of every output equals the single-device result
+    max_error: float | None = None  # largest |difference| (inf: shapes differ; None: no numbers)
+    reason: str = ""  # why not ok, in one line
+    error_kind: str | None = None  # REFUSED / LOCAL_KERNEL / RANKS_DISAGREE when the call raised
+    wrong_shape: bool = False  # some rank's full_tensor() has another shape than one device's
+
+    @property
+    def wrong(self) -> bool:
+        """Silently wrong numbers or metadata, or a kernel fed shards it cannot take."""
+        return not self.ok and self.error_kind != REFUSED
+
+
+def _error_kind(e: BaseException) -> str:
+    """RANKS_DISAGREE as above; LOCAL_KERNEL when the exception came out of running the op on the local shards
+    (LocalTensorMode's per-rank loop) after DTensor had settled the placements; REFUSED
+    when it came from sharding propagation, redistribution or argument checks."""
+    if isinstance(e, AssertionError) and _DISAGREE in str(e):
+        return RANKS_DISAGREE
+    frames = [(f.filename.replace("\\", "/"), f.name) for f in traceback.extract_tb(e.__traceback__)]
+    in_prop = any(n.endswith(("_sharding_prop.py", "_redistribute.py")) for n, _ in frames)
+    in_local = any(n.endswith("_local_tensor/__init__.py") and fn == "_for_each_rank_run_func" for n, fn in frames)
+    return LOCAL_KERNEL if in_local and not in_prop else REFUSED
+
+
+def exact_parts(x: torch.Tensor, p: Partial, world_size: int, seed: int, salt: int) -> list[torch.Tensor]:
+    """Parts whose reduction is exactly `x`, in any summation order: P(sum) is
+    [2x, -x, 0, ...] (inf and NaN whole on rank 0), P(avg) the same times W (W a power
+    of two), P(max|min) the
+    checker's random parts (a max is exact anyway). Rounding in a reduction DTensor
+    performs would otherwise move a value across a kink (sqrt at 0, a cast to int, an
+    `eq`) and look like a bug."""
+    if p.reduce_op in ("max", "min") or x.dtype == torch.bool:
+        return make_local(x, p, world_size, (seed, False), salt)
+    scale = world_size if p.reduce_op == "avg" else 1
+    if p.reduce_op == "avg" and (world_size & (world_size - 1)):
+        return make_local(x, p, world_size, (seed, False), salt)
+    zero = torch.zeros_like(x)
+    if world_size < 2:
+        return [x.clone()]
+    finite = torch.isfinite(x)  # inf and NaN stay whole on rank 0 (inf - inf would be NaN)
+    parts = [torch.where(finite, 2 * scale * x, x), torch.where(finite, -scale * x, zero)]
+    return [q.contiguous() for q in parts + [zero] * (world_size - 2)]
+
+
+def _placement_words(value: Any) -> str:
+    """One output leaf's placements as torch writes them (or what it is instead)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return ", ".join(str(p) for p in value.placements)
+    return "not a DTensor" if isinstance(value, torch.Tensor) else "not a tensor"
+
+
+def _compare(ref: Any, got: list[Any]) -> tuple[bool, float | None, str]:
+    """Every rank's full value of one output against one device's: (same, largest
+    error over all ranks, why not), judged by the runner's `close` and `max_error`."""
+    if not isinstance(ref, torch.Tensor):
+        same = all(g == ref or (isinstance(g, float) and isinstance(ref, float) and math.isnan(g) and math.isnan(ref))
+                   for g in got)
+        return same, None, "" if same else f"a rank returned {got!r}, one device {ref!r}"
+    worst = 0.0
+    for r, g in enumerate(got):
+        if not isinstance(g, torch.Tensor):
+            return False, None, f"rank {r} holds {type(g).__name__}, one device a tensor"
+        if tuple(g.shape) != tuple(ref.shape):
+            return False, math.inf, f"rank {r}'s full_tensor() has shape {list(g.shape)}, one device {list(ref.shape)}"
+        g = g.detach()
+        if g.dtype != ref.dtype:
+            return False, None, f"rank {r}'s result has dtype {g.dtype}, one device {ref.dtype}"
+        worst = max(worst, max_error(g, ref, count_integers=False, equal_infinities=True))
+        if not close(g, ref, ()):
+            return False, worst, f"rank {r}'s full_tensor() differs from one device"
+    return True, worst, ""
+
+
+def _compare_meta(ref: Any, got: list[Any]) -> tuple[bool, float | None, str]:
+    if not isinstance(ref, torch.Tensor):
+        return True, None, ""
+    for r, g in enumerate(got):
+        if not isinstance(g, torch.Tensor) or tuple(g.shape) != tuple(ref.shape) or g.dtype != ref.dtype:
+            what = list(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__
+            return False, math.inf, f"rank {r}'s full_tensor() is {what}, one device {list(ref.shape)}"
+    return True, None, ""
+
+
+def _refused(run: DTensorRun, reason: str) -> DTensorRun:
+    run.ok, run.reason, run.error_kind = False, reason, REFUSED
+    return run
+
+
+def run_on_dtensor(op: Any, args: Sequence[Any], kwargs: dict[str, Any] | None,
+                   placements: Sequence[MaybePlacement], world_size: int, *, seed: int = 0,
+                   exact: bool = True, values: bool = True) -> DTensorRun:
+    """Lay the call's tensor inputs out as `placements` (one single-dim placement per
+    tensor input, in flattened schema order) on a 1-D mesh of `world_size` simulated
+    ranks, run `op` through DTensor, and compare every rank's full result with one device.
+
+    `exact`: Partial inputs get `exact_parts` (else the checker's random parts for
+    `seed`, to reproduce a checker verdict). `values=False` compares shapes and dtypes
+    only (ops that return uninitialized memory). Needs a fake process group of at least
+    `world_size` ranks (`simulated_world`).
+    """
+    flat, spec, pos = flatten_call(args, kwargs)
+    run = DTensorRun(world_size, tuple(placements))
+    if len(pos) != len(placements):
+        raise ValueError(f"{len(placements)} placements for {len(pos)} tensor inputs")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ref = reference(op, flat, spec, pos, seed, backward=False).outputs
+            if values and not leaves_equal(ref, reference(op, flat, spec, pos, seed, backward=False).outputs):
+                return _refused(run, "one device is not reproducible")
+    except Exception as e:
+        return _refused(run, f"one device raises: {one_line(e, 200)}")
+    # every rank's shard, made before entering the mode (under it, each tensor op
+    # on a plain tensor would itself return a per-rank LocalTensor)
+    try:
+        parts = [[q.clone() for q in (exact_parts(flat[i], p, world_size, seed, k)
+                                      if exact and isinstance(p, Partial)
+                                      else make_local(flat[i], p, world_size, (seed, False), salt=k))]
+                 for k, (i, p) in enumerate(zip(pos, placements))]
+    except Exception as e:  # no such layout (a Partial bool, a P(max) complex)
+        return _refused(run, f"cannot lay out the inputs: {one_line(e, 200)}")
+    try:
+        got = _run_laid_out(op, flat, spec, dict(zip(pos, zip(placements, parts))), world_size)
+    except Exception as e:
+        run.ok, run.reason, run.error_kind = False, one_line(e, 200), _error_kind(e)
+        return run
+    return _judge(run, got, ref, values)
+
+
+def _run_laid_out(op: Any, flat: list, spec: Any, laid: dict[int, tuple[MaybePlacement, list]],
+                  world_size: int) -> list[tuple[list[Any], str]]:
+    """The call on DTensors made of the given per-rank parts (flat index -> placement,
+    parts) on the 1-D mesh, every rank simulated and DTensor unmended: per output leaf,
+    every rank's full value and the placements it claims."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = device_mesh((world_size,))
+    with simulation(world_size, mend_chunks=False), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        new = list(flat)
+        for i, (p, local) in laid.items():
+            x = flat[i]
+            lt = make_local_tensor({r: local[r] for r in range(world_size)})
+            new[i] = DTensor.from_local(lt, mesh, [to_torch_placement(p)], run_check=False,
+                                        shape=x.shape, stride=x.stride())
+        dargs, dkwargs = tree_unflatten(new, spec)
+        outs = tree_flatten(op(*dargs, **dkwargs))[0]
+        return [_every_rank(o, mesh, world_size) for o in outs]
+
+
+def _every_rank(value: Any, mesh: Any, world_size: int) -> tuple[list[Any], str]:
+    words = _placement_words(value)
+    full = every_rank_full(value, mesh)
+    return [full[r] for r in range(world_size)], words
+
+
+def _judge(run: DTensorRun, got: list[tuple[list[Any], str]], ref: list[Any], values: bool) -> DTensorRun:
+    """The run's verdict on the outputs: the first output that differs gives the
+    reason, the largest error over every output and rank the number."""
+    run.output_placements = [w for _, w in got]
+    if len(got) != len(ref):
+        run.ok, run.reason = False, f"DTensor returned {len(got)} values, one device {len(ref)}"
+        return run
+    for j, ((vals, _), r) in enumerate(zip(got, ref)):
+        ok, err, why = _compare(r, vals) if values else _compare_meta(r, vals)
+        if err is not None:
+            run.max_error = max(run.max_error or 0.0, err)
+        if not ok and run.ok:
+            run.ok, run.reason = False, f"output {j}: {why}"
+            run.wrong_shape = err == math.inf and "shape" in why
+    return run
 
 
 # ------------------------------------------------------------------ torch's rules, raw
