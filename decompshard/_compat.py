@@ -15,6 +15,7 @@ from typing import Any, Iterator
 import torch
 
 __all__ = [
+    "FakeTensorMode", "OpOverload", "TorchDispatchMode", "disable_current_modes", "keystr", "tree_flatten", "tree_flatten_with_path", "tree_leaves", "tree_map", "tree_unflatten",
     "DTensor", "DTensorSpec", "DecompShardingStrategy", "OpSchema", "OpSpec", "OpStrategy",
     "TensorMeta", "TorchPartial", "TorchReplicate", "TorchShard", "TorchStridedShard",
     "TupleStrategy", "_ShardingPlaceholder", "_compute_local_shape_and_global_offset", "aten_ops_tagged",
@@ -51,6 +52,43 @@ except ImportError as e:  # pragma: no cover - exercised only on unsupported tor
         f"decompshard supports torch {SUPPORTED}; torch {torch.__version__} lacks a "
         f"private DTensor API it needs: {e}"
     ) from e
+
+
+# ------------------------------------------------------------------ torch's private utilities
+
+# Re-exported as they are: pytree, dispatch modes and op overloads are private modules
+# every stage uses; importing them here lists them in one place for the next torch
+# release. The heavy ones (OpInfo's database, the fake process group, LocalTensor, the
+# comm-mode tables) load on first use through __getattr__, so `import decompshard` stays
+# cheap (they are left out of __all__ for that reason).
+from torch._ops import OpOverload  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes  # noqa: E402
+from torch.utils._pytree import (  # noqa: E402
+    keystr, tree_flatten, tree_flatten_with_path, tree_leaves, tree_map, tree_unflatten,
+)
+
+_LAZY = {
+    "op_db": ("torch.testing._internal.common_methods_invocations", "op_db"),
+    "FakeStore": ("torch.testing._internal.distributed.fake_pg", "FakeStore"),
+    "LocalTensor": ("torch.distributed._local_tensor", "LocalTensor"),
+    "LocalTensorMode": ("torch.distributed._local_tensor", "LocalTensorMode"),
+    "c10d_collective_ops": ("torch.distributed.tensor.debug._comm_mode", "c10d_collective_ops"),
+    "expand_to_full_mesh_op_strategy": ("torch.distributed.tensor._ops.utils", "expand_to_full_mesh_op_strategy"),
+    "decomposition_table": ("torch._decomp", "decomposition_table"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    module, attr = _LAZY[name]
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value
 
 
 def sharding_propagator() -> Any:

@@ -11,7 +11,7 @@
 
 Placements, per tensor input ';'-separated, per mesh dim ','-separated, in the placement
 grammar `explain --mesh-placements` and rule strings share (placements.py): R, S(d),
-P(sum|avg|max|min), _S(d,k) (_StridedShard(d, split_factor=k); SS(d,k) is read too).
+P(sum|avg|max|min), _S(d,k) (TorchStridedShard(d, split_factor=k); SS(d,k) is read too).
 
 Exit codes: 0 nothing counts against decompshard (no WRONG, no error where torch's own
 fallback runs the case), 3 something does (each failure printed with a reproducer),
@@ -162,7 +162,7 @@ def _given_sample(args: argparse.Namespace) -> list[tuple[Any, list]]:
     values of the shapes given (always the same: a reproducer line rebuilds them),
     checked against the op's schema as explain checks them."""
     import torch
-    from torch.utils._pytree import tree_map
+    from decompshard._compat import tree_map
 
     from decompshard.errors import UsageError
     from decompshard.explain.command import build_call

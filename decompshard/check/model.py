@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
-from torch.utils._pytree import tree_leaves
+from decompshard._compat import tree_leaves
 
 from decompshard.dispatch_modes.comm_bytes import CommBytes
 from decompshard.dispatch_modes.record import RecordCallOutputs
@@ -72,7 +72,7 @@ def _split_placements(text: str | None, n_inputs: int, ndim: int, params: dict[s
 def run_model_check(module: torch.nn.Module, inputs: Sequence[torch.Tensor], mesh_shape: Sequence[int],
                     placements: str | None, seed: int = 0) -> ModelCheck:
     """The step on one device and on DTensors; the first divergence, if any."""
-    from torch.distributed._local_tensor import LocalTensorMode
+    from decompshard._compat import LocalTensorMode
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     from decompshard._compat import simulator_chunks as _simulator_chunks
@@ -254,7 +254,7 @@ def run_training_step(built: Any, sharding: str, enable: bool, measure: bool = T
     simulated world of at least the mesh's size (`verify_dtensor.simulated_world`).
     `measure`: also time a warm step (the faster of two) and count one step's
     collectives (three more steps)."""
-    from torch.distributed._local_tensor import LocalTensorMode
+    from decompshard._compat import LocalTensorMode
 
     from decompshard._compat import simulator_chunks as _simulator_chunks
     from decompshard.verify.dtensor_case import device_mesh
@@ -488,7 +488,7 @@ def _plain_rest(model: torch.nn.Module, n: int) -> None:
     """Every parameter and buffer outside the TP layers a plain tensor with a copy per
     simulated rank (a LocalTensor): what each process holds when only the Linear layers
     are parallelized (tied parameters stay tied)."""
-    from torch.distributed._local_tensor import LocalTensor
+    from decompshard._compat import LocalTensor
     from torch.distributed.tensor import DTensor
 
     made: dict[int, Any] = {}
@@ -513,7 +513,7 @@ def own_copies(d: Any, n: int) -> Any:
     (batch norm's running statistics) updates it once per rank: n updates where real
     processes make one each. With a copy per rank the simulation is what gloo does.
     A DTensor whose local is already per rank is returned as it is."""
-    from torch.distributed._local_tensor import LocalTensor
+    from decompshard._compat import LocalTensor
     from torch.distributed.tensor import DTensor
 
     local = d._local_tensor
@@ -527,7 +527,7 @@ def own_copies(d: Any, n: int) -> Any:
 def _place(x: torch.Tensor, mesh: Any, placements: list) -> Any:
     from decompshard.verify.dtensor_case import make_dtensor
 
-    return make_dtensor(x, mesh, placements, 0, 0)  # handles _StridedShard (no Partial here)
+    return make_dtensor(x, mesh, placements, 0, 0)  # handles TorchStridedShard (no Partial here)
 
 
 def _distribute_inputs(inputs: dict[str, torch.Tensor], mesh: Any, sh: Sharding) -> dict[str, Any]:

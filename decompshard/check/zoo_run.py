@@ -50,7 +50,7 @@ def _warm_process() -> None:
     if _WARMED:
         return
     import torch
-    from torch.distributed._local_tensor import LocalTensorMode
+    from decompshard._compat import LocalTensorMode
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from decompshard.verify.dtensor_case import device_mesh, simulated_world

@@ -15,7 +15,7 @@ import collections
 from typing import Any, Callable, Sequence
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
+from decompshard._compat import tree_flatten, tree_leaves, tree_map
 
 from decompshard.errors import UsageError
 from decompshard.coverage import report as rep

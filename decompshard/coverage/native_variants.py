@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
-from torch._ops import OpOverload
+from decompshard._compat import OpOverload
 
 from decompshard.dim_args import dim_arguments
 from decompshard.coverage.opinfo_samples import AtenSample, dedupe_key, keepable
@@ -199,7 +199,7 @@ def _negate(value: object, n: int) -> tuple[object, str]:
 
 def _same(a: object, b: object) -> bool:
     """Exactly the same result (values, shapes, dtypes; NaN equal to NaN)."""
-    from torch.utils._pytree import tree_flatten
+    from decompshard._compat import tree_flatten
 
     la, sa = tree_flatten(a)
     lb, sb = tree_flatten(b)

@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence, Union
 
 import torch
-from torch._ops import OpOverload
-from torch.utils._pytree import tree_flatten, tree_map
+from decompshard._compat import OpOverload
+from decompshard._compat import tree_flatten, tree_map
 
 from decompshard._paths import cache_dir
 from decompshard.coverage import sample_pick
@@ -260,7 +260,7 @@ def _capture(
     on_opinfo: OnOpInfo | None = None,
     backward: bool = False,
 ) -> dict[OpOverload, list[AtenSample]]:
-    from torch.testing._internal.common_methods_invocations import op_db  # slow import
+    from decompshard._compat import op_db  # slow import
 
     pools: dict[OpOverload, list[AtenSample]] = {}  # every distinct forward candidate, cut back as it grows
     seen: set[tuple] = set()
@@ -481,7 +481,7 @@ def has_dtensor_strategy(op: OpOverload) -> bool:
 
 def has_decomposition(op: OpOverload) -> bool:
     """Same test as torch's `DecompShardingStrategy.has_decomp`."""
-    from torch._decomp import decomposition_table
+    from decompshard._compat import decomposition_table
 
     return op in decomposition_table or op._can_decompose()
 

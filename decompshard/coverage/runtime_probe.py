@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from decompshard._compat import tree_flatten, tree_map
 
 from decompshard._compat import TorchReplicate, TorchShard
 from decompshard.verify.dtensor_case import run_case, simulated_world

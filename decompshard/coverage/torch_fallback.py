@@ -21,7 +21,7 @@ call a real DTensor dispatch makes when every input is `Shard(0)`.
 
 Placement translation: ours -> torch for inputs (`S(d)` -> `Shard(d)`, `R` ->
 `Replicate()`, `P(x)` -> `Partial(x)`); torch -> ours for outputs (`Shard(d)` and
-`_StridedShard(d, ...)` -> `S(d)`, `Replicate()` -> `R`, `Partial(x)` -> `P(x)`,
+`TorchStridedShard(d, ...)` -> `S(d)`, `Replicate()` -> `R`, `Partial(x)` -> `P(x)`,
 `None` -> `None`). Two Partial subclasses need care: `_MaskPartial` (masked lookups) is a
 true pending sum -> `P(reduce_op)`; `_NormPartial(p)` is a pending p-norm (combine by
 sum of p-th powers), which is `P(sum)` only for p in {0, 1} (`P(max)`/`P(min)` for
@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Sequence
 
 import torch
-from torch._ops import OpOverload
-from torch.utils._pytree import tree_flatten, tree_map
+from decompshard._compat import OpOverload
+from decompshard._compat import tree_flatten, tree_map
 
 from decompshard._compat import to_torch_placement
 from decompshard.errors import one_line
@@ -127,19 +127,14 @@ class UnrepresentablePlacement(ValueError):
 
 
 def _torch_placement_types():
-    from torch.distributed.tensor.placement_types import (
-        _StridedShard,
-        Partial as TPartial,
-        Replicate as TReplicate,
-        Shard as TShard,
-    )
+    from decompshard._compat import TorchStridedShard, Partial as TPartial, Replicate as TReplicate, Shard as TShard
 
-    return TShard, _StridedShard, TReplicate, TPartial
+    return TShard, TorchStridedShard, TReplicate, TPartial
 
 
 def from_torch_placement(p: Any) -> MaybePlacement:
     """Torch -> ours, for judging torch's claims as generously as they can be read:
-    _StridedShard reads as S(d) and a p-norm partial with p in {0, 1, +-inf} as the
+    TorchStridedShard reads as S(d) and a p-norm partial with p in {0, 1, +-inf} as the
     reduction it is (the engine's own conversion, `_compat.from_torch_placement`,
     refuses both). Raises UnrepresentablePlacement for e.g. `_NormPartial(2)`."""
     TShard, TStrided, TReplicate, TPartial = _torch_placement_types()
@@ -202,7 +197,7 @@ def _sharding_propagator():
 
 def _specs(args: Sequence[Any], kwargs: dict[str, Any], mesh, placement_of) -> tuple[tuple, dict]:
     """Replace each tensor by a DTensorSpec (global shape/stride/dtype as TensorMeta)."""
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from decompshard._compat import DTensorSpec, TensorMeta
 
     def to_spec(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
@@ -294,8 +289,8 @@ class _FallbackCall:
 
 
 def _fallback_call(ds, op: OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> _FallbackCall:
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
-    from torch.distributed.tensor._op_schema import OpSchema
+    from decompshard._compat import DTensorSpec
+    from decompshard._compat import OpSchema
 
     _, _, TReplicate, _ = _torch_placement_types()
     fake_mesh = ds._get_fake_mesh("cpu")
@@ -380,7 +375,7 @@ def _judge_the_op(result: FallbackResult, sp, call: _FallbackCall, accepted: lis
 
 def _expansion_error(sp, op_schema, mesh, single_dim_strategies, n_outputs) -> str | None:
     """Run torch's expansion step exactly as `propagate_strategy` does; the error, if any."""
-    from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+    from decompshard._compat import expand_to_full_mesh_op_strategy
 
     try:
         strategy_schema = sp._wrap_with_op_strategy(op_schema)
@@ -410,7 +405,7 @@ def _two_rank_mesh() -> Iterator[tuple[Any, str]]:
     if dist.is_initialized():
         yield DeviceMesh("cpu", [0, 1], _init_backend=False, _rank=0), "existing-pg"
         return
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from decompshard._compat import FakeStore
 
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
     try:
@@ -441,7 +436,7 @@ def _warm_up(mesh) -> None:
 
 
 def _time_first_call(op, args, kwargs, mesh, include_sharding_prop: bool):
-    from torch.distributed.tensor._op_schema import OpSchema
+    from decompshard._compat import OpSchema
 
     _, _, TReplicate, _ = _torch_placement_types()
     TShard = _torch_placement_types()[0]

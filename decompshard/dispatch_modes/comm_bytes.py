@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from decompshard._compat import TorchDispatchMode
+from decompshard._compat import tree_leaves
 
 __all__ = ["CommBytes"]
 
@@ -27,7 +27,7 @@ class CommBytes(TorchDispatchMode):
 
     def __init__(self) -> None:
         from torch.distributed.tensor.debug import CommDebugMode
-        from torch.distributed.tensor.debug._comm_mode import c10d_collective_ops
+        from decompshard._compat import c10d_collective_ops
 
         super().__init__()
         self.registry = set(CommDebugMode().comm_registry) | set(c10d_collective_ops)

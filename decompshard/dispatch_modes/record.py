@@ -22,9 +22,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch._ops import OpOverload
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map
+from decompshard._compat import OpOverload
+from decompshard._compat import TorchDispatchMode
+from decompshard._compat import tree_leaves, tree_map
 
 from decompshard._compat import custom_op_implementation
 

@@ -19,7 +19,7 @@ import threading
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils._pytree import tree_flatten
+from decompshard._compat import tree_flatten
 
 from decompshard import caches
 from decompshard.errors import DecompShardError
@@ -153,7 +153,7 @@ def check_reference(op: Any, args: tuple, kwargs: dict, device: str = "cpu") -> 
         return
     gen = torch.Generator().manual_seed(0)
     real = [random_like(x, device, gen) if isinstance(x, torch.Tensor) else x for x in flat]
-    from torch.utils._pytree import tree_unflatten
+    from decompshard._compat import tree_unflatten
 
     r_args, r_kwargs = tree_unflatten(real, spec)
     shapes = ", ".join(str(tuple(x.shape)) for x in flat if isinstance(x, torch.Tensor))

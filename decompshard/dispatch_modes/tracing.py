@@ -15,7 +15,7 @@ import functools
 from typing import Any, Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from decompshard._compat import TorchDispatchMode
 
 from decompshard._compat import TensorMeta, custom_op_implementation, torch_decomposition
 from decompshard.errors import DataDependent, UnsupportedOp, one_line

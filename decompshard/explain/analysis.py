@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
-from torch.utils._pytree import tree_flatten_with_path, tree_map
+from decompshard._compat import tree_flatten_with_path, tree_map
 
 from decompshard._compat import TensorMeta, from_torch_placement
 from decompshard.op_names import resolve_op

@@ -182,10 +182,10 @@ class Call:
 def _describe(v: Any) -> str:
     import torch
 
-    from decompshard.explain.render import _DTYPES
+    from decompshard.explain.render import DTYPE_NAMES
 
     if isinstance(v, torch.Tensor):
-        return f"{_DTYPES.get(v.dtype, str(v.dtype))}[{','.join(map(str, v.shape))}]"
+        return f"{DTYPE_NAMES.get(v.dtype, str(v.dtype))}[{','.join(map(str, v.shape))}]"
     if isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v):
         return "[" + ", ".join(_describe(x) for x in v) + "]"
     return repr(v)
@@ -194,10 +194,10 @@ def _describe(v: Any) -> str:
 def parse_dtype(name: str) -> "torch.dtype":
     import torch
 
-    from decompshard.explain.render import _DTYPES
+    from decompshard.explain.render import DTYPE_NAMES
 
     text = name.strip().removeprefix("torch.")
-    short = {v: k for k, v in _DTYPES.items()}
+    short = {v: k for k, v in DTYPE_NAMES.items()}
     dt = short.get(text) or getattr(torch, text, None)
     if not isinstance(dt, torch.dtype):
         raise UsageError(f"unknown dtype {name!r}: expected e.g. float32, bfloat16, int64")

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Sequence
 
 from decompshard.placements import format_rule
 from decompshard.explain.analysis import Analysis
-from decompshard.explain.render import INPUT_HEAD, NODE_HEAD, _dtype, came_from, decomposition_heading, display_env, input_rows, node_rows, render_lines, verdict_line
+from decompshard.explain.render import INPUT_HEAD, NODE_HEAD, came_from, decomposition_heading, display_env, dtype_name, input_rows, node_rows, render_lines, verdict_line
 
 __all__ = ["render_html"]
 
@@ -40,7 +40,7 @@ _MONO = "font-family:monospace"
 def render_html(ex: Analysis) -> str:
     """The explanation as one HTML fragment (a <div>)."""
     out = ['<div class="decompshard-explain" style="font-family:sans-serif;font-size:13px">']
-    sig = ", ".join(f"{n}: {_dtype(m.dtype)}[{','.join(map(str, m.shape))}]"
+    sig = ", ".join(f"{n}: {dtype_name(m.dtype)}[{','.join(map(str, m.shape))}]"
                     for n, m in zip(ex.input_names, ex.input_metas))
     out.append(_tag("div", f"explain {ex.op}({sig})", style=f"{_MONO};font-weight:bold;margin-bottom:4px"))
     if ex.native:

@@ -15,7 +15,7 @@ import textwrap
 from typing import Any, Sequence
 
 import torch
-from torch.utils._pytree import tree_map
+from decompshard._compat import tree_map
 
 from decompshard._compat import TensorMeta, from_torch_placement
 from decompshard.dispatch_modes.graph import PrimGraph, PrimNode
@@ -48,7 +48,7 @@ def _render_lines(ex: Analysis) -> list[str]:
 
     out: list[str] = []
     sig = ", ".join(
-        f"{n}: {_dtype(m.dtype)}{_shape(m.shape)}" for n, m in zip(ex.input_names, ex.input_metas)
+        f"{n}: {dtype_name(m.dtype)}{_shape(m.shape)}" for n, m in zip(ex.input_names, ex.input_metas)
     )
     out += _wrap(f"explain {ex.op}({sig})", 8)
     if ex.native:
@@ -170,7 +170,7 @@ def input_rows(ex: Analysis, env: dict[int, MaybePlacement]) -> list[tuple]:
     rows = []
     for i, (v, name) in enumerate(zip(g.inputs, ex.input_names)):
         m = g.meta(v)
-        rows.append((i, name, f"%{v}", _shape(m.shape), _dtype(m.dtype), _p(env.get(v, ex.placements[i]))))
+        rows.append((i, name, f"%{v}", _shape(m.shape), dtype_name(m.dtype), _p(env.get(v, ex.placements[i]))))
     return rows
 
 
@@ -495,7 +495,7 @@ def _tp(p: Any) -> str:
     """A torch placement in the short alphabet (S(d), R, P(op)); None -> None."""
     if p is None:
         return "None"
-    q = from_torch_placement(p, strided=True)  # _StridedShard as the grammar writes it, _S(d, sf)
+    q = from_torch_placement(p, strided=True)  # TorchStridedShard as the grammar writes it, _S(d, sf)
     return str(p) if q is NotImplemented else format_placement(q)
 
 
@@ -503,15 +503,15 @@ def _us(seconds: float) -> str:
     return f"{seconds * 1e6:.2f}"
 
 
-_DTYPES = {
+DTYPE_NAMES = {
     torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16",
     torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
     torch.uint8: "u8", torch.bool: "bool", torch.complex64: "c64", torch.complex128: "c128",
 }
 
 
-def _dtype(dt: torch.dtype) -> str:
-    return _DTYPES.get(dt, str(dt).replace("torch.", ""))
+def dtype_name(dt: torch.dtype) -> str:
+    return DTYPE_NAMES.get(dt, str(dt).replace("torch.", ""))
 
 
 def _shape(shape: Sequence[int]) -> str:
@@ -547,7 +547,7 @@ class _Id:
 
 def _arg(a: Any) -> str:
     if isinstance(a, torch.dtype):
-        return _dtype(a)
+        return dtype_name(a)
     if isinstance(a, float):
         return f"{a:g}"
     if isinstance(a, torch.memory_format):

@@ -28,7 +28,7 @@ import functools
 from typing import Any, Iterator
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from decompshard._compat import tree_flatten, tree_unflatten
 
 from decompshard._compat import DTensorSpec, OpSpec, OpStrategy, TensorMeta, clear_dtensor_caches, route_kwarg_redistribution, sharding_propagator, stage_kwarg_targets, unroute_kwarg_redistribution
 from decompshard.dispatch_modes.clean import clean_dispatch_state
@@ -233,7 +233,7 @@ def _n_tensor_outputs(op_schema: Any) -> int:
     `Tensor[]` return (`_histogramdd_bin_edges`) as many as a fake run gives (fake, as
     DTensor's own propagation runs it: some such ops have no meta kernel). DTensor wants
     one output spec per tensor; one spec for a list failed the call."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from decompshard._compat import FakeTensorMode
 
     returns = op_schema.op._schema.returns
     if not any(isinstance(r.type, torch.ListType) for r in returns):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from decompshard._compat import tree_flatten, tree_unflatten
 
 from decompshard.verify.rank_sim import make_local, promote
 from decompshard.placements import MaybePlacement, Partial, Replicate, ShardPlaceholder

@@ -37,7 +37,7 @@ import warnings
 from typing import Any, Callable, Sequence
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from decompshard._compat import tree_flatten, tree_unflatten
 
 from decompshard.errors import one_line
 from decompshard.placements import PARTIALS, MaybePlacement, Partial, R, Replicate, ShardPlaceholder, local_shape, shard_size_and_offset
