@@ -197,10 +197,10 @@ def _close_fds_except(keep: set[int]) -> None:
 def _drop_modes() -> None:
     """The fork copies the forking thread's dispatch modes (a FakeTensorMode around a
     DTensor call); the child runs real code on real tensors, under none of them."""
-    from decompshard._compat import disable_current_modes
+    from decompshard._compat import disable_current_modes as _disable_current_modes
 
     global _POPPED_MODES
-    _POPPED_MODES = disable_current_modes()  # kept: collecting it would push them back
+    _POPPED_MODES = _disable_current_modes()  # kept: collecting it would push them back
     _POPPED_MODES.__enter__()
     while torch._C._len_torch_function_stack():
         torch._C._pop_torch_function_stack()

@@ -11,7 +11,7 @@
 
 Placements, per tensor input ';'-separated, per mesh dim ','-separated, in the placement
 grammar `explain --mesh-placements` and rule strings share (placements.py): R, S(d),
-P(sum|avg|max|min), _S(d,k) (TorchStridedShard(d, split_factor=k); SS(d,k) is read too).
+P(sum|avg|max|min), _S(d,k) (_StridedShard(d, split_factor=k); SS(d,k) is read too).
 
 Exit codes: 0 nothing counts against decompshard (no WRONG, no error where torch's own
 fallback runs the case), 3 something does (each failure printed with a reproducer),

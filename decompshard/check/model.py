@@ -527,7 +527,7 @@ def own_copies(d: Any, n: int) -> Any:
 def _place(x: torch.Tensor, mesh: Any, placements: list) -> Any:
     from decompshard.verify.dtensor_case import make_dtensor
 
-    return make_dtensor(x, mesh, placements, 0, 0)  # handles TorchStridedShard (no Partial here)
+    return make_dtensor(x, mesh, placements, 0, 0)  # handles _StridedShard (no Partial here)
 
 
 def _distribute_inputs(inputs: dict[str, torch.Tensor], mesh: Any, sh: Sharding) -> dict[str, Any]:

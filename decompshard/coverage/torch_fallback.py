@@ -21,7 +21,7 @@ call a real DTensor dispatch makes when every input is `Shard(0)`.
 
 Placement translation: ours -> torch for inputs (`S(d)` -> `Shard(d)`, `R` ->
 `Replicate()`, `P(x)` -> `Partial(x)`); torch -> ours for outputs (`Shard(d)` and
-`TorchStridedShard(d, ...)` -> `S(d)`, `Replicate()` -> `R`, `Partial(x)` -> `P(x)`,
+`_StridedShard(d, ...)` -> `S(d)`, `Replicate()` -> `R`, `Partial(x)` -> `P(x)`,
 `None` -> `None`). Two Partial subclasses need care: `_MaskPartial` (masked lookups) is a
 true pending sum -> `P(reduce_op)`; `_NormPartial(p)` is a pending p-norm (combine by
 sum of p-th powers), which is `P(sum)` only for p in {0, 1} (`P(max)`/`P(min)` for
@@ -127,14 +127,15 @@ class UnrepresentablePlacement(ValueError):
 
 
 def _torch_placement_types():
-    from decompshard._compat import TorchStridedShard, Partial as TPartial, Replicate as TReplicate, Shard as TShard
+    from torch.distributed.tensor.placement_types import Partial as TPartial, Replicate as TReplicate, Shard as TShard
+    from decompshard._compat import TorchStridedShard as _StridedShard
 
-    return TShard, TorchStridedShard, TReplicate, TPartial
+    return TShard, _StridedShard, TReplicate, TPartial
 
 
 def from_torch_placement(p: Any) -> MaybePlacement:
     """Torch -> ours, for judging torch's claims as generously as they can be read:
-    TorchStridedShard reads as S(d) and a p-norm partial with p in {0, 1, +-inf} as the
+    _StridedShard reads as S(d) and a p-norm partial with p in {0, 1, +-inf} as the
     reduction it is (the engine's own conversion, `_compat.from_torch_placement`,
     refuses both). Raises UnrepresentablePlacement for e.g. `_NormPartial(2)`."""
     TShard, TStrided, TReplicate, TPartial = _torch_placement_types()

@@ -33,8 +33,8 @@ def _plain_keys() -> tuple[Any, Any]:
 
 @contextlib.contextmanager
 def clean_dispatch_state() -> Iterator[None]:
-    from decompshard._compat import disable_current_modes
+    from decompshard._compat import disable_current_modes as _disable_current_modes
 
     include, exclude = _plain_keys()
-    with disable_current_modes(), torch.no_grad(), torch._C._ForceDispatchKeyGuard(include, exclude):
+    with _disable_current_modes(), torch.no_grad(), torch._C._ForceDispatchKeyGuard(include, exclude):
         yield

@@ -495,7 +495,7 @@ def _tp(p: Any) -> str:
     """A torch placement in the short alphabet (S(d), R, P(op)); None -> None."""
     if p is None:
         return "None"
-    q = from_torch_placement(p, strided=True)  # TorchStridedShard as the grammar writes it, _S(d, sf)
+    q = from_torch_placement(p, strided=True)  # _StridedShard as the grammar writes it, _S(d, sf)
     return str(p) if q is NotImplemented else format_placement(q)
 
 

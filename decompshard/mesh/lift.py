@@ -11,7 +11,7 @@ the cheapest *valid* strategy wins. Valid means, on the real mesh and shapes:
   shapes the strategy's output placements promise. This is what refuses pixel_shuffle on
   channels when a rank would hold fewer than upscale_factor**2 of them.
 
-Placeholders S(d) become `Shard(d)`, or `TorchStridedShard(d, sf)` when the inputs already
+Placeholders S(d) become `Shard(d)`, or `_StridedShard(d, sf)` when the inputs already
 carry that kind on that mesh dim (the rule holds for any sharding kind).
 
 Candidates come in cost order from a best-first search over the per-mesh-dim choices
@@ -72,9 +72,9 @@ def _fill(p: MaybePlacement, strided: dict[int, int]) -> TorchPlacement | None:
 
 
 def _strided_factors(rule: SingleDimRule, current_dim: Sequence[TorchPlacement]) -> dict[int, int]:
-    """Split factors to keep when the inputs on this mesh dim are TorchStridedShard already.
+    """Split factors to keep when the inputs on this mesh dim are _StridedShard already.
 
-    Only when every placeholder input of the rule matches a TorchStridedShard of one split
+    Only when every placeholder input of the rule matches a _StridedShard of one split
     factor: then the whole rule runs in that kind (placeholder semantics)."""
     factors = set()
     for p, cur in zip(rule.inputs, current_dim):

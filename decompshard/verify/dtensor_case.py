@@ -6,7 +6,7 @@ N-D meshes and autograd all sit between the rule and the numbers. This module ch
 that whole path on one case: real DTensors on a simulated mesh (LocalTensorMode over a
 fake process group), built from the caller's tensors with the placements asked for
 (chunks for Shard, random parts for Partial, a view of an unflattened shard for
-TorchStridedShard), the op run through DTensor's dispatch, and every rank's `full_tensor()`
+_StridedShard), the op run through DTensor's dispatch, and every rank's `full_tensor()`
 of every output, every written input and every input gradient compared with one device.
 
 A case's verdict is `ok`, `WRONG` (a number or a DTensor's metadata disagrees with one
@@ -21,7 +21,7 @@ global value (`every_rank_full`) and the comparison (`rank_sim.close`, `max_erro
 
 Placement text, per tensor input ';'-separated, per mesh dim ','-separated, in the one
 placement grammar (placements.py): `R`, `S(d)`, `P(sum|avg|max|min)`, and `_S(d,k)` for
-`TorchStridedShard(d, split_factor=k)` (`SS(d,k)` is read too), e.g. "S(0),P(sum);S(0),S(0)"
+`_StridedShard(d, split_factor=k)` (`SS(d,k)` is read too), e.g. "S(0),P(sum);S(0),S(0)"
 for two inputs on a 2-D mesh.
 """
 
@@ -138,7 +138,7 @@ def simulation(n: int, *, mend_chunks: bool = True) -> Iterator[None]:
 def random_placements(shapes: Sequence[Sequence[int]], floating: Sequence[bool], mesh: Sequence[int],
                       rng: random.Random, *, strided: bool = True) -> tuple[tuple[TorchPlacement, ...], ...]:
     """Per tensor and mesh dim: R, S(d) for any dim (uneven and empty shards included),
-    P(op) for floating tensors (one reduce op per tensor), and TorchStridedShard(d, k) where
+    P(op) for floating tensors (one reduce op per tensor), and _StridedShard(d, k) where
     a flatten of a [k, n/k] pair of dims makes one."""
     rows = []
     for shape, fl in zip(shapes, floating):
@@ -156,13 +156,13 @@ def random_placements(shapes: Sequence[Sequence[int]], floating: Sequence[bool],
 
 
 def _maybe_strided(row: list, shape: Sequence[int], mesh_sizes: tuple[int, ...], rng: random.Random) -> list:
-    """Turn one lone Shard(d) into TorchStridedShard(d, k) a third of the time, where k splits
+    """Turn one lone Shard(d) into _StridedShard(d, k) a third of the time, where k splits
     dim d and no other mesh dim shards d (so the flatten that makes it is a plain view)."""
     for m, p in enumerate(row):
         if type(p) is TorchShard and rng.random() < 1 / 3:
             if sum(isinstance(q, (TorchShard, TorchStridedShard)) and q.dim == p.dim for q in row) > 1:
                 continue
-            # LocalTensorMode cannot gather an uneven TorchStridedShard (its per-rank index
+            # LocalTensorMode cannot gather an uneven _StridedShard (its per-rank index
             # lists differ in length), so only inner sizes that split evenly
             ks = [k for k in (2, 3) if shape[p.dim] % k == 0 and (shape[p.dim] // k) % mesh_sizes[m] == 0]
             if ks:
@@ -205,7 +205,7 @@ def mesh_coords(mesh_shape: Sequence[int]) -> list[tuple[int, ...]]:
 
 def make_dtensor(x: torch.Tensor, mesh: Any, placements: Sequence[TorchPlacement], seed: int, salt: int) -> Any:
     """A DTensor of global value `x`: chunks for Shard, a view of an unflattened shard for
-    TorchStridedShard, random parts (see `_rank_sim.make_parts`) for Partial. Runs under
+    _StridedShard, random parts (see `_rank_sim.make_parts`) for Partial. Runs under
     LocalTensorMode (every rank at once) or in one real process of a group (its own
     rank's part: the same numbers either way); `x` is a plain tensor."""
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -240,7 +240,7 @@ def make_dtensor(x: torch.Tensor, mesh: Any, placements: Sequence[TorchPlacement
 
 
 def _strided_dtensor(x, mesh, placements, seed, salt):
-    """TorchStridedShard(d, k) as DTensor makes it: unflatten dim d into (k, n/k), shard the
+    """_StridedShard(d, k) as DTensor makes it: unflatten dim d into (k, n/k), shard the
     second, view back. Raises ValueError if the view does not give the placements asked."""
     (d,) = {p.dim for p in placements if isinstance(p, TorchStridedShard)}
     (k,) = {p.split_factor for p in placements if isinstance(p, TorchStridedShard)}
