@@ -1,4 +1,4 @@
-"""Run verify_dtensor cases on real gloo processes (used by tests/test_check_gloo.py).
+"""Run verify/dtensor_case cases on real gloo processes (used by tests/test_check_gloo.py).
 
 Each process builds its own rank's inputs (the same numbers LocalTensorMode simulates),
 runs the case through DTensor with real collectives and judges its own rank; the parent

@@ -45,7 +45,7 @@ CASES = [  # (call, placements): Shard on a dim that moves, on one that stays, P
 
 def _dtensor(x: torch.Tensor, mesh, placement) -> DTensor:
     """Shard/Replicate as DTensor lays them out; Partial(sum) as three random parts.
-    (verify_dtensor.make_dtensor's parts are views at rank-dependent storage offsets,
+    (dtensor_case.make_dtensor's parts are views at rank-dependent storage offsets,
     which torch's simulated ranks cannot restride: a simulator artifact.)"""
     if not isinstance(placement, Partial):
         return distribute_tensor(x.clone(), mesh, [placement])

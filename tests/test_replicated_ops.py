@@ -1,6 +1,6 @@
 """Ops `enable()` runs on replicated inputs, checked through real DTensor dispatch: each
 op's tensors `Shard(0)` on a simulated world of 3 with uneven sizes, every rank's result
-against one device (verify_dtensor.run_case, float64). These are the ops the coverage
+against one device (verify/dtensor_case.run_case, float64). These are the ops the coverage
 table reports as replicate-only for that reason (tests/test_coverage_status.py); a
 claim there is only as good as a run here."""
 

@@ -1,4 +1,4 @@
-"""The DTensor-level checker (verify_dtensor.py) and the runtime bugs it found.
+"""The DTensor-level checker (verify/dtensor_case.py) and the runtime bugs it found.
 
 Each regression runs the real DTensor path with `enable()` on a simulated mesh and
 compares every rank's full_tensor(), forward and backward, with one device.

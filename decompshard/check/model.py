@@ -251,7 +251,7 @@ class StepRun:
 def run_training_step(built: Any, sharding: str, enable: bool, measure: bool = True) -> StepRun:
     """One training step of `built` (a zoo.Built, float64) on one device and as DTensors
     on a simulated mesh (`enable()` on or off), compared on every rank. Needs a
-    simulated world of at least the mesh's size (`verify_dtensor.simulated_world`).
+    simulated world of at least the mesh's size (`verify/dtensor_case.simulated_world`).
     `measure`: also time a warm step (the faster of two) and count one step's
     collectives (three more steps)."""
     from decompshard._compat import LocalTensorMode

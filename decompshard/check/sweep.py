@@ -3,7 +3,7 @@
 A case is one op sample on one mesh with one seeded random placement per tensor input
 and mesh dim. It runs twice through real DTensor dispatch on a simulated mesh: with
 decompshard enabled, and with torch's built-in fallback; each gets ok / WRONG / error
-(verify_dtensor.run_case). Cases are planned from names and seeds alone (crc32, never
+(verify/dtensor_case.run_case). Cases are planned from names and seeds alone (crc32, never
 Python's per-process hash), so a reproducer line rebuilds exactly the same case.
 
 What counts against decompshard: any WRONG, and any error where torch's fallback runs
@@ -36,7 +36,7 @@ class CaseRecord:
     sample: int  # index among the op's best samples (coverage.sweep.pick_samples order)
     shapes: str
     mesh: str  # "2x3"
-    placements: str  # verify_dtensor placement text
+    placements: str  # the placement grammar (placements.py)
     seed: int
     ours: dict = field(default_factory=dict)  # Outcome as a dict
     torch: dict | None = None
@@ -83,7 +83,7 @@ def _tensors(sample: Sample) -> list[torch.Tensor]:
 
 def run_one(op: Any, sample: Sample, index: int, mesh: Sequence[int], text: str, seed: int, *,
             backward: bool = True, with_torch: bool = True) -> CaseRecord:
-    """One planned case on both paths. Needs a simulated world (verify_dtensor)."""
+    """One planned case on both paths. Needs a simulated world (verify/dtensor_case)."""
     args, kwargs = sample
     tensors = _tensors(sample)
     placements = parse_placements(text, [tuple(t.shape) for t in tensors], len(mesh))

@@ -6,7 +6,7 @@
                     (in worker processes, each op with a deadline)
     report          the stable JSON document, text/markdown/csv tables, diffs of two runs
     model_audit     the aten ops one model's forward + backward hits, with their coverage
-    native_audit    --verify-native: DTensor's own strategies checked (native_rules.py per op)
+    native_audit    --verify-native: DTensor's own strategies checked (verify/native_rules.py per op)
     command         `decompshard coverage`
 
 Nothing is imported here: `opinfo_samples` alone must not pull in the sweep machinery.

@@ -8,7 +8,7 @@ would claim ops the runtime trips on (a sparse result, a `Tensor[]` result), so 
 claims such an op only when real DTensor dispatch with `enable()` gives one-device
 results on it: each sample's tensors `Shard(0)` on a simulated world of 3 (uneven shards
 when a size is not a multiple of 3; 0-d tensors `Replicate`), every rank's result
-against one device (`verify_dtensor.run_case`, float64).
+against one device (`verify/dtensor_case.run_case`, float64).
 
 An op whose one-device result holds uninitialized memory (`_ctc_loss`'s `log_alpha`
 beyond each sequence) cannot be compared with anything; the reason says so.

@@ -205,7 +205,7 @@ def mesh_coords(mesh_shape: Sequence[int]) -> list[tuple[int, ...]]:
 
 def make_dtensor(x: torch.Tensor, mesh: Any, placements: Sequence[TorchPlacement], seed: int, salt: int) -> Any:
     """A DTensor of global value `x`: chunks for Shard, a view of an unflattened shard for
-    _StridedShard, random parts (see `_rank_sim.make_parts`) for Partial. Runs under
+    _StridedShard, random parts (see `rank_sim.make_parts`) for Partial. Runs under
     LocalTensorMode (every rank at once) or in one real process of a group (its own
     rank's part: the same numbers either way); `x` is a plain tensor."""
     from torch.distributed.tensor import DTensor, distribute_tensor

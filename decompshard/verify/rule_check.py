@@ -4,7 +4,7 @@ A rule "S(1), S(0) -> P(sum)" for an op claims: on a 1-D mesh of W ranks, if eac
 input has the given placement, running the ORIGINAL op (same non-tensor arguments) on
 each rank's local inputs yields local outputs that, combined per the output placements,
 equal the single-device result. We test exactly that, on the caller's real tensors, with
-plain per-rank tensors (see `_rank_sim`). A passing check is evidence at these shapes and
+plain per-rank tensors (see `rank_sim`). A passing check is evidence at these shapes and
 values, never a proof; everything is arranged so that a wrong rule is very unlikely to
 pass (float64, tight tolerance, several random Partial draws plus a mirrored one, and
 derived data samples). Cost: input combos x draws x W x samples (up to 7) op calls.
