@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
+
 from decompshard._compat import tree_leaves
 
 from decompshard.dispatch_modes.comm_bytes import CommBytes

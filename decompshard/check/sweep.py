@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
-from decompshard._compat import tree_leaves
 
+from decompshard._compat import tree_leaves
 from decompshard._compat import TorchReplicate
 from decompshard.verify.dtensor_case import MESHES, Outcome, format_placements, parse_placements, random_placements, run_case
 from decompshard.runtime.enable import switched

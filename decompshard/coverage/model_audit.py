@@ -15,6 +15,7 @@ import collections
 from typing import Any, Callable, Sequence
 
 import torch
+
 from decompshard._compat import tree_flatten, tree_leaves, tree_map
 
 from decompshard.errors import UsageError

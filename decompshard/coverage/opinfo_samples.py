@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence, Union
 
 import torch
+
 from decompshard._compat import OpOverload
 from decompshard._compat import tree_flatten, tree_map
 

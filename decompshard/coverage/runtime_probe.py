@@ -19,8 +19,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
-from decompshard._compat import tree_flatten, tree_map
 
+from decompshard._compat import tree_flatten, tree_map
 from decompshard._compat import TorchReplicate, TorchShard
 from decompshard.verify.dtensor_case import run_case, simulated_world
 from decompshard.runtime.enable import switched

@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence, TypeVar
 
 import torch
+
 from decompshard._compat import keystr, tree_flatten, tree_flatten_with_path
 
 __all__ = ["BUDGET_BYTES", "MAX_TENSORS", "features", "pick_diverse", "sample_bytes", "sample_score"]

@@ -40,6 +40,7 @@ import time
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
+
 from decompshard._compat import tree_flatten, tree_map
 
 from decompshard import workers as _workers

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Sequence
 
 import torch
+
 from decompshard._compat import OpOverload
 from decompshard._compat import tree_flatten, tree_map
 

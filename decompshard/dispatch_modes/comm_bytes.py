@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
+
 from decompshard._compat import TorchDispatchMode
 from decompshard._compat import tree_leaves
 

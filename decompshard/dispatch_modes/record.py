@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from decompshard._compat import OpOverload
 from decompshard._compat import TorchDispatchMode
 from decompshard._compat import tree_leaves, tree_map

@@ -19,6 +19,7 @@ import threading
 from typing import Any, Callable, Iterator
 
 import torch
+
 from decompshard._compat import tree_flatten
 
 from decompshard import caches

@@ -15,8 +15,8 @@ import functools
 from typing import Any, Callable
 
 import torch
-from decompshard._compat import TorchDispatchMode
 
+from decompshard._compat import TorchDispatchMode
 from decompshard._compat import TensorMeta, custom_op_implementation, torch_decomposition
 from decompshard.errors import DataDependent, UnsupportedOp, one_line
 from decompshard.dispatch_modes import signs

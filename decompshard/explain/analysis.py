@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
-from decompshard._compat import tree_flatten_with_path, tree_map
 
+from decompshard._compat import tree_flatten_with_path, tree_map
 from decompshard._compat import TensorMeta, from_torch_placement
 from decompshard.op_names import resolve_op
 from decompshard.solve.derive import DerivedRules, derive_rules, native_rules, traced, unsupported_inputs

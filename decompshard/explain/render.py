@@ -15,8 +15,8 @@ import textwrap
 from typing import Any, Sequence
 
 import torch
-from decompshard._compat import tree_map
 
+from decompshard._compat import tree_map
 from decompshard._compat import TensorMeta, from_torch_placement
 from decompshard.dispatch_modes.graph import PrimGraph, PrimNode
 from decompshard.placements import MaybePlacement, Placement, R, format_placement, format_rule

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
-from decompshard._compat import tree_flatten, tree_unflatten
 
+from decompshard._compat import tree_flatten, tree_unflatten
 from decompshard._compat import TorchPartial, TorchReplicate, TorchShard, TorchStridedShard
 from decompshard.mesh.cost import H100, Cost, CostBound, MeshShape, Topology, bytes_key, lower_bound_model, model_placement, redistribute_cost, target_row
 from decompshard.solve.derive import derive_rules

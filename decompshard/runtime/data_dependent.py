@@ -29,8 +29,8 @@ import functools
 from typing import Any, Callable, Iterator
 
 import torch
-from decompshard._compat import tree_flatten, tree_map, tree_unflatten
 
+from decompshard._compat import tree_flatten, tree_map, tree_unflatten
 from decompshard._compat import DTensor, DTensorSpec, TensorMeta, TorchReplicate, aten_ops_tagged, custom_op_handlers, has_native_strategy
 from decompshard.runtime.table_patches import Entry, WarnOnce, where_none
 

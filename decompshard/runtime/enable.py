@@ -28,12 +28,13 @@ import functools
 from typing import Any, Iterator
 
 import torch
-from decompshard._compat import tree_flatten, tree_unflatten
 
+from decompshard._compat import tree_flatten, tree_unflatten
 from decompshard._compat import DTensorSpec, OpSpec, OpStrategy, TensorMeta, clear_dtensor_caches, route_kwarg_redistribution, sharding_propagator, stage_kwarg_targets, unroute_kwarg_redistribution
 from decompshard.dispatch_modes.clean import clean_dispatch_state
 from decompshard.dispatch_modes.tracing import has_decomposition
 from decompshard.runtime.table_patches import Entry, TablePatches
+
 
 class DerivedStrategy:
     """Stands where torch's DecompShardingStrategy stood."""

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import torch
-from decompshard._compat import tree_flatten, tree_unflatten
 
+from decompshard._compat import tree_flatten, tree_unflatten
 from decompshard._compat import (
     TorchPartial, TorchReplicate, TorchShard, TorchStridedShard, fake_store, from_torch_placement, local_tensor_mode, make_local_tensor,
     rank_tensors, simulating_ranks, simulator_chunks,

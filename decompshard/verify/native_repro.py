@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
+
 from decompshard._compat import tree_flatten, tree_unflatten
 
 from decompshard.verify.rank_sim import make_local, promote

@@ -40,8 +40,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Sequence
 
 import torch
-from decompshard._compat import tree_flatten, tree_unflatten
 
+from decompshard._compat import tree_flatten, tree_unflatten
 from decompshard._compat import make_local_tensor, op_strategy_func, single_dim_strategy_info, to_torch_placement
 from decompshard.verify.rank_sim import OpCase, close, input_alphabet, leaves_equal, make_local
 from decompshard.dispatch_modes.clean import clean_dispatch_state

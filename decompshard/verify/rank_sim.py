@@ -37,6 +37,7 @@ import warnings
 from typing import Any, Callable, Sequence
 
 import torch
+
 from decompshard._compat import tree_flatten, tree_unflatten
 
 from decompshard.errors import one_line
