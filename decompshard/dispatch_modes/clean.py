@@ -8,6 +8,7 @@ import threading
 from typing import Any, Iterator
 
 import torch
+from decompshard._compat import disable_current_modes as _disable_current_modes
 
 
 def _fresh_thread_dispatch_keys() -> tuple[Any, Any]:
@@ -33,7 +34,6 @@ def _plain_keys() -> tuple[Any, Any]:
 
 @contextlib.contextmanager
 def clean_dispatch_state() -> Iterator[None]:
-    from decompshard._compat import disable_current_modes as _disable_current_modes
 
     include, exclude = _plain_keys()
     with _disable_current_modes(), torch.no_grad(), torch._C._ForceDispatchKeyGuard(include, exclude):

@@ -24,6 +24,10 @@ from decompshard._compat import tree_flatten
 
 from decompshard import caches
 from decompshard.errors import DecompShardError
+from decompshard.op_names import resolve_op
+from decompshard._compat import custom_op_overload
+from decompshard._compat import clear_dtensor_caches
+from decompshard._compat import tree_unflatten
 
 _lock = threading.RLock()
 _REFERENCES: dict[Any, Callable] = {}
@@ -39,9 +43,7 @@ class ReferenceMismatch(DecompShardError, RuntimeError):
 def _resolve(op: Any) -> torch._ops.OpOverload:
     """A custom op (the `torch.library.custom_op` object, its packet, its OpOverload, or
     its 'ns::name[.overload]' string) -> its OpOverload; ValueError otherwise."""
-    from decompshard.op_names import resolve_op
 
-    from decompshard._compat import custom_op_overload
 
     original = op
     op = custom_op_overload(op) or op  # the object @torch.library.custom_op returns
@@ -60,7 +62,6 @@ def _resolve(op: Any) -> torch._ops.OpOverload:
 
 
 def _forget() -> None:
-    from decompshard._compat import clear_dtensor_caches
 
     _CHECKED.clear()
     caches.clear_all()
@@ -154,7 +155,6 @@ def check_reference(op: Any, args: tuple, kwargs: dict, device: str = "cpu") -> 
         return
     gen = torch.Generator().manual_seed(0)
     real = [random_like(x, device, gen) if isinstance(x, torch.Tensor) else x for x in flat]
-    from decompshard._compat import tree_unflatten
 
     r_args, r_kwargs = tree_unflatten(real, spec)
     shapes = ", ".join(str(tuple(x.shape)) for x in flat if isinstance(x, torch.Tensor))

@@ -22,6 +22,8 @@ from decompshard.errors import DataDependent, UnsupportedOp, one_line
 from decompshard.dispatch_modes import signs
 from decompshard.dispatch_modes.strided_kinds import annotate
 from decompshard.dispatch_modes.graph import CONST, INPUT, NODE, PrimGraph, PrimNode, ValueInfo, is_container, leaves, map_leaves
+from decompshard.dispatch_modes.decomps import PROJECT_DECOMPOSITIONS, PROJECT_OVERRIDES
+from decompshard.dispatch_modes.reference import reference_of
 
 aten = torch.ops.aten
 OpOverload = torch._ops.OpOverload
@@ -125,11 +127,9 @@ def find_decomposition(op: OpOverload) -> Callable | None:
     except for the few ops whose torch decomposition hides what makes a rule valid
     (as_strided, aliasing writes, prelu's masked sign), where decompshard's override
     comes first (decomps.PROJECT_OVERRIDES)."""
-    from decompshard.dispatch_modes.decomps import PROJECT_DECOMPOSITIONS, PROJECT_OVERRIDES
 
     if op in PROJECT_OVERRIDES:
         return PROJECT_OVERRIDES[op]
-    from decompshard.dispatch_modes.reference import reference_of
 
     reference = reference_of(op)
     if reference is not None:  # a registered reference wins over the op's own implementation

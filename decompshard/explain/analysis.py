@@ -34,6 +34,8 @@ from decompshard.solve.localcheck import LocalVerdict, check_local
 from decompshard.placements import MaybePlacement, P, Partial, Placement, R, Replicate, ShardPlaceholder, SingleDimRule, StridedShard, check_placement_rows, format_rule, parse_mesh_shape, parse_placement, parse_placement_rows, parse_placements
 from decompshard.solve.propagate import Propagation, Survivor, input_alphabet, propagate
 from decompshard.rules import rules_for
+from decompshard._compat import to_torch_placement
+from decompshard.mesh.lift import rank_strategies
 
 __all__ = ["Analysis", "MeshReport", "Suggestion", "parse_candidate", "redistribution", "suggestions"]
 
@@ -484,7 +486,6 @@ def parse_mesh_placements(
 ) -> tuple[tuple[Any, ...], ...]:
     """Per tensor input, one torch placement per mesh dim: the text `check --placements`
     takes (placements.py's grammar and checks), converted to torch's types."""
-    from decompshard._compat import to_torch_placement
 
     if isinstance(text, str):
         rows = parse_placement_rows(text)
@@ -497,9 +498,5 @@ def parse_mesh_placements(
 def mesh_report(op, args, kwargs, mesh, mesh_placements, metas, names) -> MeshReport:
     shape = parse_mesh_shape(mesh)
     current = parse_mesh_placements(mesh_placements, len(shape), metas, names)
-    try:
-        from decompshard.mesh.lift import rank_strategies
-    except ImportError as e:
-        raise ValueError(f"unsupported: lift not available ({e})") from None
     strategies = list(rank_strategies(op, args, kwargs, shape, current))
     return MeshReport(shape, current, strategies)

@@ -23,6 +23,9 @@ from decompshard.placements import MaybePlacement, Placement, R, format_placemen
 from decompshard.solve.propagate import input_alphabet
 from decompshard.rules import rules_for
 from decompshard.explain.analysis import Analysis
+from decompshard.dispatch_modes.tracing import decomposition_origin
+from decompshard.rules.registry import source_of
+from decompshard.mesh.cost import MeshShape, redistribute_cost
 
 __all__ = ["DEFAULT_WIDTH", "came_from", "decomposition_heading", "decomposition_lines", "display_env",
            "display_path", "input_rows", "node_rows", "render_lines", "verdict_line"]
@@ -83,7 +86,6 @@ def _render_lines(ex: Analysis) -> list[str]:
 def decomposition_heading(op: Any, graph: PrimGraph) -> str:
     """'decomposition: N primitive calls', and for a custom op whose code was traced
     (its implementation or its registered reference)."""
-    from decompshard.dispatch_modes.tracing import decomposition_origin
 
     origin = decomposition_origin(op) if op is not None else ""
     return f"decomposition: {len(graph.nodes)} primitive calls" + (f" (traced: {origin})" if origin else "")
@@ -94,7 +96,6 @@ def decomposition_lines(graph: PrimGraph, op: Any = None) -> list[str]:
     rules (no placements)."""
     from tabulate import tabulate
 
-    from decompshard.rules.registry import source_of
 
     rows = []
     for n in graph.nodes:
@@ -450,7 +451,6 @@ def _cost_lines(ex: Analysis, s) -> list[str]:
     out = [head]
     per_input = []
     try:
-        from decompshard.mesh.cost import MeshShape, redistribute_cost
 
         mesh = MeshShape(ex.mesh.mesh_shape)
         for name, meta, src, dst in zip(ex.input_names, ex.input_metas, ex.mesh.current, s.input_placements):

@@ -34,6 +34,17 @@ from decompshard._compat import DTensorSpec, OpSpec, OpStrategy, TensorMeta, cle
 from decompshard.dispatch_modes.clean import clean_dispatch_state
 from decompshard.dispatch_modes.tracing import has_decomposition
 from decompshard.runtime.table_patches import Entry, TablePatches
+from decompshard.dispatch_modes.reference import check_reference, reference_of
+from decompshard._compat import kwarg_routing_active
+from decompshard.solve.derive import derive_rules
+from decompshard.mesh.lift import ranked
+from decompshard._compat import TorchReplicate
+from decompshard._compat import FakeTensorMode
+from decompshard.runtime import as_strided, data_dependent, inplace, inplace_views, uneven_views
+from decompshard._compat import DecompShardingStrategy
+from decompshard.runtime import guard
+from decompshard.errors import Indeterminate, UnsupportedOp
+from decompshard.solve.localcheck import strict_checks
 
 
 class DerivedStrategy:
@@ -54,8 +65,6 @@ class DerivedStrategy:
             info.needs_pytree = True  # so args_spec sees the tensors inside lists
 
     def propagate_strategy(self, op_schema: Any) -> OpStrategy | None:
-        from decompshard.errors import Indeterminate, UnsupportedOp
-        from decompshard.solve.localcheck import strict_checks
 
         op = op_schema.op
         _see_into_lists(op_schema, self.sharding_prop)
@@ -119,7 +128,6 @@ def _check_reference(op, flat, spec, mesh) -> None:
     before its derived strategy is used, its real kernel and the reference must agree on
     one device on random inputs of these shapes (reference.check_reference, cached);
     otherwise ReferenceMismatch, naming the op, reaches the caller."""
-    from decompshard.dispatch_modes.reference import check_reference, reference_of
 
     if reference_of(op) is None:
         return
@@ -141,7 +149,6 @@ def _kwarg_tensors(op_schema: Any, n_args: int, n_specs: int) -> tuple[dict[str,
     (installed by `enable()`); without it, or inside a keyword list, they stay. An `out=`
     or otherwise written keyword argument always stays: the op must write into the
     caller's tensor, not into a redistributed copy of it."""
-    from decompshard._compat import kwarg_routing_active
 
     kwarg_idx = range(n_args, n_specs)
     names = [k for k, v in op_schema.kwargs_schema.items() if isinstance(v, DTensorSpec)]
@@ -160,8 +167,6 @@ def _written_args(op) -> set[str]:
 def _first_runnable(op, args, kwargs, mesh_shape, current, pinned: frozenset[int] = frozenset()):
     """The cheapest valid strategy DTensor can run: it must be able to redistribute to
     it, and the tensors at the `pinned` indices must keep their current placements."""
-    from decompshard.solve.derive import derive_rules
-    from decompshard.mesh.lift import ranked
 
     derived = derive_rules(op, *args, **kwargs)
     if derived.unsupported_reason:
@@ -197,7 +202,6 @@ def _replicated(op_schema, specs, mesh) -> OpStrategy:
     attention mask of one example broadcasts over the whole batch (a wrong result that
     claims Replicate). A keyword tensor DTensor cannot move here raises instead; an
     `out=` tensor keeps its placement (the kernel writes the whole result into it)."""
-    from decompshard._compat import TorchReplicate
 
     if mutates_self(op_schema.op) and not all(p.is_replicate() for p in specs[0].placements):
         raise RuntimeError(
@@ -234,7 +238,6 @@ def _n_tensor_outputs(op_schema: Any) -> int:
     `Tensor[]` return (`_histogramdd_bin_edges`) as many as a fake run gives (fake, as
     DTensor's own propagation runs it: some such ops have no meta kernel). DTensor wants
     one output spec per tensor; one spec for a list failed the call."""
-    from decompshard._compat import FakeTensorMode
 
     returns = op_schema.op._schema.returns
     if not any(isinstance(r.type, torch.ListType) for r in returns):
@@ -370,8 +373,6 @@ def _has_tensor_list_arg(op) -> bool:
 def _declared() -> Iterator[Entry]:
     """What `enable()` puts where: the hook in place of torch's decomposition fallback,
     then each op family's entries (the modules' own declarations), in this order."""
-    from decompshard.runtime import as_strided, data_dependent, inplace, inplace_views, uneven_views
-    from decompshard._compat import DecompShardingStrategy
 
     sp = sharding_propagator()
     yield sp, "decomp_strategy", DerivedStrategy(sp.decomp_strategy)
@@ -409,7 +410,6 @@ def enable(guard_native: bool | None = None) -> None:
     crash (convolution handlers, batch norm's running statistics, weighted nll_loss).
     Each call sets the guard as it says: `enable(guard_native=False)` after `enable()`
     removes it."""
-    from decompshard.runtime import guard
 
     (guard.install if guard.wanted(guard_native) else guard.uninstall)()
     _PATCHES.install()
@@ -417,7 +417,6 @@ def enable(guard_native: bool | None = None) -> None:
 
 def disable() -> None:
     """Restore DTensor exactly as it was before `enable()`. Idempotent."""
-    from decompshard.runtime import guard
 
     guard.uninstall()
     _PATCHES.uninstall()
@@ -443,7 +442,6 @@ def switched(on: bool) -> Iterator[None]:
 @contextlib.contextmanager
 def enabled(guard_native: bool | None = None) -> Iterator[None]:
     """`with decompshard.enabled(): ...` — enabled inside, previous state restored after."""
-    from decompshard.runtime import guard
 
     was, guarded = is_enabled(), guard.is_installed()
     enable(guard_native)

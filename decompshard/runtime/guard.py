@@ -68,6 +68,12 @@ from decompshard.runtime.guard_losses import mean_loss_handler
 from decompshard.runtime.guard_table import HANDLERS_SKIPPING_REDISTRIBUTION, MEAN_OF_MEANS_LOSSES, NEGATIVE_DIMS_UNWRAPPED, READS_OF_ONE_RANKS_PART, STATS_WRITTEN, WRONG_RULES
 from decompshard.placements import SingleDimRule, format_rule
 from decompshard.runtime.table_patches import Entry, TablePatches, where_none
+from decompshard.op_names import resolve_op
+from decompshard.runtime.guard_conv import redistributing_handler
+from decompshard.dispatch_modes.clean import clean_dispatch_state
+from decompshard.verify.native_rules import world_sizes_for
+from decompshard.verify.rule_check import check_rules_at
+from decompshard.dispatch_modes.graph import map_leaves
 
 __all__ = ["ENV", "install", "is_installed", "uninstall", "wanted"]
 
@@ -89,7 +95,6 @@ def wanted(flag: bool | None) -> bool:
 
 
 def _resolve(name: str) -> torch._ops.OpOverload | None:
-    from decompshard.op_names import resolve_op
 
     try:
         return resolve_op(name)
@@ -172,7 +177,6 @@ def is_installed() -> bool:
 
 def _redistributing_handler(op: torch._ops.OpOverload, original: Callable) -> Callable:
     """`original`, run on a layout it computes right (guard_conv.py)."""
-    from decompshard.runtime.guard_conv import redistributing_handler
 
     return redistributing_handler(op, original, _warn_once)
 
@@ -195,9 +199,6 @@ def _materialize(meta: TensorMeta, gen: torch.Generator) -> torch.Tensor | None:
 def _refuted_here(op: Any, args: Any, kwargs: Any, watched: list[SingleDimRule]) -> frozenset:
     """Keys of the watched rules to drop for this call: refuted by the checker on random
     data of these shapes, or not checkable here (symbolic, too large, integer inputs)."""
-    from decompshard.dispatch_modes.clean import clean_dispatch_state
-    from decompshard.verify.native_rules import world_sizes_for
-    from decompshard.verify.rule_check import check_rules_at
 
     if not watched:
         return frozenset()
@@ -217,7 +218,6 @@ def _refuted_here(op: Any, args: Any, kwargs: Any, watched: list[SingleDimRule])
             gen = torch.Generator().manual_seed(0)
             real = {id(m): _materialize(m, gen) for m in metas}
             if all(v is not None for v in real.values()):
-                from decompshard.dispatch_modes.graph import map_leaves
 
                 r_args, r_kwargs = map_leaves(lambda x: real[id(x)] if isinstance(x, TensorMeta) else x,
                                               (args, kwargs))

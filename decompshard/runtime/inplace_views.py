@@ -31,6 +31,7 @@ import torch
 
 from decompshard._compat import custom_op_handlers, dtensor_output_sharding, has_native_strategy, local_tensor, rebind_dtensor, return_and_correct_aliasing
 from decompshard.runtime.table_patches import Entry, WarnOnce, where_none
+from decompshard._compat import aten_ops_tagged
 
 __all__ = ["entries", "in_place_view_ops"]
 
@@ -43,7 +44,6 @@ def _arguments(op: torch._ops.OpOverload) -> list[tuple[str, str]]:
 def in_place_view_ops() -> tuple[tuple[torch._ops.OpOverload, torch._ops.OpOverload], ...]:
     """(in-place view op, out-of-place twin with a native strategy) for every aten
     `inplace_view` overload DTensor has no strategy or handler for."""
-    from decompshard._compat import aten_ops_tagged
 
     handlers = custom_op_handlers()
     found = []

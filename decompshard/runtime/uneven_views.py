@@ -50,6 +50,7 @@ import torch
 from decompshard._compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, TorchReplicate, TorchShard, TorchStridedShard, redistribute_cost, sharding_propagator, view_family_ops, view_shape_arg_index
 from decompshard.mesh.lift import local_shape_nd
 from decompshard.runtime.table_patches import Entry, WarnOnce
+from decompshard.dispatch_modes.clean import clean_dispatch_state
 
 __all__ = ["entries"]
 
@@ -146,7 +147,6 @@ def _fits(op: Any, op_schema: Any, answer: Any) -> bool:
     """On every rank, the local op DTensor will run (its input moved to the answer's
     input layout, a size argument made local) returns the local shape the answer's
     output placements claim."""
-    from decompshard.dispatch_modes.clean import clean_dispatch_state
 
     in_spec = answer.input_specs[0]
     out_spec = answer.output_specs

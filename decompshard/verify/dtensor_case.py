@@ -46,6 +46,7 @@ from decompshard._compat import (
 from decompshard.errors import one_line
 from decompshard.verify.rank_sim import close, make_parts, promote
 from decompshard.placements import REDUCE_OPS, Partial, check_placement_rows, format_placement_rows, parse_mesh_shape, parse_placement_rows
+from decompshard.mesh.lift import local_shape_nd
 
 TorchPlacement = Any
 MESHES: dict[str, tuple[int, ...]] = {"1d": (6,), "2d": (2, 3), "3d": (2, 2, 2)}
@@ -520,7 +521,6 @@ def _compare_all(got: Sequence[Any], want: Sequence[Any], what: str, *, allow_no
 def _compare_dtensor(g: Any, w: torch.Tensor, fulls: dict[int, torch.Tensor]) -> tuple[str, float] | None:
     """Metadata the DTensor claims against what each rank holds, then the value on every
     rank against one device."""
-    from decompshard.mesh.lift import local_shape_nd
 
     placements = tuple(g.placements)
     where = f"({format_placements([placements])})"

@@ -53,6 +53,11 @@ from decompshard.placements import (
     P, R, S, MaybePlacement, Partial, SingleDimRule, format_placement, format_rule, is_shard, shard_size,
 )
 from decompshard.verify.rule_check import check_rules_at
+from decompshard.dispatch_modes import trace
+from decompshard.errors import UnsupportedOp
+from decompshard.rules import torch_op_strategy, torch_single_dim
+from decompshard.verify.native_repro import reproducer
+from decompshard._compat import has_native_strategy
 
 __all__ = ["DISPATCH", "DISPATCH_WORLD_SIZE", "DTensorRun", "KERNEL_ERROR", "LOCAL_KERNEL", "NativeAudit", "RANKS_DISAGREE",
            "REFUSED", "RULE", "WRONG_SHAPE", "WRONG_VALUES", "WrongRule", "audit_native_op", "audit_native_op_detailed",
@@ -320,9 +325,6 @@ def native_rules_raw(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: dic
     """torch's own non-trivial rules for this call, as torch states them: none of the
     conditions or extras decompshard adds when it uses them as primitive rules, and
     without the [even] mark (torch applies its rules to uneven shards)."""
-    from decompshard.dispatch_modes import trace
-    from decompshard.errors import UnsupportedOp
-    from decompshard.rules import torch_op_strategy, torch_single_dim
 
     source = torch_single_dim if single_dim_strategy_info(op) is not None else (
         torch_op_strategy if op_strategy_func(op) is not None else None)
@@ -394,7 +396,6 @@ def _unpack(sample: Any) -> tuple[tuple, dict, str]:
 
 def _finding(op: Any, kind: str, rule: str, run: DTensorRun, args: tuple, kwargs: dict,
              label: str, checker: str = "") -> WrongRule:
-    from decompshard.verify.native_repro import reproducer
 
     ts = _tensors(args, kwargs)
     if run.error_kind == LOCAL_KERNEL:
@@ -456,7 +457,6 @@ def audit_native_op_detailed(op: torch._ops.OpOverload, samples: Sequence[Any], 
     t0 = time.perf_counter()
     audit = NativeAudit(str(op))
     if single_dim_strategy_info(op) is None and op_strategy_func(op) is None:
-        from decompshard._compat import has_native_strategy
 
         audit.skipped = ("only a legacy propagation rule (not readable as single-dim rules)"
                          if has_native_strategy(op) else "no native strategy")
