@@ -58,8 +58,7 @@ except ImportError as e:  # pragma: no cover - exercised only on unsupported tor
 
 # Re-exported as they are: pytree, dispatch modes and op overloads are private modules
 # every stage uses; importing them here lists them in one place for the next torch
-# release. The heavy ones (OpInfo's database, the fake process group, LocalTensor, the
-# comm-mode tables) load on first use through __getattr__, so `import decompshard` stays
+# release. The heavy ones (OpInfo's database, the comm-mode tables) load on first use through __getattr__, so `import decompshard` stays
 # cheap (they are left out of __all__ for that reason).
 from torch._ops import OpOverload  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
@@ -71,12 +70,8 @@ from torch.utils._pytree import (  # noqa: E402
 
 _LAZY = {
     "op_db": ("torch.testing._internal.common_methods_invocations", "op_db"),
-    "FakeStore": ("torch.testing._internal.distributed.fake_pg", "FakeStore"),
-    "LocalTensor": ("torch.distributed._local_tensor", "LocalTensor"),
-    "LocalTensorMode": ("torch.distributed._local_tensor", "LocalTensorMode"),
     "c10d_collective_ops": ("torch.distributed.tensor.debug._comm_mode", "c10d_collective_ops"),
     "expand_to_full_mesh_op_strategy": ("torch.distributed.tensor._ops.utils", "expand_to_full_mesh_op_strategy"),
-    "decomposition_table": ("torch._decomp", "decomposition_table"),
 }
 
 

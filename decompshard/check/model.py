@@ -73,11 +73,9 @@ def _split_placements(text: str | None, n_inputs: int, ndim: int, params: dict[s
 def run_model_check(module: torch.nn.Module, inputs: Sequence[torch.Tensor], mesh_shape: Sequence[int],
                     placements: str | None, seed: int = 0) -> ModelCheck:
     """The step on one device and on DTensors; the first divergence, if any."""
-    from decompshard._compat import LocalTensorMode
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from decompshard._compat import simulator_chunks as _simulator_chunks
-    from decompshard.verify.dtensor_case import device_mesh, make_dtensor, rank_locals
+    from decompshard.verify.dtensor_case import device_mesh, make_dtensor, rank_locals, simulation
     from decompshard.runtime.enable import switched
 
     ref_model = copy.deepcopy(module).to(torch.float64)
@@ -103,7 +101,7 @@ def run_model_check(module: torch.nn.Module, inputs: Sequence[torch.Tensor], mes
     n = math.prod(mesh_shape)
     dmodel = copy.deepcopy(module).to(torch.float64)
     drec = RecordCallOutputs()
-    with switched(True), warnings.catch_warnings(), _simulator_chunks(), LocalTensorMode(frozenset(range(n))):
+    with switched(True), warnings.catch_warnings(), simulation(n):
         warnings.simplefilter("ignore")
         for name, p in list(dmodel.named_parameters()):
             pl = param_pl.get(name)
@@ -255,10 +253,7 @@ def run_training_step(built: Any, sharding: str, enable: bool, measure: bool = T
     simulated world of at least the mesh's size (`verify/dtensor_case.simulated_world`).
     `measure`: also time a warm step (the faster of two) and count one step's
     collectives (three more steps)."""
-    from decompshard._compat import LocalTensorMode
-
-    from decompshard._compat import simulator_chunks as _simulator_chunks
-    from decompshard.verify.dtensor_case import device_mesh
+    from decompshard.verify.dtensor_case import device_mesh, simulation
     from decompshard.runtime.enable import switched
 
     sh = SHARDINGS[sharding]
@@ -277,8 +272,7 @@ def run_training_step(built: Any, sharding: str, enable: bool, measure: bool = T
     dmodel = copy.deepcopy(built.model)  # before the reference step moves BatchNorm's stats
     ref = _reference_step(built)
     mesh = device_mesh(sh.mesh)
-    with switched(enable), warnings.catch_warnings(), _simulator_chunks(), \
-            LocalTensorMode(frozenset(range(math.prod(sh.mesh)))):
+    with switched(enable), warnings.catch_warnings(), simulation(math.prod(sh.mesh)):
         warnings.simplefilter("ignore")
         try:
             _distribute_model(dmodel, built.plan, mesh, sh)
@@ -489,19 +483,20 @@ def _plain_rest(model: torch.nn.Module, n: int) -> None:
     """Every parameter and buffer outside the TP layers a plain tensor with a copy per
     simulated rank (a LocalTensor): what each process holds when only the Linear layers
     are parallelized (tied parameters stay tied)."""
-    from decompshard._compat import LocalTensor
     from torch.distributed.tensor import DTensor
+
+    from decompshard._compat import make_local_tensor
 
     made: dict[int, Any] = {}
     for name, p in list(model.named_parameters(remove_duplicate=False)):
         if isinstance(p, DTensor):
             continue
         if id(p) not in made:
-            made[id(p)] = torch.nn.Parameter(LocalTensor({r: p.detach().clone() for r in range(n)}), p.requires_grad)
+            made[id(p)] = torch.nn.Parameter(make_local_tensor({r: p.detach().clone() for r in range(n)}), p.requires_grad)
         _set_param(model, name, made[id(p)])
     for name, b in list(model.named_buffers(remove_duplicate=False)):
         if id(b) not in made:
-            made[id(b)] = LocalTensor({r: b.detach().clone() for r in range(n)})
+            made[id(b)] = make_local_tensor({r: b.detach().clone() for r in range(n)})
         *path, leaf = name.split(".")
         model.get_submodule(".".join(path))._buffers[leaf] = made[id(b)]
 
@@ -514,13 +509,14 @@ def own_copies(d: Any, n: int) -> Any:
     (batch norm's running statistics) updates it once per rank: n updates where real
     processes make one each. With a copy per rank the simulation is what gloo does.
     A DTensor whose local is already per rank is returned as it is."""
-    from decompshard._compat import LocalTensor
     from torch.distributed.tensor import DTensor
 
+    from decompshard._compat import make_local_tensor, rank_tensors
+
     local = d._local_tensor
-    if isinstance(local, LocalTensor):
+    if rank_tensors(local) is not None:
         return d
-    per_rank = LocalTensor({r: local.clone() for r in range(n)})
+    per_rank = make_local_tensor({r: local.clone() for r in range(n)})
     return DTensor.from_local(per_rank, d.device_mesh, d.placements, run_check=False, shape=d.shape,
                               stride=d.stride())
 

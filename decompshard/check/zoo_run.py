@@ -50,16 +50,15 @@ def _warm_process() -> None:
     if _WARMED:
         return
     import torch
-    from decompshard._compat import LocalTensorMode
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from decompshard.verify.dtensor_case import device_mesh, simulated_world
+    from decompshard.verify.dtensor_case import device_mesh, simulated_world, simulation
     from decompshard.runtime.enable import switched
 
     with simulated_world(4):
         mesh = device_mesh((2,))
         for on in (True, False):
-            with switched(on), LocalTensorMode(frozenset(range(2))):
+            with switched(on), simulation(2, mend_chunks=False):
                 a = distribute_tensor(torch.randn(4, 4, dtype=torch.float64, requires_grad=True), mesh, [Shard(0)])
                 b = distribute_tensor(torch.randn(4, 4, dtype=torch.float64), mesh, [Replicate()])
                 (a @ b).sum().backward()

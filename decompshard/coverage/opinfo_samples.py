@@ -482,9 +482,9 @@ def has_dtensor_strategy(op: OpOverload) -> bool:
 
 def has_decomposition(op: OpOverload) -> bool:
     """Same test as torch's `DecompShardingStrategy.has_decomp`."""
-    from decompshard._compat import decomposition_table
+    from decompshard._compat import torch_decomposition_table
 
-    return op in decomposition_table or op._can_decompose()
+    return op in torch_decomposition_table() or op._can_decompose()
 
 
 def status_of(op: OpOverload) -> str:

@@ -407,9 +407,9 @@ def _two_rank_mesh() -> Iterator[tuple[Any, str]]:
     if dist.is_initialized():
         yield DeviceMesh("cpu", [0, 1], _init_backend=False, _rank=0), "existing-pg"
         return
-    from decompshard._compat import FakeStore
+    from decompshard._compat import fake_store
 
-    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    dist.init_process_group("fake", rank=0, world_size=2, store=fake_store())
     try:
         yield DeviceMesh("cpu", [0, 1]), "fake-pg(world_size=2)"
     finally:
