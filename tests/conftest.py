@@ -20,14 +20,14 @@ def opinfo_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def world():
-    """Four simulated ranks (a fake process group) for a module's tests, and DTensor as
-    decompshard found it afterwards. A module asks for it with
-    `pytestmark = pytest.mark.usefixtures("world")`."""
+def world(request):
+    """Simulated ranks (a fake process group) for a module's tests: four, or the module's
+    `WORLD_SIZE`; decompshard disabled afterwards. A module asks for it with
+    `pytestmark = pytest.mark.usefixtures("world")` or by naming it in a test."""
     import decompshard
     from decompshard.verify.dtensor_case import simulated_world
 
-    with simulated_world(4):
+    with simulated_world(getattr(request.module, "WORLD_SIZE", 4)):
         yield
     decompshard.disable()
 

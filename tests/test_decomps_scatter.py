@@ -26,7 +26,7 @@ from decompshard import derive_rules
 from decompshard.dispatch_modes.decomps.scatter import DECOMPOSITIONS, masked_scatter, put, scatter_reduce_legacy, scatter_reduce_two, scatter_value_reduce, segment_reduce
 from decompshard.dispatch_modes.tracing import find_decomposition
 from decompshard.verify.rule_check import check_rules
-from decompshard.verify.dtensor_case import device_mesh, rank_locals, run_case, simulated_world
+from decompshard.verify.dtensor_case import device_mesh, rank_locals, run_case
 from decompshard.runtime.enable import switched
 
 aten = torch.ops.aten
@@ -293,12 +293,6 @@ def test_rules_worth_having(op, args, kwargs, wanted):
 
 
 # ------------------------------------------------------------------ real DTensors under enable()
-
-
-@pytest.fixture(scope="module")
-def world():
-    with simulated_world(4):
-        yield
 
 
 @pytest.mark.parametrize("op, args, mesh, placements", [

@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_map
 from decompshard import derive_rules
 from decompshard.dispatch_modes.decomps.search import SEARCH_DECOMPOSITIONS, _conj_physical, _hash_tensor, _pdist_backward, _pdist_forward, _searchsorted, _searchsorted_scalar, _trilinear
 from decompshard.verify.rule_check import check_rules
-from decompshard.verify.dtensor_case import device_mesh, parse_placements, rank_locals, run_case, simulated_world
+from decompshard.verify.dtensor_case import device_mesh, parse_placements, rank_locals, run_case
 from decompshard.runtime.enable import switched
 
 aten = torch.ops.aten
@@ -284,10 +284,7 @@ def test_partial_max_of_uint64_parts_is_judged_not_crashed():
 # ------------------------------------------------------------------ real DTensors
 
 
-@pytest.fixture(scope="module")
-def world():
-    with simulated_world(6):
-        yield
+WORLD_SIZE = 6  # simulated ranks for conftest's `world`
 
 
 def _runtime_cases():

@@ -12,17 +12,14 @@ import torch._utils as tutils
 
 from decompshard._compat import TorchShard, make_local_tensor, per_rank_call, simulating_ranks, simulator_chunks
 from decompshard.placements import S
-from decompshard.verify.dtensor_case import device_mesh, every_rank_full, max_error, mesh_coords, simulated_world, simulation
+from decompshard.verify.dtensor_case import device_mesh, every_rank_full, max_error, mesh_coords, simulation
 from decompshard.verify.native_rules import run_on_dtensor
 
 aten = torch.ops.aten
 INF, NAN = math.inf, math.nan
 
 
-@pytest.fixture(scope="module", autouse=True)
-def world():
-    with simulated_world(4):
-        yield
+pytestmark = pytest.mark.usefixtures("world")
 
 
 def test_max_error_counts_integers_for_the_check_and_measures_them_for_the_audit():

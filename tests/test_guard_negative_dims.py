@@ -22,7 +22,7 @@ import decompshard
 from decompshard.coverage.native_variants import negative_dim_samples
 from decompshard.coverage.opinfo_samples import AtenSample
 from decompshard.runtime.guard_table import NEGATIVE_DIMS_UNWRAPPED
-from decompshard.verify.dtensor_case import device_mesh, rank_locals, simulated_world
+from decompshard.verify.dtensor_case import device_mesh, rank_locals
 
 aten = torch.ops.aten
 OPS = {"cumsum": torch.cumsum, "cumprod": torch.cumprod, "logcumsumexp": torch.logcumsumexp}
@@ -38,13 +38,6 @@ CASES = [
     ((2, 2), (5, 7), (Shard(0), Shard(1)), -1),
     ((2, 2), (5, 7), (Shard(1), Shard(0)), -2),
 ]
-
-
-@pytest.fixture(scope="module")
-def world():
-    with simulated_world(4):
-        yield
-    decompshard.disable()
 
 
 def _data(shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,16 +14,13 @@ from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tenso
 import decompshard
 from decompshard._compat import DTensor, local_tensor
 from decompshard.runtime.inplace_views import in_place_view_ops
-from decompshard.verify.dtensor_case import device_mesh, rank_locals, simulated_world
+from decompshard.verify.dtensor_case import device_mesh, rank_locals
 
 aten = torch.ops.aten
 
 
-@pytest.fixture(scope="module", autouse=True)
-def world():
-    with simulated_world(3):
-        yield
-    decompshard.disable()
+WORLD_SIZE = 3  # simulated ranks for conftest's `world`
+pytestmark = pytest.mark.usefixtures("world")
 
 
 def _x() -> torch.Tensor:

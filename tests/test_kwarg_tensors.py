@@ -23,16 +23,9 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import decompshard
 from decompshard._compat import sharding_propagator
-from decompshard.verify.dtensor_case import device_mesh, per_rank_values, simulated_world
+from decompshard.verify.dtensor_case import device_mesh, per_rank_values
 
 B, H, S, D = 4, 4, 8, 4
-
-
-@pytest.fixture(scope="module")
-def world():
-    with simulated_world(4):
-        yield
-    decompshard.disable()
 
 
 def _attention(q, k, v, mask):

@@ -14,11 +14,9 @@ import io
 import json
 import pathlib
 
-import pytest
 import torch
 
 from decompshard.cli import main
-from decompshard.verify.dtensor_case import simulated_world
 from decompshard.verify.native_rules import run_on_dtensor
 from decompshard.verify.native_rules import DISPATCH, KERNEL_ERROR, RULE, WRONG_SHAPE, WRONG_VALUES, audit_native_op, audit_native_op_detailed
 from decompshard.placements import P, R, S
@@ -38,12 +36,6 @@ def _exec(script: str) -> bool:
     with contextlib.redirect_stdout(io.StringIO()):
         exec(compile(script, "<reproducer>", "exec"), ns)  # noqa: S102 - our own generated script
     return ns["reproduced"]
-
-
-@pytest.fixture(scope="module")
-def world():
-    with simulated_world(4):
-        yield
 
 
 def test_conv_out_channel_and_channel_input_are_found(world):

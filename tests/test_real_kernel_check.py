@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 import decompshard
 from decompshard.mesh import lift
 from decompshard.solve import localcheck
-from decompshard.verify.dtensor_case import device_mesh, per_rank_values, simulated_world
+from decompshard.verify.dtensor_case import device_mesh, per_rank_values
 
 aten = torch.ops.aten
 BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -28,13 +28,6 @@ FORWARD = aten._scaled_dot_product_flash_attention_for_cpu.default
 B, H, S, D = 2, 4, 8, 8
 # grad_out, q, k, v, out, logsumexp, then the keyword mask
 HEAD_DIM_OF_V = [(Shard(3),), (Replicate(),), (Replicate(),), (Shard(3),), (Shard(3),), (Replicate(),), (Replicate(),)]
-
-
-@pytest.fixture(scope="module")
-def world():
-    with simulated_world(4):
-        yield
-    decompshard.disable()
 
 
 def _backward_inputs():

@@ -11,16 +11,14 @@ import torch
 
 from decompshard.coverage.runtime_probe import PROBE_MESH, probe_placements
 from decompshard.runtime.data_dependent import data_dependent_ops
-from decompshard.verify.dtensor_case import run_case, simulated_world
+from decompshard.verify.dtensor_case import run_case
 from decompshard.runtime.enable import switched
 
 aten = torch.ops.aten
 
 
-@pytest.fixture(scope="module", autouse=True)
-def world():
-    with simulated_world(3):
-        yield
+WORLD_SIZE = 3  # simulated ranks for conftest's `world`
+pytestmark = pytest.mark.usefixtures("world")
 
 
 def _g() -> torch.Generator:

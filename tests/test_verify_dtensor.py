@@ -15,16 +15,13 @@ import torch.nn.functional as F
 import decompshard
 from decompshard._compat import TorchStridedShard
 from decompshard.runtime.enable import switched
-from decompshard.verify.dtensor_case import Outcome, device_mesh, format_placements, make_dtensor, parse_mesh, parse_placements, per_rank_values, random_placements, run_case, simulated_world
+from decompshard.verify.dtensor_case import Outcome, device_mesh, format_placements, make_dtensor, parse_mesh, parse_placements, per_rank_values, random_placements, run_case
 
 aten = torch.ops.aten
 
 
-@pytest.fixture(scope="module", autouse=True)
-def world():
-    with simulated_world(8):
-        yield
-    decompshard.disable()
+WORLD_SIZE = 8  # simulated ranks for conftest's `world`
+pytestmark = pytest.mark.usefixtures("world")
 
 
 def _case(op, args, text, mesh="2x3", *, seed=0, on=True, kwargs=None, backward=True) -> Outcome:

@@ -18,7 +18,6 @@ from torch import nn
 import _vision_step as V
 import decompshard
 from decompshard import derive_rules
-from decompshard.verify.dtensor_case import simulated_world
 from decompshard.verify.native_rules import run_on_dtensor
 from decompshard.placements import S
 
@@ -30,13 +29,6 @@ PADS = [
     (aten.reflection_pad1d.default, ([2, 1],)),
     (aten.replication_pad3d.default, ([1, 1, 1, 1, 1, 1],)),
 ]
-
-
-@pytest.fixture(scope="module")
-def world():
-    with simulated_world(4):
-        yield
-    decompshard.disable()
 
 
 @pytest.mark.parametrize("op,rest", PADS, ids=lambda x: str(x) if isinstance(x, torch._ops.OpOverload) else None)

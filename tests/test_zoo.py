@@ -34,14 +34,6 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def world():
-    from decompshard.verify.dtensor_case import simulated_world
-
-    with simulated_world(4):
-        yield
-
-
 @pytest.mark.parametrize("name,sharding", CASES, ids=[f"{n}-{s}" for n, s in CASES])
 def test_zoo_step_matches_one_device(world, name, sharding):
     from decompshard.check.model import SHARDINGS
