@@ -30,7 +30,7 @@ __all__ = [
 ]
 
 TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-SUPPORTED = ((2, 13),)
+SUPPORTED = ((2, 13), (2, 14), (2, 15))
 
 try:
     from torch.distributed.tensor import DTensor

@@ -64,8 +64,11 @@ class DerivedStrategy:
         if info is not None and _has_tensor_list_arg(op) and not info.needs_pytree:
             info.needs_pytree = True  # so args_spec sees the tensors inside lists
 
-    def propagate_strategy(self, op_schema: Any) -> OpStrategy | None:
-
+    def propagate_strategy(self, op_schema: Any, output_tensor_meta: Any = None) -> OpStrategy | None:
+        """The one strategy `lift` chose for this call. torch 2.14+ also passes the output
+        tensor metas (its fallback hands them to the mesh expansion); DTensor attaches
+        them to our output specs itself afterwards, on every supported release, so they
+        are not needed here."""
         op = op_schema.op
         _see_into_lists(op_schema, self.sharding_prop)
         flat, spec = tree_flatten((op_schema.args_schema, op_schema.kwargs_schema))
