@@ -19,7 +19,7 @@ Why (a) sits below 20x, measured rather than argued. decompshard must run the
 decomposition once globally and, for each distinct local shape the local-shape check
 needs, either again ("traces") or not at all where the global trace proves the local run
 identical (dispatch_modes/substitute.py). Primitive rule tables come from the shipped
-table (rules/torch_tables.json) where the op is verified by shape class, else from
+table (rules/torch_tables/torch-<release>.json) where the op is verified by shape class, else from
 torch's strategy functions. Three ceilings, each torch's time divided by a lower bound
 on ours:
 

@@ -1,6 +1,7 @@
-"""Regenerate decompshard/rules/torch_tables.json: torch's primitive rules by shape class
-(how: decompshard/coverage/rule_tables.py). Run it after upgrading torch: a table made with
-another torch release is ignored, and tests/test_shipped_tables.py fails until then.
+"""Regenerate decompshard/rules/torch_tables/torch-<release>.json for the running torch:
+torch's primitive rules by shape class (how: decompshard/coverage/rule_tables.py). Run it
+under each tested torch release: a release without its own table computes every answer
+live, and tests/test_shipped_tables.py fails until it has one.
 
 Usage: python scripts/gen_rule_tables.py [--out PATH]   (about 15 s)
 """

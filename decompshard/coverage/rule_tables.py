@@ -1,4 +1,4 @@
-"""Build the shipped table of torch's rules by shape class (torch_tables.json).
+"""Build the shipped table of torch's rules by shape class (rules/torch_tables/torch-<release>.json).
 
 Derives every OpInfo sample of the default op set (the decomp-only ops `decompshard
 coverage` reports), records each primitive call the solver asks torch about, and asks

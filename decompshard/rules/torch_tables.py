@@ -4,14 +4,16 @@ Why: building a primitive's rule table from torch's strategy functions costs 1-3
 fake mesh, an OpSchema per candidate, torch's propagation), the largest share of a cold
 derivation after the traces. Torch's answer depends on the call's shape class, not its
 sizes (rules/shape_class.py), so the answers for the classes the default op set meets
-ship in `torch_tables.json`, made by `scripts/gen_rule_tables.py` with torch asked at
-three members of every class. `tests/test_shipped_tables.py` asks torch again, live.
+ship in `torch_tables/torch-<release>.json`, one file per tested torch release (chosen
+at import by the running release), made by `scripts/gen_rule_tables.py` under that
+release with torch asked at three members of every class. `tests/test_shipped_tables.py` asks torch again, live.
 
 Trust is per op: only ops the generator verified ("verified_ops": every class it met
 gave one answer at every member) are looked up by class, in the shipped table and in
 the class-keyed cache of answers computed here. Any other op is asked at its exact
-shapes. A table made with another torch version is not used at all: torch's strategies
-change between releases.
+shapes. A release with no table of its own (an untested torch) uses none: every answer
+is computed live, since torch's strategies change between releases (torch 2.14 moved 139
+ops to single-dim strategies).
 """
 
 from __future__ import annotations
@@ -27,13 +29,16 @@ from decompshard.dispatch_modes.graph import PrimNode
 from decompshard.placements import SingleDimRule, format_placement, parse_placement
 from decompshard.rules.shape_class import class_key
 
-TABLE_PATH = Path(__file__).with_name("torch_tables.json")
 FORMAT = 1
 
 
 def torch_release() -> str:
     """The torch release a table belongs to ("2.13.0"; local build tags dropped)."""
     return torch.__version__.split("+")[0]
+
+
+TABLE_DIR = Path(__file__).with_name("torch_tables")
+TABLE_PATH = TABLE_DIR / f"torch-{torch_release()}.json"
 
 
 # (source, class key) -> rules or None, for verified ops at classes not shipped

@@ -64,8 +64,9 @@ from decompshard._compat import DTensor, DTensorSpec, OpSpec, OpStrategy, Tensor
 from decompshard.dispatch_modes.graph import freeze, leaves
 from decompshard.runtime.guard_batchnorm import stats_writing_handler
 from decompshard.runtime.guard_dims import wrapping_op_strategy, wrapping_single_dim
+from decompshard.runtime.guard_masks import masking_single_dim
 from decompshard.runtime.guard_losses import mean_loss_handler
-from decompshard.runtime.guard_table import HANDLERS_SKIPPING_REDISTRIBUTION, MEAN_OF_MEANS_LOSSES, NEGATIVE_DIMS_UNWRAPPED, READS_OF_ONE_RANKS_PART, STATS_WRITTEN, WRONG_RULES
+from decompshard.runtime.guard_table import HANDLERS_SKIPPING_REDISTRIBUTION, MEAN_OF_MEANS_LOSSES, NEGATIVE_DIMS_UNWRAPPED, OUTPUT_MASK_IGNORED, READS_OF_ONE_RANKS_PART, STATS_WRITTEN, WRONG_RULES
 from decompshard.placements import SingleDimRule, format_rule
 from decompshard.runtime.table_patches import Entry, TablePatches, where_none
 from decompshard.op_names import resolve_op
@@ -139,6 +140,11 @@ def _strategy_entries() -> Iterator[Entry]:
             yield single, op, dataclasses.replace(single[op], func=wrapping_single_dim(op, single[op].func, _warn_once))
         elif op in full:
             yield full, op, wrapping_op_strategy(op, full[op], _warn_once)
+    for name, mask_index in OUTPUT_MASK_IGNORED.items():
+        op = _resolve(name)
+        if op in single:
+            yield single, op, dataclasses.replace(
+                single[op], func=masking_single_dim(op, single[op].func, mask_index, _warn_once))
 
 
 def _declared() -> Iterator[Entry]:

@@ -69,3 +69,12 @@ NEGATIVE_DIMS_UNWRAPPED: tuple[str, ...] = (
     "aten.cumprod.default",
     "aten.logcumsumexp.default",
 )
+
+# Single-dim strategies that name a placement for an output their `output_mask`
+# argument leaves out: op -> index of `output_mask`. torch 2.14's and 2.15's
+# convolution_backward fails the expansion on any 2-D mesh when the input needs no
+# gradient (the first convolution of every network), torch alone too; the guard gives
+# those outputs None (guard_masks.py), where the op's strategy is single-dim.
+OUTPUT_MASK_IGNORED: dict[str, int] = {
+    "aten.convolution_backward.default": 10,
+}
