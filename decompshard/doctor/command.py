@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     out = _Printer(stream)
     out.text(f"decompshard doctor: decompshard {head['decompshard']}, torch {head['torch']}, "
              f"Python {head['python']}")
-    findings = _gather(args, out)
+    findings = _gather(args, head, out)
     if args.format == "json":
         text = json.dumps(as_json(head, findings), indent=1)
     else:
@@ -73,12 +73,12 @@ def _check_model_name(name: str) -> None:
     get_entry(name)  # ValueError for a name that is no model
 
 
-def _gather(args: argparse.Namespace, out: _Printer) -> list:
+def _gather(args: argparse.Namespace, head: dict, out: _Printer) -> list:
     """Every section's findings, each printed as it comes in text mode."""
     from decompshard.doctor import probes
     from decompshard.doctor.findings import guarded
 
-    found, importable = probes.environment(probes.header())
+    found, importable = probes.environment(head)
     out.findings(found)
     if not importable:
         out.text("  (nothing else can be checked: decompshard does not import on this torch)")
