@@ -25,6 +25,7 @@ COMMANDS = {
     "coverage": ("decompshard.coverage.command", "op coverage tables: native, derived, unsupported and why"),
     "explain": ("decompshard.explain.command", "why an op gets (or refuses) a sharding: a readable trace"),
     "check": ("decompshard.check.command", "runtime check: DTensor with enable() against one device"),
+    "doctor": ("decompshard.doctor.command", "what works on this torch: hook points, registries, a smoke run"),
 }
 
 
