@@ -7,7 +7,8 @@ against a 1-D mesh of the same 16 ranks, in the same process and run.
   search of decompshard.mesh.lift.cheapest_first, validity checks); for torch, its fallback
   re-running the decomposition per candidate placement. Fake process group of 64 ranks,
   rank 0's shards; inputs sharded on mesh dim 0, Replicate on the others.
-- selection: `decompshard.mesh.lift.choose` alone, rules already derived (best of --calls),
+- selection: what `enable()` runs to choose (`runtime/enable.py`'s `_first_runnable`: the
+  first strategy of `lift.ranked` DTensor can run), rules already derived (best of --calls),
   on 2x2x2x2 and on a 1-D mesh of 16 with the same placements on mesh dim 0.
 
 Minimum, not median: the machine is shared, and the least disturbed run is the one that
@@ -55,18 +56,18 @@ def first_call(op, args, repeat: int) -> tuple[float, int] | None:
 
 
 def selection(op, build, placements, shape: tuple[int, ...], calls: int) -> float:
-    """Best seconds of `choose` on a mesh of `shape` (derivation warmed up first)."""
+    """Best seconds of the runtime's choice (`_first_runnable`) on a mesh of `shape` (derivation warmed up first)."""
     from torch.distributed.tensor import Replicate
 
-    from decompshard.mesh.lift import choose
+    from decompshard.runtime.enable import _first_runnable
 
     args = build()
     current = [(p,) + (Replicate(),) * (len(shape) - 1) for p in placements]
-    choose(op, args, {}, shape, current)  # derive + local checks, cached
+    _first_runnable(op, args, {}, shape, current)  # derive + local checks, cached
     times = []
     for _ in range(calls):
         t = time.perf_counter()
-        choose(op, args, {}, shape, current)
+        _first_runnable(op, args, {}, shape, current)
         times.append(time.perf_counter() - t)
     return min(times)
 
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         nd = selection(op, build, placements, (2, 2, 2, 2), args.calls)
         ratios.append(nd / flat)
         sel.append([str(op), f"{flat * 1e3:.2f}", f"{nd * 1e3:.2f}", f"{nd / flat:.2f}"])
-    print(f"\nselection (lift.choose, rules derived), best of {args.calls}")
+    print(f"\nselection (enable's _first_runnable, rules derived), best of {args.calls}")
     print(tabulate(sel, headers=["op", "16 ms", "2x2x2x2 ms", "ratio"]))
     print(f"worst ratio 2x2x2x2 / 16: {max(ratios):.2f} (target <= 4)")
     dist.destroy_process_group()

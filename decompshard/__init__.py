@@ -1,7 +1,7 @@
 """decompshard: DTensor sharding strategies derived from aten decompositions.
 
 This file is the whole public surface; everything else is private. Follow one op from
-`enable()` (runtime/enable.py) through `lift.choose` (mesh/lift.py) to `derive_rules`
+`enable()` (runtime/enable.py: `_first_runnable`) through `lift.ranked` (mesh/lift.py) to `derive_rules`
 (solve/derive.py), which traces (dispatch_modes/tracing.py), looks up primitive rules
 (rules/registry.py), propagates (solve/propagate.py) and checks local shapes
 (solve/localcheck.py). The stages, bottom to top: base modules, dispatch_modes/, rules/,

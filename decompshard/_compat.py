@@ -23,10 +23,10 @@ __all__ = [
     "dtensor_output_sharding", "dtensor_output_spec", "fake_one_rank_mesh", "from_torch_placement",
     "has_native_strategy", "is_dispatchable",
     "kwarg_routing_active", "local_tensor", "op_strategy_func", "rebind_dtensor", "redistribute_cost",
-    "redistribute_local_tensor", "return_and_correct_aliasing", "route_kwarg_redistribution", "set_dtensor_layout",
+    "redistribute_local_tensor", "return_and_correct_aliasing", "kwarg_routing_entries", "set_dtensor_layout",
     "sharding_propagator",
     "single_dim_strategy_info", "stage_kwarg_targets", "to_torch_placement", "torch_decomposition_table",
-    "unroute_kwarg_redistribution", "unsharded_dtensor", "view_family_ops", "view_shape_arg_index",
+    "inferred_schema_info", "unsharded_dtensor", "view_family_ops", "view_shape_arg_index",
 ]
 
 TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
@@ -99,6 +99,17 @@ def clear_dtensor_caches() -> None:
     clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
     if clear is not None:
         clear()
+
+
+def inferred_schema_info(op: torch._ops.OpOverload) -> Any:
+    """The RuntimeSchemaInfo (which non-tensor arguments key DTensor's sharding cache)
+    torch's decomposition fallback registers for `op` on its first call, made by that
+    fallback's own `ensure_schema_info` on a scratch table: nothing is registered."""
+    import types
+
+    scratch = types.SimpleNamespace(op_to_schema_info={})
+    DecompShardingStrategy(scratch).ensure_schema_info(op)
+    return scratch.op_to_schema_info[op]
 
 
 def single_dim_strategy_info(op: torch._ops.OpOverload) -> Any | None:
@@ -362,15 +373,14 @@ def unsharded_dtensor(local: torch.Tensor, mesh: Any, placements: Any) -> Any:
 # redistribution schema with the caller's kwargs_schema, and OpDispatcher.
 # redistribute_local_args walks args alone ("very rare that we need to reshard kwargs").
 # decompshard's strategies name a placement for every tensor, keyword ones included
-# (SDPA's keyword-only attn_mask). `route_kwarg_redistribution()` makes DTensor honour
-# them: the strategy records its keyword targets with `stage_kwarg_targets` while the
+# (SDPA's keyword-only attn_mask). `kwarg_routing_entries()` makes DTensor honour
+# them (installed by enable()'s patch record, which puts every slot back): the strategy records its keyword targets with `stage_kwarg_targets` while the
 # propagator runs, the propagator's answer (cached with it, so cache hits carry it too)
 # gets a redistribution schema naming the moves, and the dispatcher's
 # redistribute_local_args performs them after the positional ones. The same wrapper lays
 # every moved tensor out contiguously (`_densify_moved_args`).
 
 _staged = threading.local()
-_routing: dict[str, Any] = {}
 
 
 class _KwargMovingSchema(OpSchema):
@@ -382,9 +392,10 @@ class _KwargMovingSchema(OpSchema):
 
 
 def kwarg_routing_active() -> bool:
-    """Whether a strategy function running now may move keyword tensors: routing is
-    installed and DTensor's (wrapped) propagator is the caller."""
-    return bool(_routing) and bool(getattr(_staged, "stack", None))
+    """Whether a strategy function running now may move keyword tensors: DTensor's
+    propagator, wrapped by `kwarg_routing_entries`, is the caller (only an installed
+    wrapper pushes onto the stack)."""
+    return bool(getattr(_staged, "stack", None))
 
 
 def stage_kwarg_targets(targets: dict[str, Any]) -> None:
@@ -415,16 +426,15 @@ def _with_kwarg_moves(op_schema: Any, sharding: Any, targets: dict[str, Any]) ->
     return sharding
 
 
-def route_kwarg_redistribution() -> None:
-    """Wrap DTensor's sharding propagator and its redistribute_local_args (instance
-    attributes, so `unroute_kwarg_redistribution` restores the originals exactly) so
-    that keyword tensor targets staged by a strategy are redistributed, and every moved
-    tensor is contiguous (`_densify_moved_args`). Idempotent."""
+def kwarg_routing_entries() -> Iterator[tuple[Any, str, Any]]:
+    """The entries (object, attribute, value) that route keyword tensors: DTensor's
+    sharding propagator and its dispatcher's redistribute_local_args, wrapped as
+    instance attributes (the propagator's cache a new one around the wrapper), so that
+    keyword tensor targets staged by a strategy are redistributed and every moved tensor
+    is contiguous (`_densify_moved_args`). For a patch record to set and put back."""
     from torch.distributed.tensor._redistribute import redistribute_local_tensor
     from torch.distributed.tensor._sharding_prop import LocalLRUCache
 
-    if _routing:
-        return
     sp = sharding_propagator()
     dispatcher = DTensor._op_dispatcher
     original_propagate = sp.propagate_op_sharding_non_cached
@@ -453,11 +463,9 @@ def route_kwarg_redistribution() -> None:
                 suggested_input_schema.op, redistribute_local_tensor(op_info.local_kwargs[name], src, dst), dst)
         _densify_moved_args(op_info, suggested_input_schema)
 
-    _routing["cache"] = sp.propagate_op_sharding
-    sp.propagate_op_sharding_non_cached = propagate_op_sharding_non_cached
-    sp.propagate_op_sharding = LocalLRUCache(propagate_op_sharding_non_cached)
-    dispatcher.redistribute_local_args = redistribute_local_args
-    clear_dtensor_caches()
+    yield sp, "propagate_op_sharding_non_cached", propagate_op_sharding_non_cached
+    yield sp, "propagate_op_sharding", LocalLRUCache(propagate_op_sharding_non_cached)
+    yield dispatcher, "redistribute_local_args", redistribute_local_args
 
 
 def _densify_moved_args(op_info: Any, suggested_input_schema: Any) -> None:
@@ -497,17 +505,6 @@ def _dense_after_move(op: Any, local: Any, target: Any) -> Any:
     if tm is not None and any(not isinstance(v, int) for v in (*tm.shape, *tm.stride)):
         return local
     return local if local.is_contiguous() else local.contiguous()
-
-
-def unroute_kwarg_redistribution() -> None:
-    """DTensor's propagator and dispatcher exactly as before. Idempotent."""
-    if not _routing:
-        return
-    sp = sharding_propagator()
-    sp.propagate_op_sharding = _routing.pop("cache")
-    del sp.propagate_op_sharding_non_cached
-    del DTensor._op_dispatcher.redistribute_local_args
-    clear_dtensor_caches()
 
 
 # ------------------------------------------------------------------ simulated ranks

@@ -364,10 +364,6 @@ def shard_size_and_offset(size: int, world_size: int, rank: int) -> tuple[int, i
     return max(0, min(chunk, size - offset)), offset
 
 
-def splits_evenly(size: int, world_size: int) -> bool:
-    return size % world_size == 0
-
-
 def local_shape(
     shape: Sequence[int], placements: Sequence[MaybePlacement], mesh: Sequence[int], coord: Sequence[int]
 ) -> tuple[int, ...]:
@@ -400,6 +396,3 @@ def _strided_size(size: int, p: StridedShard, world_size: int, rank: int) -> int
     block = -(-size // p.sf)  # torch's _StridedShard on a dim its split factor leaves uneven
     return sum(shard_size(max(0, min(block, size - b * block)), world_size, rank) for b in range(p.sf))
 
-
-def rules_as_strings(rules: Iterable[SingleDimRule]) -> list[str]:
-    return [format_rule(r) for r in rules]

@@ -15,7 +15,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import decompshard.mesh.lift as lift
-from decompshard.mesh.lift import choose, local_shape_nd, rank_strategies, ranked
+from decompshard.mesh.lift import local_shape_nd, rank_strategies, ranked
 from decompshard.placements import format_rule
 
 aten = torch.ops.aten
@@ -27,13 +27,19 @@ def addmv_args(n=8, k=12):
     return (torch.randn(n), torch.randn(n, k), torch.randn(k))
 
 
+def first_valid(op, args, kwargs, mesh_shape, current):
+    """The first valid strategy of `ranked`: lift's choice, before the runtime's own
+    filters (`enable._first_runnable`: DTensor must be able to run it, tests/test_enable.py)."""
+    return next(s for s in ranked(op, args, kwargs, mesh_shape, current) if s.valid)
+
+
 def rules_of(s):
     return [format_rule(r) for r in s.rules]
 
 
 def test_addmv_keeps_partial_sums_with_no_collective():
     # mat sharded on its reduced dim and vec on its only dim, like the rows of a TP matmul
-    best = choose(aten.addmv.default, addmv_args(), {}, (4,), [(R,), (S1,), (S0,)])
+    best = first_valid(aten.addmv.default, addmv_args(), {}, (4,), [(R,), (S1,), (S0,)])
     assert rules_of(best) == ["P(sum), S(1), S(0) -> P(sum)"]
     assert best.input_placements == ((PSUM,), (S1,), (S0,)) and best.output_placements == ((PSUM,),)
     assert best.cost.collectives == ()  # R -> P(sum) on the bias is local work only
@@ -84,7 +90,7 @@ def test_pixel_shuffle_meta_check_refuses_too_few_channels_per_rank():
     s = next(s for s in on4 if rules_of(s) == ["S(1) -> S(1) [even]"])
     assert not s.valid and "fails on rank" in s.reason and "pixel_shuffle" in s.reason
     assert on4[0].valid and on4[0].cost.collectives  # something else, at a price
-    on2 = choose(aten.pixel_shuffle.default, (x, 2), {}, (2,), [(S1,)])
+    on2 = first_valid(aten.pixel_shuffle.default, (x, 2), {}, (2,), [(S1,)])
     assert rules_of(on2) == ["S(1) -> S(1) [even]"] and on2.cost.collectives == ()
     # 8 channels on 4 ranks split evenly, so an [even] condition alone would allow S(1);
     # 2 channels per rank is still fewer than 4: only the meta check refuses it
@@ -92,7 +98,7 @@ def test_pixel_shuffle_meta_check_refuses_too_few_channels_per_rank():
     assert small[0].valid and small[0].input_placements != ((S1,),)
     assert all(not s.valid and "fails on rank" in s.reason for s in small if s.input_placements == ((S1,),))
     # and on a 2-D mesh the channels are split twice: 24 / (2 * 2) = 6, refused again
-    on22 = choose(aten.pixel_shuffle.default, (x, 2), {}, (2, 2), [(S1, S1)])
+    on22 = first_valid(aten.pixel_shuffle.default, (x, 2), {}, (2, 2), [(S1, S1)])
     assert on22.input_placements[0] != (S1, S1)
 
 
@@ -111,17 +117,17 @@ def test_strided_shard_inputs_fill_the_placeholders():
     # [Shard(1), Shard(0)] on [4, 2, 6] viewed as [8, 6] is [_StridedShard(0, sf=4), Shard(0)]
     strided = _StridedShard(0, split_factor=4)
     x = torch.randn(8, 6)
-    best = choose(aten.renorm.default, (x, 2, 0, 1.0), {}, (2, 2), [(strided, S0)])
+    best = first_valid(aten.renorm.default, (x, 2, 0, 1.0), {}, (2, 2), [(strided, S0)])
     assert best.input_placements == ((strided, S0),) and best.output_placements == ((strided, S0),)
     assert best.cost.collectives == ()
     # every placeholder input of the rule strided alike: the whole rule runs strided
     sf2 = _StridedShard(0, split_factor=2)
     sf2_1 = _StridedShard(1, split_factor=2)
-    best = choose(aten.addmv.default, addmv_args(), {}, (4,), [(R,), (sf2_1,), (sf2,)])
+    best = first_valid(aten.addmv.default, addmv_args(), {}, (4,), [(R,), (sf2_1,), (sf2,)])
     assert rules_of(best) == ["P(sum), S(1), S(0) -> P(sum)"]
     assert best.input_placements == ((PSUM,), (sf2_1,), (sf2,)) and best.cost.collectives == ()
     # mixed kinds: placeholders stay plain Shard, and converting the strided one costs
-    mixed = choose(aten.addmv.default, addmv_args(), {}, (4,), [(R,), (sf2_1,), (S0,)])
+    mixed = first_valid(aten.addmv.default, addmv_args(), {}, (4,), [(R,), (sf2_1,), (S0,)])
     assert all(not isinstance(p, _StridedShard) for ps in mixed.input_placements for p in ps)
     assert mixed.cost.collectives
 
@@ -136,10 +142,10 @@ def test_2d_mesh_ranking_is_sorted_by_cost():
     best = valid[0]
     assert rules_of(best) == ["P(sum), S(1), S(0) -> P(sum)", "S(0), S(0), R -> S(0)"]
     assert best.cost.collectives == ()
-    assert choose(aten.addmv.default, addmv_args(), {}, (2, 2), [(R, R), (S1, S0), (S0, R)]) == best
+    assert first_valid(aten.addmv.default, addmv_args(), {}, (2, 2), [(R, R), (S1, S0), (S0, R)]) == best
 
 
-def test_choose_checks_validity_lazily(monkeypatch):
+def test_first_valid_checks_validity_lazily(monkeypatch):
     # 14 candidates per mesh dim on a 4x4x4 mesh is 2744 strategies; choosing the
     # cheapest valid one should check a handful, not all of them.
     checked = []
@@ -149,7 +155,7 @@ def test_choose_checks_validity_lazily(monkeypatch):
     args = (torch.empty(n, n, device="meta"), torch.empty(64, n, 256, device="meta"),
             torch.empty(64, 256, n, device="meta"))
     current = [(R, R, S1), (S0, Shard(2), R), (S0, S1, Shard(2))]
-    best = choose(aten.addbmm.default, args, {}, (4, 4, 4), current)
+    best = first_valid(aten.addbmm.default, args, {}, (4, 4, 4), current)
     assert best.valid and best.cost.collectives == ()
     assert best.output_placements == ((PSUM, PSUM, S1),)
     assert len(checked) <= 3
@@ -259,7 +265,7 @@ def test_best_first_order_equals_full_enumeration_on_random_cases():
 
 
 def test_choice_equals_full_enumeration_first_valid_on_random_cases():
-    # End to end: the strategy `choose` returns is the first valid one of the sorted
+    # End to end: the strategy `first_valid` returns is the first valid one of the sorted
     # full enumeration (validity judged the same way, by lift's own checks).
     from decompshard.solve.derive import derive_rules
 
@@ -271,7 +277,7 @@ def test_choice_equals_full_enumeration_first_valid_on_random_cases():
         choices = lift.candidate_rules(derived, len(tensors))
         if len(choices) ** mesh.ndim > 800:
             continue
-        best = choose(op, args, {}, mesh, current)
+        best = first_valid(op, args, {}, mesh, current)
         for combo, ins, outs, cost in _enumerate_sorted(choices, tensors, current, mesh):  # noqa: B007 (cost: read after the loop)
             checked = [derived.validated(r) for r in combo]
             if None in checked:

@@ -69,6 +69,30 @@ def test_a_slot_set_twice_gets_its_first_value_back():
     assert table["a"] is first
 
 
+def test_records_unwind_last_in_first_out_when_one_wraps_the_others_entry():
+    table = {"f": "plain"}
+    lower = TablePatches(lambda: [(table, "f", ("lower", table["f"]))])
+    upper = TablePatches(lambda: [(table, "f", ("upper", table["f"]))])
+    lower.install()
+    upper.install()
+    assert table["f"] == ("upper", ("lower", "plain"))
+    lower.uninstall()  # not the last installed: upper comes out first and goes back over it
+    assert table["f"] == ("upper", "plain") and upper.is_installed() and not lower.is_installed()
+    upper.uninstall()
+    assert table == {"f": "plain"}
+
+
+def test_an_entry_added_while_installed_goes_back_with_the_rest():
+    table = {"kept": "theirs"}
+    patches = TablePatches(lambda: [(table, "kept", "ours")])
+    assert not patches.add(table, "late", 1) and table == {"kept": "theirs"}  # not installed: nothing set
+    patches.install()
+    assert patches.add(table, "late", 1) and patches.add(table, "kept", "again")
+    assert table == {"kept": "again", "late": 1}
+    patches.uninstall()
+    assert table == {"kept": "theirs"}
+
+
 def test_where_none_leaves_someone_elses_entry():
     theirs = object()
     table = {"taken": theirs}

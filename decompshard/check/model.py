@@ -26,7 +26,7 @@ import math
 import time
 import warnings
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -50,8 +50,6 @@ class Divergence:
 class ModelCheck:
     calls: int
     divergence: Divergence | None
-    max_output_err: float = 0.0
-    notes: list[str] = field(default_factory=list)
 
 
 def _split_placements(text: str | None, n_inputs: int, ndim: int, params: dict[str, torch.Tensor],
@@ -160,10 +158,9 @@ def _first_divergence(reference, calls, mesh, rank_locals, prefix: bool = False)
 
     reference = [c for c in reference if c[0] not in LAYOUT_OPS]
     calls = [c for c in calls if c[0] not in LAYOUT_OPS]
-    worst = 0.0
     for i, ((rop, _rphase, routs), (dop, dphase, douts)) in enumerate(zip(reference, calls)):
         if rop != dop:
-            return ModelCheck(len(calls), Divergence(i, dop, dphase, f"the call sequence differs: one device ran {rop}"), worst)
+            return ModelCheck(len(calls), Divergence(i, dop, dphase, f"the call sequence differs: one device ran {rop}"))
         for j, (r, d) in enumerate(zip(routs, douts)):
             if not isinstance(d, DTensor):
                 continue
@@ -172,11 +169,11 @@ def _first_divergence(reference, calls, mesh, rank_locals, prefix: bool = False)
                 if tuple(full.shape) != tuple(r.shape) or not close(full, r.detach(), []):
                     err = float((full - r).abs().max()) if full.shape == r.shape else math.inf
                     return ModelCheck(len(calls), Divergence(
-                        i, dop, dphase, f"output {j} ({placements}) differs on rank {rank} (max error {err:.3g})"), worst)
+                        i, dop, dphase, f"output {j} ({placements}) differs on rank {rank} (max error {err:.3g})"))
     if len(reference) != len(calls) and not prefix:
         return ModelCheck(len(calls), Divergence(min(len(reference), len(calls)), "-", "-",
-                                                 f"{len(calls)} calls, one device made {len(reference)}"), worst)
-    return ModelCheck(len(calls), None, worst)
+                                                 f"{len(calls)} calls, one device made {len(reference)}"))
+    return ModelCheck(len(calls), None)
 
 
 def check_model(spec: str, input_shapes: str | None, meshes: list, placements: str | None,

@@ -16,8 +16,9 @@ carry that kind on that mesh dim (the rule holds for any sharding kind).
 
 Candidates come in cost order from a best-first search over the per-mesh-dim choices
 (`cheapest_first`: admissible per-dim bounds from the cost model, exact costs only for
-the strategies reached), and are checked for validity only as far as needed: `choose`
-stops at the first valid one (`ranked`); `rank_strategies` checks the cheapest
+the strategies reached), and are checked for validity only as far as needed: the
+runtime (`runtime/enable.py`'s `_first_runnable`) stops at the first valid one of
+`ranked` that DTensor can run; `rank_strategies` checks the cheapest
 `MAX_LISTED` (all of them on small meshes), for explanations.
 """
 
@@ -505,11 +506,6 @@ def rank_strategies(
             break
     out.sort(key=lambda s: not s.valid)  # stable: cost order within each group
     return out
-
-
-def choose(op, args, kwargs, mesh_shape, current, topology: Topology = H100) -> MeshStrategy:
-    """The cheapest valid strategy (all-Replicate is always valid, so one exists)."""
-    return next(s for s in ranked(op, args, kwargs, mesh_shape, current, topology) if s.valid)
 
 
 def _trivial_outputs(derived) -> tuple:

@@ -2,12 +2,13 @@
 
 DTensor's sharding propagator sends every op without a registered strategy to one
 object, `sharding_propagator.decomp_strategy` (torch 2.13: DecompShardingStrategy). We
-swap in `DerivedStrategy`, which answers with the one strategy `lift.choose` picked
-(so DTensor's own cost model never overrides ours), and widen `has_decomp` to the
+swap in `DerivedStrategy`, which answers with one strategy: the cheapest valid one
+DTensor can run, first in `lift.ranked`'s order (`_first_runnable`; so DTensor's own
+cost model never overrides ours), and widen `has_decomp` to the
 decompositions decompshard registers itself. Ops with native strategies never reach it.
 DTensor moves only positional tensors; `enable()` also routes keyword tensors (SDPA's
 keyword-only `attn_mask`) to the placements our strategy names
-(`_compat.route_kwarg_redistribution`), so slicing a replicated mask, which is free,
+(`_compat.kwarg_routing_entries`), so slicing a replicated mask, which is free,
 wins over moving q, k and v. `out=` and other written keyword tensors stay put.
 
 If the op cannot be derived (data-dependent, random, no meta kernel), or has no
@@ -24,16 +25,17 @@ direct `derive_rules` call gives, and the cache holds one answer per op and shap
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from typing import Any, Iterator
 
 import torch
 
 from decompshard._compat import tree_flatten, tree_unflatten
-from decompshard._compat import DTensorSpec, OpSpec, OpStrategy, TensorMeta, clear_dtensor_caches, route_kwarg_redistribution, sharding_propagator, stage_kwarg_targets, unroute_kwarg_redistribution
+from decompshard._compat import DTensorSpec, OpSpec, OpStrategy, TensorMeta, clear_dtensor_caches, inferred_schema_info, kwarg_routing_entries, sharding_propagator, stage_kwarg_targets
 from decompshard.dispatch_modes.clean import clean_dispatch_state
 from decompshard.dispatch_modes.tracing import has_decomposition
-from decompshard.runtime.table_patches import Entry, TablePatches
+from decompshard.runtime.table_patches import Entry, TablePatches, locked
 from decompshard.dispatch_modes.reference import check_reference, reference_of
 from decompshard._compat import kwarg_routing_active
 from decompshard.solve.derive import derive_rules
@@ -53,16 +55,29 @@ class DerivedStrategy:
     def __init__(self, torch_fallback: Any):
         self.torch_fallback = torch_fallback
         self.sharding_prop = torch_fallback.sharding_prop
+        # torch's own test, read before `enable()` widens it
+        self.torch_has_decomp = type(torch_fallback).has_decomp
 
     @staticmethod
     def has_decomp(op: torch._ops.OpOverload) -> bool:
         return reaches_decompshard(op)
 
     def ensure_schema_info(self, op: torch._ops.OpOverload) -> None:
-        self.torch_fallback.ensure_schema_info(op)
-        info = self.sharding_prop.op_to_schema_info.get(op)
-        if info is not None and _has_tensor_list_arg(op) and not info.needs_pytree:
-            info.needs_pytree = True  # so args_spec sees the tensors inside lists
+        """The op's entry in DTensor's `op_to_schema_info` (it keys the sharding cache).
+        Where torch's fallback would take the op itself, torch registers its own entry,
+        which stays after `disable()` as it would without decompshard. What only
+        decompshard needs (an entry for an op torch cannot decompose; `needs_pytree`, so
+        `args_spec` sees the tensors inside `Tensor[]` arguments) is a new object set
+        through the patch record, and `disable()` puts torch's entry, or none, back."""
+        table = self.sharding_prop.op_to_schema_info
+        if self.torch_has_decomp(op):
+            self.torch_fallback.ensure_schema_info(op)
+        info = table.get(op)
+        wanted = info if info is not None else inferred_schema_info(op)
+        if _has_tensor_list_arg(op) and not wanted.needs_pytree:
+            wanted = dataclasses.replace(wanted, needs_pytree=True)
+        if wanted is not info:
+            _PATCHES.add(table, op, wanted)
 
     def propagate_strategy(self, op_schema: Any, output_tensor_meta: Any = None) -> OpStrategy | None:
         """The one strategy `lift` chose for this call. torch 2.14+ also passes the output
@@ -148,7 +163,7 @@ def _check_reference(op, flat, spec, mesh) -> None:
 def _kwarg_tensors(op_schema: Any, n_args: int, n_specs: int) -> tuple[dict[str, int], frozenset[int]]:
     """({keyword: its index among the op's tensors} for the keyword tensors DTensor will
     move to the chosen strategy's placements, indices of the tensors that must keep
-    theirs). Keyword tensors move through `_compat.route_kwarg_redistribution`
+    theirs). Keyword tensors move through `_compat.kwarg_routing_entries`
     (installed by `enable()`); without it, or inside a keyword list, they stay. An `out=`
     or otherwise written keyword argument always stays: the op must write into the
     caller's tensor, not into a redistributed copy of it."""
@@ -375,7 +390,8 @@ def _has_tensor_list_arg(op) -> bool:
 
 def _declared() -> Iterator[Entry]:
     """What `enable()` puts where: the hook in place of torch's decomposition fallback,
-    then each op family's entries (the modules' own declarations), in this order."""
+    each op family's entries (the modules' own declarations), then the routing of
+    keyword tensors through DTensor's propagator and dispatcher, in this order."""
 
     sp = sharding_propagator()
     yield sp, "decomp_strategy", DerivedStrategy(sp.decomp_strategy)
@@ -383,15 +399,15 @@ def _declared() -> Iterator[Entry]:
     warn = functools.partial(_PATCHES.warn_once, stacklevel=3)
     for module in (uneven_views, data_dependent, inplace, as_strided, inplace_views):
         yield from module.entries(warn)
+    yield from kwarg_routing_entries()
 
 
-def _routed(installed: bool) -> None:
-    """Keyword tensors routed while enabled; DTensor's cached decisions forgotten."""
-    (route_kwarg_redistribution if installed else unroute_kwarg_redistribution)()
+def _changed(installed: bool) -> None:
+    """DTensor's cached decisions forgotten, whichever way it changed."""
     clear_dtensor_caches()
 
 
-_PATCHES = TablePatches(_declared, on_change=_routed)
+_PATCHES = TablePatches(_declared, on_change=_changed)
 _warn_once = functools.partial(_PATCHES.warn_once, stacklevel=3, per_install=False)
 
 
@@ -412,45 +428,67 @@ def enable(guard_native: bool | None = None) -> None:
     programs `enable()` lets run reach native strategies that give wrong numbers or
     crash (convolution handlers, batch norm's running statistics, weighted nll_loss).
     Each call sets the guard as it says: `enable(guard_native=False)` after `enable()`
-    removes it."""
+    removes it. The guard's entries lie under `enable()`'s own (installed first, taken
+    out last), so changing it while enabled takes `enable()`'s out and puts them back."""
 
-    (guard.install if guard.wanted(guard_native) else guard.uninstall)()
-    _PATCHES.install()
+    want = guard.wanted(guard_native)
+    with locked():
+        if _PATCHES.is_installed() and guard.is_installed() == want:
+            return
+        _PATCHES.uninstall()
+        (guard.install if want else guard.uninstall)()
+        _PATCHES.install()
 
 
 def disable() -> None:
-    """Restore DTensor exactly as it was before `enable()`. Idempotent."""
+    """Restore DTensor exactly as it was before `enable()`, last installed first out.
+    Idempotent."""
 
-    guard.uninstall()
-    _PATCHES.uninstall()
+    with locked():
+        _PATCHES.uninstall()
+        guard.uninstall()
 
 
 def is_enabled() -> bool:
     return _PATCHES.is_installed()
 
 
+def _state() -> tuple[bool, bool]:
+    return is_enabled(), guard.is_installed()
+
+
+def _restore(state: tuple[bool, bool]) -> None:
+    """decompshard and the guard each as `_state()` found them."""
+    was, guarded = state
+    with locked():
+        if was:
+            enable(guard_native=guarded)
+        else:
+            disable()
+            if guarded:  # the guard alone (`guard.install()`)
+                guard.install()
+
+
 @contextlib.contextmanager
 def switched(on: bool) -> Iterator[None]:
-    """decompshard enabled (True) or torch's own fallback (False) inside, the previous state
-    restored after: the runtime checks run one case both ways."""
-    was = is_enabled()
+    """decompshard enabled (True) or torch's own fallback (False) inside, decompshard and
+    the guard as they were restored after: the runtime checks run one case both ways."""
+    state = _state()
     (enable if on else disable)()
     try:
         yield
     finally:
-        if was != on:
-            (enable if was else disable)()
+        _restore(state)
 
 
 @contextlib.contextmanager
 def enabled(guard_native: bool | None = None) -> Iterator[None]:
-    """`with decompshard.enabled(): ...` — enabled inside, previous state restored after."""
+    """`with decompshard.enabled(): ...` — enabled inside, decompshard and the guard as
+    they were restored after."""
 
-    was, guarded = is_enabled(), guard.is_installed()
+    state = _state()
     enable(guard_native)
     try:
         yield
     finally:
-        if not was:
-            disable()
-        (guard.install if guarded else guard.uninstall)()
+        _restore(state)

@@ -8,8 +8,14 @@ only WHAT it puts where: a declaration, a function that yields `(table, key, val
 entries (a dict and its key, or an object and the name of its attribute). A
 `TablePatches` record installs a declaration's entries, remembers what each slot held,
 and puts it back; it owns the lock, the saved entries and the warn-once set, so this is
-written once. `enable()` holds one record (its hook and the op families around DTensor),
-the guard another (it can be switched alone).
+written once. `enable()` holds one record (its hook, the op families around DTensor and
+the keyword-tensor routing of DTensor's dispatch), the guard another (it can be switched
+alone).
+
+Records stack: every record shares one lock, and what was installed last is taken out
+first. Taking out a record with others installed after it takes those out first and puts
+them back after (their declarations run again), so two records that touch one slot (one
+wrapping the other's entry) always unwind to the object the slot held before either.
 """
 
 from __future__ import annotations
@@ -18,12 +24,20 @@ import threading
 import warnings
 from typing import Any, Callable, Iterable, Iterator
 
-__all__ = ["Entry", "TablePatches", "WarnOnce", "where_none"]
+__all__ = ["Entry", "TablePatches", "WarnOnce", "locked", "where_none"]
 
 Entry = tuple[Any, Any, Any]  # (a dict, or an object whose attribute is the slot; key; value)
 WarnOnce = Callable[[str, str], None]  # warn_once(key, message)
 
 _ABSENT = object()  # the slot had no entry
+_LOCK = threading.RLock()  # one for every record: install and uninstall never interleave
+_STACK: list[TablePatches] = []  # the installed records, in the order they were installed
+
+
+def locked() -> threading.RLock:
+    """The lock every record installs and uninstalls under, for a caller that changes
+    several records as one step (`enable()`: the guard and its own)."""
+    return _LOCK
 
 
 def _read(table: Any, key: Any) -> Any:
@@ -57,48 +71,55 @@ def where_none(table: dict, found: Iterable[tuple], make: Callable[..., Any]) ->
 
 
 class TablePatches:
-    """One declaration's entries, installed together and put back exactly, under one lock.
+    """One declaration's entries, installed together and put back exactly, last in first out.
 
     `install()` and `uninstall()` are idempotent; `on_change(installed)` runs under the
     lock after each real change (DTensor caches its decisions, so they must be forgotten
-    then)."""
+    then). `add()` sets one more entry while installed (an entry only a call at dispatch
+    time can name), put back with the others."""
 
     def __init__(self, declare: Callable[[], Iterable[Entry]],
                  on_change: Callable[[bool], None] | None = None) -> None:
         self._declare = declare
         self._on_change = on_change
-        self._lock = threading.RLock()
         self._before: dict[tuple[int, Any], tuple[Any, Any]] = {}
         self._warned: dict[str, bool] = {}  # key -> forgotten at the next install
+        self._installed = False
 
     def is_installed(self) -> bool:
-        return bool(self._before)
+        return self._installed
 
     def install(self) -> None:
         """Set every declared entry, in order (a declaration reading a table sees the
         entries set before it). Idempotent. If the declaration fails, what it set is put
         back before the error goes on."""
-        with self._lock:
-            if self._before:
+        with _LOCK:
+            if self._installed:
                 return
             self._warned = {k: again for k, again in self._warned.items() if not again}
-            try:
-                for table, key, value in self._declare():
-                    self._set(table, key, value)
-            except BaseException:
-                self._restore()
-                raise
-            if self._on_change is not None:
-                self._on_change(True)
+            self._put_in()
 
     def uninstall(self) -> None:
-        """Put every slot back as it was before `install`. Idempotent."""
-        with self._lock:
-            if not self._before:
+        """Put every slot back as it was before `install`, and `add`. Idempotent. Records
+        installed after this one are taken out first and installed again after."""
+        with _LOCK:
+            if not self._installed:
                 return
-            self._restore()
-            if self._on_change is not None:
-                self._on_change(False)
+            above = _STACK[_STACK.index(self) + 1:]
+            for record in reversed(above):
+                record._take_out()
+            self._take_out()
+            for record in above:
+                record._put_in()
+
+    def add(self, table: Any, key: Any, value: Any) -> bool:
+        """Set one more entry while installed (False, and nothing set, if not); the
+        slot's value before goes back at `uninstall`, in reverse order with the rest."""
+        with _LOCK:
+            if not self._installed:
+                return False
+            self._set(table, key, value)
+            return True
 
     def warn_once(self, key: str, message: str, stacklevel: int = 2, per_install: bool = True) -> None:
         """`warnings.warn(message, stacklevel)` the first time `key` is seen: once per
@@ -108,6 +129,25 @@ class TablePatches:
         if key not in self._warned:
             self._warned[key] = per_install
             warnings.warn(message, stacklevel=stacklevel)
+
+    def _put_in(self) -> None:
+        try:
+            for table, key, value in self._declare():
+                self._set(table, key, value)
+        except BaseException:
+            self._restore()
+            raise
+        self._installed = True
+        _STACK.append(self)
+        if self._on_change is not None:
+            self._on_change(True)
+
+    def _take_out(self) -> None:
+        self._restore()
+        self._installed = False
+        _STACK.remove(self)
+        if self._on_change is not None:
+            self._on_change(False)
 
     def _set(self, table: Any, key: Any, value: Any) -> None:
         self._before.setdefault((id(table), key), (table, _read(table, key)))

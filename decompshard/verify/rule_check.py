@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from decompshard.verify.rank_sim import Draw, OpCase, check_output, draw_schedule, input_alphabet, output_alphabet
-from decompshard.placements import MaybePlacement, Partial, R, SingleDimRule, format_rule, placement_class
+from decompshard.placements import MaybePlacement, Partial, R, SingleDimRule, placement_class
 
 PROBE_WORLD_SIZES = range(2, 9)
 RECALL_CLASSES = ("R/S", "P(sum)", "P(avg|max|min)")
@@ -405,13 +405,3 @@ def check_rules(op: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, A
         recall_by_class={c: (h / n if n else None) for c, (h, n) in by_class.items()},
         exhaustive=truth.exhaustive if truth else False, ground_truth=truth,
     )
-
-
-def format_report(report: VerifyReport) -> str:
-    """A few human-readable lines (used by the CLI and in test failure messages)."""
-    lines = [f"precision={report.precision} recall={report.recall} exhaustive={report.exhaustive}"]
-    lines += [f"  confirmed  {format_rule(r)}" for r in report.confirmed]
-    lines += [f"  INCORRECT  {format_rule(r)}: {why}" for r, why in report.incorrect]
-    lines += [f"  untestable {format_rule(r)}: {why}" for r, why in report.untestable]
-    lines += [f"  missed     {format_rule(r)}" for r in report.missed]
-    return "\n".join(lines)
