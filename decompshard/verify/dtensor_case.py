@@ -411,13 +411,13 @@ def _run_dtensor(op, flat, spec, tensor_idx, mesh, placements, ref: Reference, s
 
 def _outcome(v: Verdict, stage: str, op: Any) -> Outcome:
     """The judge's verdict in the check's words. A plain tensor holding the right value
-    where a DTensor is due is an error, not WRONG: it can only come from autograd
-    building a gradient from sizes alone (reflection_pad1d_backward's formula for `self`
-    is `zeros_like(self)`), its numbers are right, and the first use with a DTensor (adding
-    another gradient, an optimizer step) raises "mixed torch.Tensor and DTensor"."""
+    where a DTensor is due is an error, not WRONG: its numbers are right, and the first
+    use with a DTensor (adding another gradient, an optimizer step) raises "mixed
+    torch.Tensor and DTensor". As a gradient it comes from autograd building it from
+    sizes alone (reflection_pad1d_backward's formula for `self` is `zeros_like(self)`)."""
     if v.kind == PLAIN:
-        return Outcome("error", stage, f"{v.detail}: torch's autograd formula for {op} builds it from sizes; its "
-                                       "values are right, but using it with a DTensor raises")
+        why = f": torch's autograd formula for {op} builds it from sizes" if stage == "backward" else ""
+        return Outcome("error", stage, f"{v.detail}{why}; its values are right, but using it with a DTensor raises")
     return Outcome("WRONG", stage, v.detail, v.max_error if v.max_error is not None else 0.0)
 
 

@@ -113,20 +113,25 @@ def judge(got: Sequence[Any], want: Sequence[Any], *, names: Sequence[str] | Non
     return Verdict(False, first[1], worst, first[0])
 
 
-def _gather(g: Any, mesh: Any) -> tuple[dict[int, Any] | None, dict[int, Any] | None]:
+def _gather(g: Any, mesh: Any) -> tuple[dict[int, Any] | None, Any]:
     """(every rank's local tensor, every rank's full value) of one result: a DTensor's
-    local shards and `full_tensor()`, a plain tensor's per-rank values (as both)."""
+    local shards and `full_tensor()` (or the exception gathering raised), a plain
+    tensor's per-rank values (as both)."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(g, DTensor):
-        return rank_locals(g.to_local(), g.device_mesh), every_rank_full(g, g.device_mesh)
+        try:
+            full: Any = every_rank_full(g, g.device_mesh)
+        except Exception as e:  # a DTensor whose metadata lies may not gather: judged on its metadata first
+            full = e
+        return rank_locals(g.to_local(), g.device_mesh), full
     if isinstance(g, torch.Tensor):
         ranks = rank_locals(g, mesh) if mesh is not None else {0: g}
         return ranks, ranks
     return None, None
 
 
-def _judge_one(g: Any, w: Any, locals_: dict | None, full: dict | None, dtype, plain: str, missing_ok: bool,
+def _judge_one(g: Any, w: Any, locals_: dict | None, full: Any, dtype, plain: str, missing_ok: bool,
                values: bool) -> list[tuple[str, str, float | None]]:
     """(kind, why, error) findings for one pair; kind '' with an error: a number that
     passed."""
@@ -149,6 +154,8 @@ def _judge_one(g: Any, w: Any, locals_: dict | None, full: dict | None, dtype, p
         bad = _metadata(g, w, locals_)
         if bad:
             return [(bad[0], f"{where}{bad[1]}", math.inf)]
+        if isinstance(full, BaseException):
+            raise full
         return _numbers(full, w, where, dtype, values)
     if plain == "skip":
         return []
