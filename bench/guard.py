@@ -110,6 +110,8 @@ def _clear_all() -> None:
 
 def measure(name: str, guard: bool, warm: int, mesh: Any) -> tuple[float, float] | str:
     """(first step seconds, median warm step seconds), or the error with this setting."""
+    from decompshard.errors import one_line
+
     from torch.distributed._local_tensor import LocalTensorMode
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -132,7 +134,7 @@ def measure(name: str, guard: bool, warm: int, mesh: Any) -> tuple[float, float]
                 loss_fn(m, args).backward()
                 times.append(CLOCK() - t)
         except Exception as e:
-            return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:80]}"
+            return one_line(e, 80)
         finally:
             decompshard.disable()
     return times[0], statistics.median(times[1:])

@@ -12,6 +12,12 @@ step's ratio (the faster of two warm steps). Each case runs in a worker process 
 time by default so the times do not compete for cores. Markdown (README-ready) on
 stdout, failures (op and error) under the table.
 
+Per case, also how many distinct ops enable() ran replicated instead of derived (unsupported,
+no decomposition, data-dependent, symbolic shapes), named under the table. Exit 3 when any
+case with enable() is WRONG or an ERROR (an internal error of decompshard's that enable()
+caught and ran an op replicated for included); torch alone's errors are the table's
+point, not a failure.
+
 Usage: python bench/zoo.py [--models all|llama,bert-mlm,...] [--shardings dp,2d]
        [--jobs 1] [--timeout 120] [--json rows.json]
 """
@@ -29,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def main(argv: list[str] | None = None) -> int:
     from decompshard.check.model import SHARDINGS
-    from decompshard.check.zoo_run import expand_names, render, run_zoo
+    from decompshard.check.zoo_run import against_us, expand_names, render, run_zoo
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="all", help="'all' or comma-separated zoo names (default all)")
@@ -53,7 +59,11 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(rows, f, indent=1)
     print(render(rows))
     print(f"\n({len(rows)} cases, {time.perf_counter() - t0:.0f} s)")
-    return 0
+    bad = against_us(rows)
+    if bad:
+        print(f"{len(bad)} cases with enable() WRONG or ERROR: "
+              + ", ".join(f"{r['model']} / {r['sharding']}" for r in bad), file=sys.stderr)
+    return 3 if bad else 0
 
 
 if __name__ == "__main__":

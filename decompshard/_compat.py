@@ -551,6 +551,16 @@ def simulating_ranks() -> bool:
     return active_mode() is not None
 
 
+@contextlib.contextmanager
+def outside_simulation() -> Iterator[None]:
+    """LocalTensorMode off inside (if one is active): plain arithmetic on one rank's
+    tensors stays plain, instead of running once per simulated rank."""
+    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+
+    with maybe_disable_local_tensor_mode():
+        yield
+
+
 def per_rank_call(fn: Any) -> Any:
     """`fn(tensor, ...)` run on each simulated rank's tensor separately (outside the
     mode), its results (a tensor or a list of them) put back together as LocalTensors."""

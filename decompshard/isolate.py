@@ -46,6 +46,8 @@ from typing import Any, Callable
 
 import torch
 
+from decompshard.errors import one_line
+
 __all__ = ["Answer", "Timeout", "first_line", "named_line", "call", "dump_answer", "serve", "receive",
            "send_request", "quiet_child", "death", "timed_out", "isolated", "ForkedServer"]
 
@@ -63,13 +65,12 @@ class Timeout(Exception):
 
 def first_line(e: BaseException) -> str:
     """The exception's first line (its type name when it has no text), at most 120 chars."""
-    return (str(e).splitlines() or [type(e).__name__])[0][:120]
+    return one_line(e, 120, with_type=False)
 
 
 def named_line(e: BaseException) -> str:
     """'Type: first line' (at most 200 chars of text): the process pool's wording."""
-    text = (str(e).strip().splitlines() or [""])[0][:200]
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return one_line(e, 200)
 
 
 def call(fn: Callable[..., Any], args: tuple, describe: Callable[[BaseException], str] = first_line) -> Answer:

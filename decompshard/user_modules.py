@@ -26,12 +26,12 @@ _IMPORTED: list[str] = []  # specs imported in this process, in order (what work
 def import_user_module(spec: str, flag: str = "--import") -> ModuleType:
     """Import `spec` (a dotted name, or a path ending in .py) and remember it for the
     worker processes. A failure is a UsageError naming `flag` and the cause."""
-    from decompshard.errors import UsageError
+    from decompshard.errors import UsageError, one_line
 
     try:
         module = _import(spec)
     except Exception as e:  # ImportError, or the module's own import-time error
-        raise UsageError(f"{flag}: cannot import {spec!r}: {type(e).__name__}: {e}") from None
+        raise UsageError(f"{flag}: cannot import {spec!r}: {one_line(e)}") from None
     if spec not in _IMPORTED:
         _IMPORTED.append(spec)
     return module

@@ -26,6 +26,7 @@ import warnings
 from multiprocessing.connection import wait
 from typing import Any, Callable, Iterator, Sequence
 
+from decompshard.errors import one_line
 from decompshard.isolate import serve, named_line
 
 Job = tuple[str, Callable[..., Any], tuple]  # (name, module-level function, its arguments)
@@ -124,7 +125,7 @@ def run_jobs(jobs: Sequence[Job], workers: int, timeout: float,
             try:
                 value = fn(*args)
             except Exception as e:
-                on_failure(name, f"error: {type(e).__name__}: {e}".splitlines()[0][:200], time.perf_counter() - t0)
+                on_failure(name, f"error: {one_line(e, 200)}", time.perf_counter() - t0)
                 continue
             on_result(name, value)
         return

@@ -80,9 +80,10 @@ def _check(op, args, kwargs) -> dict:
 def _isolated(fn, timeout: float = 40.0) -> dict | None:
     """`fn()`'s dict in a forked child (decompshard's one process isolator); an exception
     becomes {"error": ...}; None for a crash or a hang past `timeout` seconds."""
+    from decompshard.errors import one_line
     from decompshard.isolate import isolated
 
-    status, out = isolated(fn, timeout, describe=lambda e: f"{type(e).__name__}: {str(e)[:150]}")
+    status, out = isolated(fn, timeout, describe=lambda e: one_line(e, 150))
     if status == "error":
         return {"error": out}
     return out if status == "ok" else None

@@ -1,6 +1,6 @@
 """The one DTensor runner's engine (verify/dtensor_case.py), shared by the check
-(`run_case`) and the native audit (`native_rules.run_on_dtensor`): its comparison
-numbers, its simulation context and the chunk mend that lives in _compat."""
+(`run_case`) and the native audit (`native_rules.run_on_dtensor`): the one judge's
+numbers (verify/judge.py), its simulation context and the chunk mend that lives in _compat."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import torch._utils as tutils
 
 from decompshard._compat import TorchShard, make_local_tensor, per_rank_call, simulating_ranks, simulator_chunks
 from decompshard.placements import S
-from decompshard.verify.dtensor_case import device_mesh, every_rank_full, max_error, mesh_coords, simulation
+from decompshard.verify.dtensor_case import device_mesh, every_rank_full, mesh_coords, simulation
+from decompshard.verify.judge import max_error
 from decompshard.verify.native_rules import run_on_dtensor
 
 aten = torch.ops.aten
@@ -22,21 +23,21 @@ INF, NAN = math.inf, math.nan
 pytestmark = pytest.mark.usefixtures("world")
 
 
-def test_max_error_counts_integers_for_the_check_and_measures_them_for_the_audit():
+def test_max_error_is_the_largest_difference_for_every_dtype():
+    """One policy for every tool: the largest |difference| in the values' unit."""
     got, want = torch.tensor([1, 5, 3]), torch.tensor([1, 2, 0])
-    assert max_error(got, want) == 2.0  # two elements differ
-    assert max_error(got, want, count_integers=False) == 3.0  # the largest difference
-    assert max_error(torch.tensor([True, False]), torch.tensor([False, False]), count_integers=False) == 1.0
+    assert max_error(got, want) == 3.0  # integers: the largest difference, not a count
+    assert max_error(torch.tensor([True, False]), torch.tensor([False, False])) == 1.0
 
 
-def test_max_error_on_special_values():
+def test_max_error_counts_what_close_calls_equal_as_zero():
     got, want = torch.tensor([INF, 1.5, NAN], dtype=torch.float64), torch.tensor([INF, 1.0, NAN], dtype=torch.float64)
-    assert max_error(got, want) == INF  # the check's number: inf - inf is NaN, reported as inf
-    assert max_error(got, want, equal_infinities=True) == 0.5  # the audit's: a matching inf counts 0
+    assert max_error(got, want) == 0.5  # a matching inf and NaN against NaN count 0
+    assert max_error(torch.tensor([INF]), torch.tensor([-INF])) == INF
+    assert max_error(torch.tensor([NAN]), torch.tensor([1.0])) == INF
     z_got = torch.tensor([complex(NAN, 0), 1 + 2j], dtype=torch.complex128)
     z_want = torch.tensor([complex(NAN, 0), 1 + 1j], dtype=torch.complex128)
     assert max_error(z_got, z_want) == 1.0  # NaN against NaN counts 0, complex too
-    assert max_error(z_got, z_want, equal_infinities=True) == INF  # the audit masks nothing on complex
     assert max_error(torch.zeros(2, 3), torch.zeros(3, 2)) == INF
     assert max_error(torch.zeros(0), torch.zeros(0)) == 0.0
 

@@ -2,9 +2,10 @@
 what it reports about DTensor's own strategies, and that every report is real.
 
 0 false alarms: every wrong behaviour listed in docs/native_audit.json (the full sweep's
-output) is re-run here through DTensor by its own reproducer script, which must print
-REPRODUCED. Right ops, rounding noise and rules DTensor never applies must not be
-reported.
+output) is re-run here through DTensor by its own reproducer script and judged by the one
+judge (verify/judge.py: values at their dtype's tolerance, shapes and layouts, and for a
+run that raised, whether DTensor had accepted the placements), which must find it wrong.
+Right ops, rounding noise and rules DTensor never applies must not be reported.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from decompshard.cli import main
 from decompshard.verify.native_rules import run_on_dtensor
 from decompshard.verify.native_rules import DISPATCH, KERNEL_ERROR, RULE, WRONG_SHAPE, WRONG_VALUES, audit_native_op, audit_native_op_detailed
 from decompshard.placements import P, R, S
+from decompshard.verify.judge import Verdict
 
 aten = torch.ops.aten
 REPORT = pathlib.Path(__file__).resolve().parent.parent / "docs" / "native_audit.json"
@@ -32,10 +34,14 @@ def _conv1d_sample():
 
 
 def _exec(script: str) -> bool:
+    """Run a reproducer; True if the one judge finds the run wrong (not a clean refusal)."""
     ns: dict = {}
     with contextlib.redirect_stdout(io.StringIO()):
         exec(compile(script, "<reproducer>", "exec"), ns)  # noqa: S102 - our own generated script
-    return ns["reproduced"]
+    verdict = ns["verdict"]
+    assert type(verdict) is Verdict, "the script must be judged by decompshard's one judge"
+    assert ns["reproduced"] == verdict.wrong
+    return verdict.wrong
 
 
 def test_conv_out_channel_and_channel_input_are_found(world):
@@ -108,7 +114,8 @@ def test_a_wrong_table_rule_is_confirmed(world):
 
 
 def test_every_reported_wrong_rule_reproduces_in_dtensor(world):
-    """0 false alarms: each finding of the full sweep, re-run by its own script."""
+    """0 false alarms: each finding of the full sweep, re-run by its own script and
+    judged by the one judge."""
     doc = json.loads(REPORT.read_text())
     found = doc["wrong_rules"]
     assert found, "the committed sweep found nothing"

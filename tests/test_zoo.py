@@ -148,7 +148,7 @@ def test_table_gives_ratios_only_where_both_paths_match_one_device():
 
     rows = [{"model": "a", "sharding": "tp", "enable": path("OK", 3.0, 1.0), "torch": path("OK", 1.0, 1.0)},
             {"model": "b", "sharding": "tp", "enable": path("OK", 3.0, 1.0), "torch": path("WRONG", 1.0, 1.0)}]
-    cells = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[9:11]]
+    cells = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[10:12]]
              for line in render(rows).splitlines() if line.startswith("| a ") or line.startswith("| b ")}
     assert cells == {"a": ["3.00x", "1.00x"], "b": ["-", "-"]}, cells
 

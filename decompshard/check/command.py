@@ -14,9 +14,11 @@ grammar `explain --mesh-placements` and rule strings share (placements.py): R, S
 P(sum|avg|max|min), _S(d,k) (_StridedShard(d, split_factor=k); SS(d,k) is read too).
 
 Exit codes: 0 nothing counts against decompshard (no WRONG, no error where torch's own
-fallback runs the case), 3 something does (each failure printed with a reproducer),
-2 bad arguments. The zoo (--model NAME|all): 3 when any case with enable() is WRONG or
-an ERROR, whatever torch alone does.
+fallback runs the case or --no-torch skipped it, no internal error of decompshard's
+that enable() caught and ran the op replicated for), 3 something does (each failure
+printed with a reproducer), 2 bad arguments. The zoo (--model NAME|all): 3 when any
+case with enable() is WRONG or an ERROR (an internal error included), whatever torch
+alone does. Every op that ran replicated instead of derived is reported, with why.
 """
 
 from __future__ import annotations
@@ -265,6 +267,7 @@ def _one_case(args: argparse.Namespace, meshes: list) -> int:
                  f"  decompshard: {_outcome(d['ours'])}"]
         if d["torch"]:
             lines.append(f"  torch:       {_outcome(d['torch'])}")
+        lines += [f"  ran replicated ({f['kind']}): {f['op']}: {f['message']}" for f in d["fallbacks"]]
         _emit("\n".join(lines), args.output)
     from decompshard.check.sweep import counts_against_us
 
@@ -280,7 +283,7 @@ def _outcome(o: dict) -> str:
 def render(doc: dict[str, Any]) -> str:
     from tabulate import tabulate
 
-    from decompshard.check.sweep import reproducer
+    from decompshard.check.sweep import internal_errors, reproducer
 
     s = doc["summary"]
     rows = []
@@ -290,10 +293,14 @@ def render(doc: dict[str, Any]) -> str:
     out = [f"decompshard check: {s['ops']} ops, {s['cases']} cases ({doc['run']['seconds']:.0f} s)", "",
            tabulate(rows, headers=["mesh", "cases", "ok", "WRONG", "error", "n/a", "torch ok", "torch WRONG",
                                    "torch error"]), ""]
+    out += fallback_lines(s["fallbacks"]) + [""]
     fails = s["failures"]
-    out.append(f"against decompshard: {len(fails)} (WRONG, or an error where torch's fallback runs the case)")
+    out.append(f"against decompshard: {len(fails)} (WRONG, an error where torch's fallback runs the case or was "
+               "not run, or an internal error)")
     for r in fails:
         out.append(f"  {r['op']} [{r['shapes']}] mesh {r['mesh']} {r['placements']}: {_outcome(r['ours'])}")
+        out += [f"    internal error of decompshard at {f['op']} (ran replicated): {f['message']}"
+                for f in internal_errors(r)]
         out.append(f"    torch: {_outcome(r['torch']) if r.get('torch') else '-'}")
         out.append(f"    reproduce: {reproducer(r)}")
     both = s["errors_where_torch_fails_too"]
@@ -308,6 +315,18 @@ def render(doc: dict[str, Any]) -> str:
             seen.add(r["op"])
             out.append(f"  {r['op']} mesh {r['mesh']} {r['placements']}: {_outcome(r['ours'])}")
     return "\n".join(out)
+
+
+def fallback_lines(by_kind: dict[str, dict[str, int]]) -> list[str]:
+    """The ops that ran replicated under enable() instead of with a derived strategy, per
+    reason (runtime/fallbacks.py), with how many cases each."""
+    if not by_kind:
+        return ["ran replicated under enable(): none (every op reached ran a native or derived strategy)"]
+    out = [f"ran replicated under enable(): {sum(len(ops) for ops in by_kind.values())} ops"]
+    for kind, ops in sorted(by_kind.items()):
+        names = ", ".join(f"{op} ({n} case{'s' if n > 1 else ''})" for op, n in sorted(ops.items()))
+        out.append(f"  {kind}: {len(ops)} ops: {names}")
+    return out
 
 
 def _emit(text: str, output: str | None) -> None:

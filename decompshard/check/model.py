@@ -26,7 +26,7 @@ import math
 import time
 import warnings
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -35,7 +35,9 @@ from decompshard._compat import tree_leaves
 
 from decompshard.dispatch_modes.comm_bytes import CommBytes
 from decompshard.dispatch_modes.record import RecordCallOutputs
-from decompshard.verify.rank_sim import close
+from decompshard.errors import one_line
+from decompshard.runtime.fallbacks import INTERNAL_ERROR, recording_fallbacks
+from decompshard.verify.judge import judge
 
 
 @dataclass
@@ -50,6 +52,7 @@ class Divergence:
 class ModelCheck:
     calls: int
     divergence: Divergence | None
+    fallbacks: list[dict] = field(default_factory=list)  # ops run replicated under enable() (fallbacks.Fallback)
 
 
 def _split_placements(text: str | None, n_inputs: int, ndim: int, params: dict[str, torch.Tensor],
@@ -71,9 +74,7 @@ def _split_placements(text: str | None, n_inputs: int, ndim: int, params: dict[s
 def run_model_check(module: torch.nn.Module, inputs: Sequence[torch.Tensor], mesh_shape: Sequence[int],
                     placements: str | None, seed: int = 0) -> ModelCheck:
     """The step on one device and on DTensors; the first divergence, if any."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    from decompshard.verify.dtensor_case import device_mesh, make_dtensor, rank_locals, simulation
+    from decompshard.verify.dtensor_case import device_mesh, simulation
     from decompshard.runtime.enable import switched
 
     ref_model = copy.deepcopy(module).to(torch.float64)
@@ -98,35 +99,46 @@ def run_model_check(module: torch.nn.Module, inputs: Sequence[torch.Tensor], mes
     mesh = device_mesh(mesh_shape)
     n = math.prod(mesh_shape)
     dmodel = copy.deepcopy(module).to(torch.float64)
-    drec = RecordCallOutputs()
-    with switched(True), warnings.catch_warnings(), simulation(n):
+    with recording_fallbacks() as log, switched(True), warnings.catch_warnings(), simulation(n):
         warnings.simplefilter("ignore")
-        for name, p in list(dmodel.named_parameters()):
-            pl = param_pl.get(name)
-            d = make_dtensor(p.detach(), mesh, pl, seed, zlib.crc32(name.encode()) % 997) if pl else \
-                distribute_tensor(p.detach(), mesh, [_replicate()] * mesh.ndim)
-            _set_param(dmodel, name, torch.nn.Parameter(d))
-        din = [make_dtensor(x, mesh, pl, seed, i).detach().requires_grad_(x.dtype.is_floating_point)
-               for i, (x, pl) in enumerate(zip(inputs, in_pl))]
-        try:
-            with drec:
-                dout = dmodel(*din)
-            douts = [o for o in tree_leaves(dout) if isinstance(o, DTensor) and o.requires_grad]
-            dcots = [distribute_tensor(c, mesh, [_replicate()] * mesh.ndim) for c in cots]
-            drec.phase = "backward"
-            with drec:
-                torch.autograd.backward(douts, dcots)
-        except Exception as e:
-            # a wrong value often surfaces as an error a few ops later: name the first
-            # divergence among the calls that did run, if there is one
-            earlier = _first_divergence(reference, drec.calls, mesh, rank_locals, prefix=True)
-            if earlier.divergence is not None:
-                return earlier
-            where = drec.calls[-1][0] if drec.calls else "the first op"
-            line = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            return ModelCheck(len(drec.calls), Divergence(len(drec.calls), where, drec.phase,
-                                                          f"raised after {where}: {type(e).__name__}: {line}"))
-        return _first_divergence(reference, drec.calls, mesh, rank_locals)
+        res = _dtensor_calls(dmodel, param_pl, in_pl, inputs, cots, mesh, reference, seed)
+    res.fallbacks = log.as_json()
+    return res
+
+
+def _dtensor_calls(dmodel: torch.nn.Module, param_pl: dict, in_pl: list, inputs: list, cots: list, mesh: Any,
+                   reference: list, seed: int) -> ModelCheck:
+    """The step on DTensors (inside the simulation), walked beside one device's calls."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from decompshard.verify.dtensor_case import make_dtensor
+
+    drec = RecordCallOutputs()
+    for name, p in list(dmodel.named_parameters()):
+        pl = param_pl.get(name)
+        d = make_dtensor(p.detach(), mesh, pl, seed, zlib.crc32(name.encode()) % 997) if pl else \
+            distribute_tensor(p.detach(), mesh, [_replicate()] * mesh.ndim)
+        _set_param(dmodel, name, torch.nn.Parameter(d))
+    din = [make_dtensor(x, mesh, pl, seed, i).detach().requires_grad_(x.dtype.is_floating_point)
+           for i, (x, pl) in enumerate(zip(inputs, in_pl))]
+    try:
+        with drec:
+            dout = dmodel(*din)
+        douts = [o for o in tree_leaves(dout) if isinstance(o, DTensor) and o.requires_grad]
+        dcots = [distribute_tensor(c, mesh, [_replicate()] * mesh.ndim) for c in cots]
+        drec.phase = "backward"
+        with drec:
+            torch.autograd.backward(douts, dcots)
+    except Exception as e:
+        # a wrong value often surfaces as an error a few ops later: name the first
+        # divergence among the calls that did run, if there is one
+        earlier = _first_divergence(reference, drec.calls, mesh, prefix=True)
+        if earlier.divergence is not None:
+            return earlier
+        where = drec.calls[-1][0] if drec.calls else "the first op"
+        return ModelCheck(len(drec.calls), Divergence(len(drec.calls), where, drec.phase,
+                                                      f"raised after {where}: {one_line(e, 200)}"))
+    return _first_divergence(reference, drec.calls, mesh)
 
 
 def _replicate():
@@ -151,9 +163,10 @@ LAYOUT_OPS = frozenset(f"aten.{n}" for n in (
     "_reshape_alias.default", "contiguous.default", "_to_copy.default"))
 
 
-def _first_divergence(reference, calls, mesh, rank_locals, prefix: bool = False) -> ModelCheck:
-    """The first call whose op or outputs differ; `prefix`: `calls` stopped early (an
-    exception), so a shorter sequence is not itself a divergence."""
+def _first_divergence(reference, calls, mesh, prefix: bool = False) -> ModelCheck:
+    """The first call whose op or outputs differ (the one judge on its DTensor outputs);
+    `prefix`: `calls` stopped early (an exception), so a shorter sequence is not itself
+    a divergence."""
     from torch.distributed.tensor import DTensor
 
     reference = [c for c in reference if c[0] not in LAYOUT_OPS]
@@ -161,15 +174,11 @@ def _first_divergence(reference, calls, mesh, rank_locals, prefix: bool = False)
     for i, ((rop, _rphase, routs), (dop, dphase, douts)) in enumerate(zip(reference, calls)):
         if rop != dop:
             return ModelCheck(len(calls), Divergence(i, dop, dphase, f"the call sequence differs: one device ran {rop}"))
-        for j, (r, d) in enumerate(zip(routs, douts)):
-            if not isinstance(d, DTensor):
-                continue
-            placements = tuple(d.placements)
-            for rank, full in rank_locals(d.full_tensor(), mesh).items():
-                if tuple(full.shape) != tuple(r.shape) or not close(full, r.detach(), []):
-                    err = float((full - r).abs().max()) if full.shape == r.shape else math.inf
-                    return ModelCheck(len(calls), Divergence(
-                        i, dop, dphase, f"output {j} ({placements}) differs on rank {rank} (max error {err:.3g})"))
+        pairs = [(j, d, r.detach()) for j, (r, d) in enumerate(zip(routs, douts)) if isinstance(d, DTensor)]
+        v = judge([d for _, d, _ in pairs], [r for _, _, r in pairs], names=[f"output {j}" for j, _, _ in pairs],
+                  mesh=mesh)
+        if not v.ok:
+            return ModelCheck(len(calls), Divergence(i, dop, dphase, v.detail))
     if len(reference) != len(calls) and not prefix:
         return ModelCheck(len(calls), Divergence(min(len(reference), len(calls)), "-", "-",
                                                  f"{len(calls)} calls, one device made {len(reference)}"))
@@ -189,12 +198,17 @@ def check_model(spec: str, input_shapes: str | None, meshes: list, placements: s
     with simulated_world(math.prod(meshes[0])):
         res = run_model_check(module, inputs, meshes[0], placements, args.seed)
     mesh = "x".join(map(str, meshes[0]))
+    bugs = [f for f in res.fallbacks if f["kind"] == INTERNAL_ERROR]
     if res.divergence is None:
         print(f"{spec} on mesh {mesh}: {res.calls} op calls, forward and backward match one device")
-        return 0
-    d = res.divergence
-    print(f"{spec} on mesh {mesh}: first divergence at call #{d.index} ({d.phase}) {d.op}: {d.detail}")
-    return 3
+    else:
+        d = res.divergence
+        print(f"{spec} on mesh {mesh}: first divergence at call #{d.index} ({d.phase}) {d.op}: {d.detail}")
+    for f in res.fallbacks:  # what ran replicated instead of derived: right numbers, but say so
+        print(f"  ran replicated ({f['kind']}): {f['op']}: {f['message']}")
+    if bugs:
+        print(f"{spec}: internal error of decompshard at {', '.join(f['op'] for f in bugs)} (ran replicated)")
+    return 3 if res.divergence is not None or bugs else 0
 
 
 # ------------------------------------------------------------------ the zoo's training step
@@ -230,9 +244,11 @@ SHARDINGS: dict[str, Sharding] = {
 @dataclass
 class StepRun:
     """One (model, sharding, path) run. verdict: OK (loss, every gradient and buffer
-    match one device on every rank), WRONG (`detail` names the worst tensor and its
-    error), ERROR (`detail` is the exception's first line, `op` the aten op in flight),
-    n/a (the sharding does not apply: TP without a plan)."""
+    match one device on every rank), WRONG (`detail`: the one judge's, the first wrong
+    metadata or the worst wrong number), ERROR (`detail` is the exception's first line,
+    `op` the aten op in flight; or an internal error of decompshard's that `enable()`
+    caught and ran `op` replicated for), n/a (the sharding does not apply: TP without a
+    plan). `fallbacks`: every op that ran replicated instead of derived, and why."""
 
     verdict: str
     detail: str = ""
@@ -242,6 +258,7 @@ class StepRun:
     bytes: int | None = None
     first_s: float | None = None
     warm_s: float | None = None
+    fallbacks: list[dict] = field(default_factory=list)  # ops run replicated under enable() (fallbacks.Fallback)
 
 
 def run_training_step(built: Any, sharding: str, enable: bool, measure: bool = True) -> StepRun:
@@ -269,41 +286,54 @@ def run_training_step(built: Any, sharding: str, enable: bool, measure: bool = T
     dmodel = copy.deepcopy(built.model)  # before the reference step moves BatchNorm's stats
     ref = _reference_step(built)
     mesh = device_mesh(sh.mesh)
-    with switched(enable), warnings.catch_warnings(), simulation(math.prod(sh.mesh)):
+    with recording_fallbacks() as log, switched(enable), warnings.catch_warnings(), simulation(math.prod(sh.mesh)):
         warnings.simplefilter("ignore")
+        run = _sharded_step(built, dmodel, ref, mesh, sh, measure)
+    run.fallbacks = log.as_json()
+    bug = log.internal_errors()
+    if bug and run.verdict == "OK":  # right numbers from a replicated op that should have been derived
+        run.verdict, run.op, run.stage = "ERROR", bug[0].op, "strategy"
+        run.detail = f"internal error of decompshard, the op ran replicated: {bug[0].message}"
+    return run
+
+
+def _sharded_step(built: Any, dmodel: torch.nn.Module, ref: _RefStep, mesh: Any, sh: Sharding,
+                  measure: bool) -> StepRun:
+    """The DTensor step, its verdict against `ref`, and with `measure` its times and
+    collectives (inside the simulation and the caller's `switched`)."""
+    try:
+        _distribute_model(dmodel, built.plan, mesh, sh)
+        din = _distribute_inputs(built.inputs, mesh, sh)
+    except Exception as e:
+        return StepRun("ERROR", one_line(e, 300), stage="setup")
+    _clear_all_caches()
+    t0 = time.perf_counter()
+    try:
+        loss = _dtensor_step(dmodel, built.loss, din, not sh.local_output)
+    except Exception as e:
+        return StepRun("ERROR", one_line(e, 300), _failing_op(dmodel, built.loss, din, not sh.local_output), "step")
+    run = StepRun("OK", first_s=time.perf_counter() - t0)
+    try:
+        bad = _compare_step(loss, dmodel, ref, getattr(built, "compute_dtype", torch.float64), mesh,
+                            plain_ok=sh.local_output)
+    except Exception as e:
+        return StepRun("ERROR", f"reading the results: {one_line(e, 300)}", stage="compare")
+    if bad:
+        run.verdict, run.detail = "WRONG", bad
+    if measure:
         try:
-            _distribute_model(dmodel, built.plan, mesh, sh)
-            din = _distribute_inputs(built.inputs, mesh, sh)
-        except Exception as e:
-            return StepRun("ERROR", _first_line(e), stage="setup")
-        _clear_all_caches()
-        t0 = time.perf_counter()
-        try:
-            loss = _dtensor_step(dmodel, built.loss, din, not sh.local_output)
-        except Exception as e:
-            return StepRun("ERROR", _first_line(e), _failing_op(dmodel, built.loss, din, not sh.local_output), "step")
-        run = StepRun("OK", first_s=time.perf_counter() - t0)
-        try:
-            bad = _compare_step(loss, dmodel, ref, getattr(built, "compute_dtype", torch.float64), mesh,
-                                plain_ok=sh.local_output)
-        except Exception as e:
-            return StepRun("ERROR", f"reading the results: {_first_line(e)}", stage="compare")
-        if bad:
-            run.verdict, run.detail = "WRONG", bad
-        if measure:
-            try:
-                # warm: the faster of two steps (a shared machine swings one run's time).
-                # The first step is timed once: a second step after clearing the caches
-                # is not as cold (llama tp, enable(): 1.9 s, then 0.85 s), and that cost is
-                # what a user pays
-                implicit = not sh.local_output
-                run.warm_s = min(_timed_step(dmodel, built.loss, din, implicit) for _ in range(2))
-                _zero_grads(dmodel)
-                with CommBytes() as comm:
-                    _dtensor_step(dmodel, built.loss, din, not sh.local_output)
-                run.collectives, run.bytes = comm.get_total_counts(), comm.bytes
-            except Exception as e:  # the first step's verdict stands; say why there are no numbers
-                run.detail = (run.detail + "; " if run.detail else "") + f"a later step raised: {_first_line(e)}"
+            # warm: the faster of two steps (a shared machine swings one run's time).
+            # The first step is timed once: a second step after clearing the caches
+            # is not as cold (llama tp, enable(): 1.9 s, then 0.85 s), and that cost is
+            # what a user pays
+            implicit = not sh.local_output
+            run.warm_s = min(_timed_step(dmodel, built.loss, din, implicit) for _ in range(2))
+            _zero_grads(dmodel)
+            with CommBytes() as comm:
+                _dtensor_step(dmodel, built.loss, din, not sh.local_output)
+            run.collectives, run.bytes = comm.get_total_counts(), comm.bytes
+        except Exception as e:  # the first step's verdict stands; say why there are no numbers
+            run.detail = (run.detail + "; " if run.detail else "") + f"a later step raised: {one_line(e, 300)}"
     return run
 
 
@@ -371,58 +401,16 @@ def _zero_grads(model: torch.nn.Module) -> None:
 def _compare_step(loss: Any, model: torch.nn.Module, ref: _RefStep, dtype: torch.dtype = torch.float64,
                   mesh: Any = None, plain_ok: bool = False) -> str:
     """'' if the loss, every gradient and every buffer match one device on every rank
-    (at `dtype`'s tolerance, the lowest precision the model computes in), else the
-    worst tensor and its error. `plain_ok` (tp-local): a plain tensor (each rank's own
-    value, the tensors outside the TP layers) is compared rank by rank."""
-    from torch.distributed.tensor import DTensor
-
-    from decompshard.verify.dtensor_case import max_error as _max_err, rank_locals
-
-    worst: tuple[float, str] = (-1.0, "")
-    pairs = [("loss", loss, ref.loss)]
-    pairs += [(f"grad {n}", p.grad, ref.grads[n]) for n, p in model.named_parameters()]
-    pairs += [(f"buffer {n}", b, ref.buffers[n]) for n, b in model.named_buffers()]
-    for name, got, want in pairs:
-        if want is None or got is None:
-            if (got is None) != (want is None) and (want is None or bool((want != 0).any())):
-                return f"{name}: {'missing' if got is None else 'present'}, one device " \
-                       f"{'has' if want is not None else 'has none'}"
-            continue
-        if not isinstance(got, DTensor):
-            if not plain_ok:
-                return f"{name} is a {type(got).__name__}, not a DTensor"
-            fulls, where = rank_locals(got, mesh), "(plain)"
-        else:
-            where = tuple(got.placements)
-            lie = _local_shape_lie(got)
-            if lie:
-                return f"{name} {where}: {lie}"
-            try:
-                fulls = rank_locals(got.full_tensor(), got.device_mesh)
-            except Exception as e:
-                raise RuntimeError(f"{name} {where} shape {list(got.shape)}: {_first_line(e)}") from e
-        for rank, full in fulls.items():
-            if not close(full, want, [], dtype=dtype if want.dtype.is_floating_point else None):
-                err = _max_err(full, want)
-                if err > worst[0]:
-                    worst = (err, f"{name} {where} on rank {rank}: max error {err:.3g} "
-                                  f"(one device's max |value| {float(want.abs().max()) if want.numel() else 0:.3g})")
-    return worst[1]
-
-
-def _local_shape_lie(t: Any) -> str:
-    """'' if every rank holds the shape the DTensor's placements say, else the first
-    rank that does not (a result whose metadata and data disagree is wrong)."""
-    from decompshard.mesh.lift import local_shape_nd
-    from decompshard.verify.dtensor_case import mesh_coords as _mesh_coords, rank_locals
-
-    mesh_shape = tuple(t.device_mesh.shape)
-    coords = _mesh_coords(mesh_shape)
-    for r, lt in rank_locals(t.to_local(), t.device_mesh).items():
-        expect = tuple(local_shape_nd(tuple(t.shape), tuple(t.placements), mesh_shape, coords[r]))
-        if tuple(lt.shape) != expect:
-            return f"rank {r} holds shape {list(lt.shape)}, the placements say {list(expect)}"
-    return ""
+    (the one judge, at `dtype`'s tolerance: the lowest precision the model computes in),
+    else what disagrees. `plain_ok` (tp-local): a plain tensor (each rank's own value,
+    the tensors outside the TP layers) is judged rank by rank."""
+    triples = [("loss", loss, ref.loss)]
+    triples += [(f"grad {n}", p.grad, ref.grads[n]) for n, p in model.named_parameters()]
+    triples += [(f"buffer {n}", b, ref.buffers[n]) for n, b in model.named_buffers()]
+    names, got, want = zip(*triples)
+    v = judge(list(got), list(want), names=names, dtype=dtype, plain="per-rank" if plain_ok else "wrong",
+              missing_ok=True, mesh=mesh)
+    return v.detail
 
 
 def _distribute_model(model: torch.nn.Module, plan: dict[str, str], mesh: Any, sh: Sharding) -> None:
@@ -544,8 +532,3 @@ def _clear_all_caches() -> None:
 
     clear_caches()
     clear_dtensor_caches()
-
-
-def _first_line(e: BaseException) -> str:
-    line = (str(e).strip().splitlines() or [""])[0][:300]
-    return f"{type(e).__name__}: {line}" if line else type(e).__name__

@@ -6,8 +6,12 @@ decompshard enabled, and with torch's built-in fallback; each gets ok / WRONG / 
 (verify/dtensor_case.run_case). Cases are planned from names and seeds alone (crc32, never
 Python's per-process hash), so a reproducer line rebuilds exactly the same case.
 
-What counts against decompshard: any WRONG, and any error where torch's fallback runs
-the same case. An error where torch errors too is listed, not counted.
+What counts against decompshard: any WRONG, any error where torch's fallback runs the
+same case or was not run (--no-torch: nothing to excuse it), and any internal error of
+decompshard's that `enable()` caught and ran the op replicated for (right numbers, but a
+bug: runtime/fallbacks.py records it). An error where torch errors too is listed, not
+counted. Every other op that ran replicated (unsupported, symbolic shapes, no
+decomposition, data-dependent) is recorded per case and reported with counts.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from decompshard._compat import tree_leaves
 from decompshard._compat import TorchReplicate
 from decompshard.verify.dtensor_case import MESHES, Outcome, format_placements, parse_placements, random_placements, run_case
 from decompshard.runtime.enable import switched
+from decompshard.runtime.fallbacks import INTERNAL_ERROR, recording_fallbacks, summarize as summarize_fallbacks
 
 DEFAULT_MESHES = ("1d", "2d", "3d")
 
@@ -40,6 +45,7 @@ class CaseRecord:
     seed: int
     ours: dict = field(default_factory=dict)  # Outcome as a dict
     torch: dict | None = None
+    fallbacks: list = field(default_factory=list)  # ops the enable() run ran replicated (fallbacks.Fallback dicts)
 
 
 
@@ -88,8 +94,10 @@ def run_one(op: Any, sample: Sample, index: int, mesh: Sequence[int], text: str,
     tensors = _tensors(sample)
     placements = parse_placements(text, [tuple(t.shape) for t in tensors], len(mesh))
     rec = CaseRecord(str(op), index, ", ".join(str(list(t.shape)) for t in tensors), mesh_text(mesh), text, seed)
-    rec.ours = asdict(run_case(op, args, kwargs, mesh, placements, seed=seed, backward=backward,
+    with recording_fallbacks() as log:
+        rec.ours = asdict(run_case(op, args, kwargs, mesh, placements, seed=seed, backward=backward,
                                    runtime=switched(True)))
+    rec.fallbacks = log.as_json()
     if with_torch:
         rec.torch = asdict(run_case(op, args, kwargs, mesh, placements, seed=seed, backward=backward,
                                     runtime=switched(False)))
@@ -155,9 +163,17 @@ def check_ops(samples_by_op: Sequence[tuple[Any, Sequence[Any]]], *, meshes: Seq
     return records
 
 
+def internal_errors(rec: dict) -> list[dict]:
+    """The case's internal errors of decompshard (caught, the op run replicated)."""
+    return [f for f in rec.get("fallbacks") or [] if f["kind"] == INTERNAL_ERROR]
+
+
 def counts_against_us(rec: dict) -> bool:
-    ours, theirs = rec["ours"], rec.get("torch") or {}
-    return ours["status"] == "WRONG" or (ours["status"] == "error" and theirs.get("status") == "ok")
+    """WRONG; an error where torch's fallback runs the case, or was not run; an internal
+    error of decompshard's, whatever the numbers."""
+    ours, theirs = rec["ours"], rec.get("torch")
+    excused = theirs is not None and theirs.get("status") != "ok"
+    return ours["status"] == "WRONG" or (ours["status"] == "error" and not excused) or bool(internal_errors(rec))
 
 
 def summarize(records: Sequence[dict]) -> dict[str, Any]:
@@ -179,6 +195,7 @@ def summarize(records: Sequence[dict]) -> dict[str, Any]:
             key = "torch_" + r["torch"]["status"]
             m[key] = m.get(key, 0) + 1
     out["failures"] = [r for r in records if counts_against_us(r)]
+    out["fallbacks"] = summarize_fallbacks([f for r in records for f in r.get("fallbacks") or []])
     out["errors_where_torch_fails_too"] = [
         r for r in records if r["ours"]["status"] == "error" and not counts_against_us(r)]
     return out

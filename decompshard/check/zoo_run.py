@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any, Callable, Sequence
 
-__all__ = ["PATHS", "run_zoo", "zoo_case", "render", "failures", "versus_torch", "expand_names"]
+__all__ = ["PATHS", "against_us", "expand_names", "failures", "render", "replicated_lines", "run_zoo", "versus_torch",
+           "zoo_case"]
 
 PATHS = ("enable", "torch")  # decompshard.enable(), torch alone
 _WARMED = False
@@ -91,7 +92,7 @@ def run_zoo(names: Sequence[str], shardings: Sequence[str], *, jobs: int = 1, ti
 
     def failed(key: str, reason: str, seconds: float) -> None:
         record(key, {"verdict": "ERROR", "detail": f"worker: {reason}", "op": "", "stage": "worker",
-                     "collectives": None, "bytes": None, "first_s": None, "warm_s": None})
+                     "collectives": None, "bytes": None, "first_s": None, "warm_s": None, "fallbacks": []})
 
     run_jobs(job_list, jobs, timeout, record, failed)
     return list(rows.values())
@@ -126,23 +127,46 @@ def _kib(n: int) -> str:
     return f"{n / 1024:.0f} KiB" if n >= 1024 else f"{n} B"
 
 
+def _replicated(r: dict[str, Any] | None) -> str:
+    """How many distinct ops the run ran replicated instead of derived (runtime/fallbacks.py)."""
+    if not r or r["verdict"] == "n/a":
+        return "-"
+    return str(len({f["op"] for f in r.get("fallbacks") or []}))
+
+
+def replicated_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Per reason, the ops enable() ran replicated instead of derived, and in which cases."""
+    from decompshard.runtime.fallbacks import summarize
+
+    cases: dict[tuple[str, str], list[str]] = {}
+    for row in rows:
+        for f in (row.get("enable") or {}).get("fallbacks") or []:
+            cases.setdefault((f["kind"], f["op"]), []).append(f"{row['model']} {row['sharding']}")
+    by_kind = summarize([{"kind": k, "op": op} for (k, op), where in cases.items() for _ in where])
+    lines = []
+    for kind, ops in sorted(by_kind.items()):
+        lines.append(f"{kind}: " + "; ".join(f"{op} ({', '.join(cases[(kind, op)])})" for op in sorted(ops)))
+    return lines
+
+
 def _secs(r: dict[str, Any] | None, key: str) -> str:
     v = r.get(key) if r else None
     return f"{v:.2f}" if v is not None else "-"
 
 
 def render(rows: Sequence[dict[str, Any]], tablefmt: str = "github") -> str:
-    """The zoo table (markdown by default) and, under it, every case that did not give
-    one-device numbers, with its op and error."""
+    """The zoo table (markdown by default) and, under it, the ops enable() ran replicated
+    and every case that did not give one-device numbers, with its op and error."""
     from tabulate import tabulate
 
     table = []
     for row in rows:
         e, t = row["enable"], row["torch"]
-        table.append([row["model"], row["sharding"], _verdict(e), _verdict(t), _comm(e), _comm(t),
+        table.append([row["model"], row["sharding"], _verdict(e), _verdict(t), _replicated(e), _comm(e), _comm(t),
                       _secs(e, "first_s"), _secs(t, "first_s"),
                       *_ratios(e, t)])
-    headers = ["model", "sharding", "enable()", "torch alone", "collectives / bytes, enable()",
+    headers = ["model", "sharding", "enable()", "torch alone", "ops run replicated, enable()",
+               "collectives / bytes, enable()",
                "collectives / bytes, torch", "first step s, enable()", "first step s, torch", "first ratio",
                "warm ratio"]
     out = [tabulate(table, headers=headers, tablefmt=tablefmt)]
@@ -152,6 +176,10 @@ def render(rows: Sequence[dict[str, Any]], tablefmt: str = "github") -> str:
         out += ["", f"Both paths run ({len(both)} cases): enable() vs torch alone:", ""]
         out += [f"- {line}" for line in versus_torch(both)] or ["- the same or fewer collectives and bytes, "
                                                                  "first step within 1.5x, everywhere"]
+    replicated = replicated_lines(rows)
+    if replicated:
+        out += ["", "Ops enable() ran replicated instead of derived (right numbers, no derived strategy):", ""]
+        out += [f"- {line}" for line in replicated]
     fails = failures(rows)
     if fails:
         out += ["", "Failures:", ""]
@@ -193,5 +221,6 @@ def failures(rows: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def against_us(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rows where the enable() path is WRONG or ERROR."""
+    """Rows where the enable() path is WRONG or ERROR (an internal error of decompshard's
+    that enable() caught included: `run_training_step` makes it an ERROR naming the op)."""
     return [r for r in rows if r["enable"] and r["enable"]["verdict"] in ("WRONG", "ERROR")]

@@ -18,7 +18,7 @@ import torch
 
 from decompshard._compat import tree_flatten, tree_leaves, tree_map
 
-from decompshard.errors import UsageError
+from decompshard.errors import UsageError, one_line
 from decompshard.coverage import report as rep
 from decompshard.coverage.report import Progress
 from decompshard.coverage.sample_pick import pick_diverse
@@ -123,8 +123,7 @@ def trace_calls(module: torch.nn.Module, inputs: Sequence[Any]) -> tuple[collect
     try:
         gm = make_fx(_step(module), tracing_mode="fake", decomposition_table={})(params, buffers, list(inputs))
     except Exception as e:
-        raise UsageError(f"--model: tracing forward + backward failed: {type(e).__name__}: "
-                         f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
+        raise UsageError(f"--model: tracing forward + backward failed: {one_line(e)}") from None
     counts: collections.Counter = collections.Counter()
     calls: dict[Any, dict[str, tuple]] = collections.defaultdict(dict)
     for node in gm.graph.nodes:

@@ -19,6 +19,7 @@ import sys
 from collections import defaultdict
 from typing import Any
 
+from decompshard.errors import one_line
 from decompshard.rules import torch_tables
 from decompshard.rules.shape_class import class_key, members
 
@@ -44,7 +45,7 @@ def build_table(verbose: bool = False) -> dict[str, Any]:
                     decompshard.derive_rules(op, *s.args, **s.kwargs)
                 except Exception as e:  # a sample the derivation refuses asks nothing useful
                     if verbose:
-                        print(f"  {op}: {type(e).__name__}: {str(e)[:80]}", file=sys.stderr)
+                        print(f"  {op}: {one_line(e, 80)}", file=sys.stderr)
     finally:
         torch_tables.torch_rules = live
         decompshard.clear_caches()
@@ -67,7 +68,7 @@ def build_table(verbose: bool = False) -> dict[str, Any]:
                     raise AssertionError(
                         f"torch answers differently at {[tuple(m.shape) for m in member.input_metas()]}")
         except Exception as e:
-            bad[op] = f"{type(e).__name__}: {str(e)[:160]}"
+            bad[op] = one_line(e, 160)
             continue
         if entries[source.SOURCE].setdefault(key, answer) != answer:
             bad[op] = "two calls of one class got different answers"

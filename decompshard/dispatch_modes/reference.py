@@ -23,7 +23,7 @@ import torch
 from decompshard._compat import tree_flatten
 
 from decompshard import caches
-from decompshard.errors import DecompShardError
+from decompshard.errors import DecompShardError, one_line
 from decompshard.op_names import resolve_op
 from decompshard._compat import custom_op_overload
 from decompshard._compat import clear_dtensor_caches
@@ -163,12 +163,12 @@ def check_reference(op: Any, args: tuple, kwargs: dict, device: str = "cpu") -> 
         expected = op(*r_args, **r_kwargs)
     except Exception as e:
         raise ReferenceMismatch(f"{where}: its real kernel failed on random inputs while checking the "
-                                f"registered reference: {type(e).__name__}: {e}") from e
+                                f"registered reference: {one_line(e)}") from e
     try:
         got = fn(*r_args, **r_kwargs)
     except Exception as e:
         raise ReferenceMismatch(f"{where}: its registered reference {_name(fn)} failed on random inputs: "
-                                f"{type(e).__name__}: {e}") from e
+                                f"{one_line(e)}") from e
     exp_flat, exp_spec = tree_flatten(expected)
     got_flat, got_spec = tree_flatten(got)
     if exp_spec != got_spec or len(exp_flat) != len(got_flat):

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
 from decompshard._paths import cache_dir
-from decompshard.errors import UsageError
+from decompshard.errors import UsageError, one_line
 
 if TYPE_CHECKING:  # torch is imported when the command runs, not when the CLI builds its parser
     import torch
@@ -359,8 +359,7 @@ def _check_runs(op, args: tuple, kwargs: dict) -> None:
     except NotImplementedError:
         pass  # no meta kernel: the decomposition may still work; derive reports it
     except Exception as e:  # noqa: BLE001 - the op's own argument checks
-        text = str(e).strip().splitlines()
-        raise UsageError(f"{op} rejects these arguments: {(text[0] if text else type(e).__name__)[:200]}") from None
+        raise UsageError(f"{op} rejects these arguments: {one_line(e, 200, with_type=False)}") from None
 
 
 # ------------------------------------------------------------------------- REPL

@@ -39,6 +39,7 @@ from decompshard.solve.derive import derive_rules
 from decompshard.dispatch_modes.clean import clean_dispatch_state
 from decompshard.mesh.cost import SECONDS_DIGITS, TargetRow  # the search's pieces (issue 21)
 from decompshard.solve.localcheck import real_kernel_refusal
+from decompshard.errors import one_line
 from decompshard.placements import MaybePlacement, Partial, R, ShardPlaceholder, SingleDimRule, StridedShard, local_shape
 
 TorchPlacement = Any
@@ -592,8 +593,8 @@ def _meta_check(op, args, kwargs, ins, outs, tensors, mesh) -> str:
         try:
             result = op(*la, **lk)
         except Exception as e:
-            line = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-            return f"the op fails on rank {list(coord)}'s local shapes {[list(s) for s in shapes]}: {line}"
+            return (f"the op fails on rank {list(coord)}'s local shapes {[list(s) for s in shapes]}: "
+                    f"{one_line(e, 160, with_type=False)}")
         got = [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in tree_flatten(result)[0]]
         for g, w in zip(got, want):
             if w is not None and g != w:

@@ -9,6 +9,8 @@
                       (table, key, value) entries and puts back exactly what was there
                       (enable holds one record, the guard another, under it;
                       records unwind last in first out)
+    fallbacks         the record of every op run replicated instead of derived, and why
+                      (`recording_fallbacks()`: what check, check --model and the zoo read)
     inplace, inplace_views, as_strided, uneven_views, data_dependent
                       op families DTensor refuses or gets wrong, handled around it;
                       each declares its entries (`entries(warn_once)`) for enable's record

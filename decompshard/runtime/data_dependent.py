@@ -32,6 +32,7 @@ import torch
 
 from decompshard._compat import tree_flatten, tree_map, tree_unflatten
 from decompshard._compat import DTensor, DTensorSpec, TensorMeta, TorchReplicate, aten_ops_tagged, custom_op_handlers, has_native_strategy
+from decompshard.runtime import fallbacks
 from decompshard.runtime.table_patches import Entry, WarnOnce, where_none
 
 __all__ = ["data_dependent_ops", "entries", "replicated_reason"]
@@ -77,8 +78,10 @@ def _replicated_handler(op: torch._ops.OpOverload, warn_once: WarnOnce) -> Calla
         if any(x.device_mesh != mesh for x in dts):
             raise RuntimeError(f"decompshard: {op} got DTensors on different meshes")
         if any(not p.is_replicate() for x in dts for p in x.placements):
-            warn_once(f"data:{op}", f"decompshard: {op} has a data-dependent output; running it replicated "
-                      "(its DTensor inputs are all-gathered)")
+            message = f"decompshard: {op} has a data-dependent output; running it replicated " \
+                      "(its DTensor inputs are all-gathered)"
+            fallbacks.record(op, fallbacks.DATA_DEPENDENT, message)
+            warn_once(f"data:{op}", message)
         local = [x.full_tensor() if isinstance(x, DTensor) else x for x in flat]
         l_args, l_kwargs = tree_unflatten(local, spec)
         out = op_call(*l_args, **l_kwargs)

@@ -44,8 +44,8 @@ from decompshard._compat import TorchReplicate
 from decompshard._compat import FakeTensorMode
 from decompshard.runtime import as_strided, data_dependent, inplace, inplace_views, uneven_views
 from decompshard._compat import DecompShardingStrategy
-from decompshard.runtime import guard
-from decompshard.errors import Indeterminate, UnsupportedOp
+from decompshard.runtime import fallbacks, guard
+from decompshard.errors import Indeterminate, UnsupportedOp, one_line
 from decompshard.solve.localcheck import strict_checks
 
 
@@ -94,7 +94,8 @@ class DerivedStrategy:
             return self._symbolic(op_schema, specs)
         mesh = specs[0].mesh
         if not has_decomposition(op):
-            _warn_once(f"nodecomp:{op}", f"decompshard: {op} has no sharding strategy and no decomposition; running replicated")
+            _fall_back(op, fallbacks.NO_DECOMPOSITION,
+                       f"decompshard: {op} has no sharding strategy and no decomposition; running replicated")
             return _replicated(op_schema, specs, mesh)
         _check_reference(op, flat, spec, mesh)
         current = [tuple(s.placements) for s in specs]
@@ -115,10 +116,11 @@ class DerivedStrategy:
             raise Indeterminate(f"decompshard: {e}. Stopping rather than letting this rank choose a strategy "
                                 "alone: the other ranks may choose differently and run other collectives") from None
         except UnsupportedOp as e:  # pragma: no cover - derive reports, lift raises only on misuse
-            _warn_once(f"uns:{op}", f"decompshard: {op}: {e.reason}; running replicated")
+            _fall_back(op, fallbacks.UNSUPPORTED, f"decompshard: {op}: {e.reason}; running replicated")
             best = None
-        except Exception as e:  # a bug of ours must not take the user's program down
-            _warn_once(f"err:{op}", f"decompshard: {op}: internal error ({type(e).__name__}: {e}); running replicated")
+        except Exception as e:  # a bug of ours must not take the user's program down (the checks fail on it)
+            _fall_back(op, fallbacks.INTERNAL_ERROR,
+                       f"decompshard: {op}: internal error ({one_line(e, 300)}); running replicated")
             best = None
         if best is None:
             return _replicated(op_schema, specs, mesh)
@@ -136,7 +138,7 @@ class DerivedStrategy:
         torch's own fallback is wrong for mean losses on uneven batches, so both are out:
         the op runs replicated, which is right for any size."""
         op = op_schema.op
-        _warn_once(f"dyn:{op}", f"decompshard: {op} has symbolic shapes; running replicated "
+        _fall_back(op, fallbacks.SYMBOLIC, f"decompshard: {op} has symbolic shapes; running replicated "
                    "(derived strategies are proven per shape)")
         return _replicated(op_schema, specs, specs[0].mesh)
 
@@ -188,7 +190,8 @@ def _first_runnable(op, args, kwargs, mesh_shape, current, pinned: frozenset[int
 
     derived = derive_rules(op, *args, **kwargs)
     if derived.unsupported_reason:
-        _warn_once(f"uns:{op}", f"decompshard: {op}: unsupported ({derived.unsupported_reason}); running replicated")
+        _fall_back(op, fallbacks.UNSUPPORTED,
+                   f"decompshard: {op}: unsupported ({derived.unsupported_reason}); running replicated")
         return None
 
     in_place = mutates_self(op)
@@ -409,6 +412,13 @@ def _changed(installed: bool) -> None:
 
 _PATCHES = TablePatches(_declared, on_change=_changed)
 _warn_once = functools.partial(_PATCHES.warn_once, stacklevel=3, per_install=False)
+
+
+def _fall_back(op: Any, kind: str, message: str) -> None:
+    """`op` runs replicated: recorded for the checks (runtime/fallbacks.py), and said once
+    in a warning for the user."""
+    fallbacks.record(op, kind, message)
+    _warn_once(f"{kind}:{op}", message)
 
 
 def enable(guard_native: bool | None = None) -> None:

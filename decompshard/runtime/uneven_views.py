@@ -49,6 +49,7 @@ import torch
 
 from decompshard._compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, TorchReplicate, TorchShard, TorchStridedShard, redistribute_cost, sharding_propagator, view_family_ops, view_shape_arg_index
 from decompshard.mesh.lift import local_shape_nd
+from decompshard.errors import one_line
 from decompshard.runtime.table_patches import Entry, WarnOnce
 from decompshard.dispatch_modes.clean import clean_dispatch_state
 
@@ -75,7 +76,7 @@ def _redistributing_view_strategy(op: torch._ops.OpOverload, native: Callable, w
         try:
             answer = native(op_schema)
         except RuntimeError as e:
-            refusal: str = str(e).split("\n")[0]
+            refusal: str = one_line(e, with_type=False)
         else:
             if not _uneven(spec) or all(_fits(op, op_schema, s) for s in answer.strategies):
                 return answer

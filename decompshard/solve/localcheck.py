@@ -33,7 +33,7 @@ from decompshard import caches
 from decompshard.solve import kernel_sandbox
 from decompshard.dispatch_modes.graph import PrimGraph, freeze, map_leaves
 from decompshard.solve.substitute import SubstitutedGraph, local_args, substitute
-from decompshard.errors import Indeterminate, UnsupportedOp
+from decompshard.errors import Indeterminate, UnsupportedOp, one_line
 from decompshard.solve.kernel_sandbox import isolated  # noqa: F401  (re-exported: a crash-isolated run)
 from decompshard.placements import P, Partial, is_shard, local_shape
 from decompshard.solve.propagate import Survivor
@@ -257,7 +257,7 @@ def _real_kernel_on_empty_shard(g: PrimGraph, cand: Survivor, args, kwargs, shap
     try:  # CPU kernels do not all check sizes: never hand one shapes its meta kernel refuses
         g.op(*meta_args, **meta_kwargs)
     except Exception as e:
-        return f"the op's meta kernel refuses an empty shard: {(str(e).splitlines() or [''])[0][:120]}"
+        return f"the op's meta kernel refuses an empty shard: {one_line(e, 120, with_type=False)}"
     status, got = _kernel_on_zeros(g.op, meta_args, meta_kwargs)
     if status == "timeout":
         return f"the op's kernel gave no answer on an empty shard ({got}); refused"

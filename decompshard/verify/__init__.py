@@ -10,6 +10,12 @@
     native_rules  audit of DTensor's hand-written strategies: torch's rules and its runs
                   (`run_on_dtensor`: the runner's engine in the audit's words)
     native_repro  a standalone script that reproduces one wrong native behaviour
+    judge         the one judge of "does this DTensor run match one device?" (values at
+                  the dtype's tolerance, shapes, local shapes, stride order, missing
+                  gradients; refused vs wrong for a run that raised) and the one
+                  `max_error`: the runner, the audit, its scripts and the zoo call it
+    ranks         every simulated rank's value of a tensor (`rank_locals`, `every_rank_full`)
+    placement_text  torch placements as placement-grammar text
 
 Below the runtime: the native guard (runtime/guard.py) proves torch's rules at a call's
 shapes with rule_check before trusting them.

@@ -15,7 +15,7 @@ case can be run with decompshard enabled or with torch's own fallback, side by s
 
 One engine serves both callers: the simulated world and meshes (`simulated_world`,
 `device_mesh`, `simulation`), the one-device result (`reference`), every rank's copy of a
-global value (`every_rank_full`) and the comparison (`rank_sim.close`, `max_error`).
+global value (`ranks.every_rank_full`) and the one judge (`judge.judge`).
 `run_case` builds on it for `check/`; the native audit's `run_on_dtensor`
 (verify/native_rules.py) builds its own layouts and verdict words on the same pieces.
 
@@ -28,7 +28,6 @@ for two inputs on a 2-D mesh.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 import random
 import warnings
@@ -39,14 +38,19 @@ import torch
 
 from decompshard._compat import tree_flatten, tree_unflatten
 from decompshard._compat import (
-    TorchPartial, TorchReplicate, TorchShard, TorchStridedShard, fake_store, from_torch_placement, local_tensor_mode, make_local_tensor,
-    rank_tensors, simulating_ranks, simulator_chunks,
-    to_torch_placement,
+    TorchPartial, TorchReplicate, TorchShard, TorchStridedShard, fake_store, local_tensor_mode, make_local_tensor,
+    simulating_ranks, simulator_chunks, to_torch_placement,
 )
 from decompshard.errors import one_line
-from decompshard.verify.rank_sim import close, make_parts, promote
-from decompshard.placements import REDUCE_OPS, Partial, check_placement_rows, format_placement_rows, parse_mesh_shape, parse_placement_rows
-from decompshard.mesh.lift import local_shape_nd
+from decompshard.verify.judge import PLAIN, Verdict, judge
+from decompshard.verify.placement_text import format_placements
+from decompshard.verify.rank_sim import make_parts, promote
+from decompshard.verify.ranks import every_rank_full, mesh_coords, per_rank_values, rank_locals
+from decompshard.placements import REDUCE_OPS, Partial, check_placement_rows, parse_mesh_shape, parse_placement_rows
+
+__all__ = ["MESHES", "Outcome", "Reference", "device_mesh", "differentiable_inputs", "every_rank_full", "flatten_call",
+           "format_placements", "make_dtensor", "mesh_coords", "parse_mesh", "parse_placements", "per_rank_values",
+           "random_placements", "rank_locals", "reference", "run_case", "simulated_world", "simulation"]
 
 TorchPlacement = Any
 MESHES: dict[str, tuple[int, ...]] = {"1d": (6,), "2d": (2, 3), "3d": (2, 2, 2)}
@@ -56,26 +60,12 @@ STATUSES = ("ok", "WRONG", "error", "n/a")
 # ------------------------------------------------------------------ placement text
 
 
-def format_placements(rows: Sequence[Sequence[TorchPlacement]]) -> str:
-    """Per tensor input, torch placements in the placement grammar: "S(0),P(sum);_S(1,3),R"."""
-    return format_placement_rows([_grammar(p) for p in row] for row in rows)
-
-
 def parse_placements(text: str, shapes: Sequence[Sequence[int]], ndim: int) -> tuple[tuple[TorchPlacement, ...], ...]:
     """'S(0),P(sum);R,S(1)' -> per tensor input, one torch placement per mesh dim (the
     grammar and its checks are placements.py's; this only converts to torch's types)."""
     rows = parse_placement_rows(text)
     check_placement_rows(rows, shapes, ndim)
     return tuple(tuple(to_torch_placement(p) for p in row) for row in rows)
-
-
-def _grammar(p: TorchPlacement) -> Any:
-    if isinstance(p, TorchPartial):  # subclasses too (_NormPartial, _MaskPartial): shown by their reduction
-        return Partial(p.reduce_op)
-    q = from_torch_placement(p, strided=True)
-    if q is None or q is NotImplemented:
-        raise TypeError(f"not a plain DTensor placement: {p!r}")
-    return q
 
 
 def parse_mesh(text: str | Sequence[int]) -> tuple[int, ...]:
@@ -173,35 +163,6 @@ def _maybe_strided(row: list, shape: Sequence[int], mesh_sizes: tuple[int, ...],
 
 
 # ------------------------------------------------------------------ building DTensors
-
-
-def per_rank_values(t: torch.Tensor, n: int) -> dict[int, torch.Tensor]:
-    """Each simulated rank's tensor (LocalTensorMode gives a plain tensor where every
-    rank holds the same)."""
-    lt = rank_tensors(t)
-    return dict(lt) if lt is not None else {r: t for r in range(n)}
-
-
-def rank_locals(t: torch.Tensor, mesh: Any) -> dict[int, torch.Tensor]:
-    """The local values this process can see, by rank index within `mesh` (row-major):
-    every rank when simulated, this process's own rank in a real process group."""
-    if simulating_ranks():
-        return per_rank_values(t, mesh.size())
-    coord = mesh.get_coordinate()
-    return {mesh_coords(tuple(mesh.shape)).index(tuple(coord)): t}
-
-
-def every_rank_full(value: Any, mesh: Any) -> dict[int, Any]:
-    """Every visible rank's copy of the global value of one result (a DTensor's
-    `full_tensor()`, gathered by each rank; a plain value as each rank holds it)."""
-    from torch.distributed.tensor import DTensor
-
-    return rank_locals(value.full_tensor() if isinstance(value, DTensor) else value, mesh)
-
-
-def mesh_coords(mesh_shape: Sequence[int]) -> list[tuple[int, ...]]:
-    """Every rank's coordinate on a mesh of this shape, in rank (row-major) order."""
-    return list(itertools.product(*(range(s) for s in mesh_shape)))
 
 
 def make_dtensor(x: torch.Tensor, mesh: Any, placements: Sequence[TorchPlacement], seed: int, salt: int) -> Any:
@@ -419,9 +380,11 @@ def _run_dtensor(op, flat, spec, tensor_idx, mesh, placements, ref: Reference, s
         return failed
     outs = tree_flatten(out)[0]
     try:
-        bad = _compare_all(outs, ref.outputs, "output") or _compare_all(
-            [inputs[i] for i in ref.written], list(ref.written.values()), "input after the call", only_dtensor=True)
-        verdict = Outcome("WRONG", "forward", *bad) if bad else None
+        v = judge(outs, ref.outputs, what="output", mesh=mesh)
+        if v.ok:
+            v = judge([inputs[i] for i in ref.written], list(ref.written.values()), what="input after the call",
+                      plain="skip", mesh=mesh)
+        verdict = None if v.ok else _outcome(v, "forward", op)
     except Exception as e:
         verdict = Outcome("error", "forward", f"reading the result: {one_line(e, 200)}")
     if (verdict := _agreed(verdict, "forward")) is not None or not grad_on:
@@ -439,38 +402,23 @@ def _run_dtensor(op, flat, spec, tensor_idx, mesh, placements, ref: Reference, s
     if (verdict := _agreed(verdict, "backward")) is not None:
         return verdict
     try:
-        plain = _plain_gradients(list(grads), ref.grads, mesh)
-        bad = _compare_all(list(grads), ref.grads, "gradient", allow_none=True, skip=plain)
-        verdict = Outcome("WRONG", "backward", *bad) if bad else None
-        if verdict is None and plain:  # a wrong number elsewhere is worse, and reported first
-            verdict = Outcome("error", "backward", (
-                f"gradient {plain[0]} is a plain torch.Tensor, not a DTensor (torch's autograd formula for "
-                f"{op} builds it from sizes); its values are right, but using it with a DTensor raises"))
+        v = judge(list(grads), ref.grads, what="gradient", missing_ok=True, mesh=mesh)
+        verdict = None if v.ok else _outcome(v, "backward", op)
     except Exception as e:
         verdict = Outcome("error", "backward", f"reading the gradients: {one_line(e, 200)}")
     return _agreed(verdict, "backward") or Outcome("ok")
 
 
-def _plain_gradients(grads: Sequence[Any], want: Sequence[Any], mesh: Any) -> list[int]:
-    """Indices of the gradients that are an error, not a wrong number: a plain tensor
-    (not a DTensor) that holds the one-device gradient on every rank.
-
-    An op on DTensors returns DTensors, so a plain tensor can only come from autograd
-    building it from sizes alone (reflection_pad1d_backward's formula for `self` is
-    `zeros_like(self)`, made from its saved sizes). Its numbers are right, and the
-    first use with a DTensor (adding another gradient, an optimizer step) raises
-    "mixed torch.Tensor and DTensor": a loud failure, reported as one. A plain tensor
-    with other values stays WRONG (`_compare_all`)."""
-    from torch.distributed.tensor import DTensor
-
-    out = []
-    for j, (g, w) in enumerate(zip(grads, want)):
-        if not isinstance(g, torch.Tensor) or isinstance(g, DTensor) or not isinstance(w, torch.Tensor):
-            continue
-        locs = rank_locals(g, mesh)
-        if all(v.shape == w.shape and v.dtype == w.dtype and close(v, w, []) for v in locs.values()):
-            out.append(j)
-    return out
+def _outcome(v: Verdict, stage: str, op: Any) -> Outcome:
+    """The judge's verdict in the check's words. A plain tensor holding the right value
+    where a DTensor is due is an error, not WRONG: its numbers are right, and the first
+    use with a DTensor (adding another gradient, an optimizer step) raises "mixed
+    torch.Tensor and DTensor". As a gradient it comes from autograd building it from
+    sizes alone (reflection_pad1d_backward's formula for `self` is `zeros_like(self)`)."""
+    if v.kind == PLAIN:
+        why = f": torch's autograd formula for {op} builds it from sizes" if stage == "backward" else ""
+        return Outcome("error", stage, f"{v.detail}{why}; its values are right, but using it with a DTensor raises")
+    return Outcome("WRONG", stage, v.detail, v.max_error if v.max_error is not None else 0.0)
 
 
 def _agreed(mine: Outcome | None, stage: str) -> Outcome | None:
@@ -486,102 +434,3 @@ def _agreed(mine: Outcome | None, stage: str) -> Outcome | None:
     if int(worst) == code:
         return mine
     return Outcome("WRONG" if int(worst) == 2 else "error", stage, "on another rank (see its verdict)")
-
-
-def _compare_all(got: Sequence[Any], want: Sequence[Any], what: str, *, allow_none: bool = False,
-                 only_dtensor: bool = False, skip: Sequence[int] = ()) -> tuple[str, float] | None:
-    from torch.distributed.tensor import DTensor
-
-    if len(got) != len(want):
-        return f"{len(got)} {what}s, one device gives {len(want)}", math.inf
-    # gather every value before judging any: in a real group each rank judges its own
-    # shard, and all must run the same collectives whatever they find
-    fulls = [every_rank_full(g, g.device_mesh) if isinstance(g, DTensor) else None for g in got]
-    for j, (g, w, full) in enumerate(zip(got, want, fulls)):
-        if j in skip:  # judged by the caller
-            continue
-        if not isinstance(w, torch.Tensor):
-            if isinstance(g, torch.Tensor) or (g != w and not (g != g and w != w)):
-                return f"{what} {j}: {g!r}, one device gives {w!r}", math.inf
-            continue
-        if g is None and allow_none:
-            if bool((w != 0).any()):
-                return f"{what} {j}: missing, one device gives a nonzero gradient", math.inf
-            continue
-        if not isinstance(g, DTensor):
-            if only_dtensor:
-                continue
-            return f"{what} {j} is a {type(g).__name__}, not a DTensor", math.inf
-        bad = _compare_dtensor(g, w, full)
-        if bad:
-            return f"{what} {j} {bad[0]}", bad[1]
-    return None
-
-
-def _compare_dtensor(g: Any, w: torch.Tensor, fulls: dict[int, torch.Tensor]) -> tuple[str, float] | None:
-    """Metadata the DTensor claims against what each rank holds, then the value on every
-    rank against one device."""
-
-    placements = tuple(g.placements)
-    where = f"({format_placements([placements])})"
-    if tuple(g.shape) != tuple(w.shape):
-        return f"{where} has global shape {list(g.shape)}, one device gives {list(w.shape)}", math.inf
-    if g.dtype != w.dtype:
-        return f"{where} has dtype {g.dtype}, one device gives {w.dtype}", math.inf
-    mesh_shape = tuple(g.device_mesh.shape)
-    per_rank = rank_locals(g.to_local(), g.device_mesh)
-    coords = mesh_coords(mesh_shape)
-    for r, lt in per_rank.items():
-        coord = coords[r]
-        expect = local_shape_nd(tuple(g.shape), placements, mesh_shape, coord)
-        if tuple(lt.shape) != tuple(expect):
-            return f"{where}: rank {r} holds shape {list(lt.shape)}, the placements say {list(expect)}", math.inf
-        if _layout_disagrees(g, lt):
-            return (f"{where}: the DTensor's strides {list(g.stride())} disagree with rank {r}'s local "
-                    f"strides {list(lt.stride())} (a later view would fail)"), math.inf
-    for r, f in fulls.items():
-        if not close(f, w, []):
-            err = max_error(f, w)
-            return f"{where}: rank {r}'s full_tensor() differs from one device (max error {err:.3g})", err
-    return None
-
-
-def _layout_disagrees(g: Any, lt: torch.Tensor) -> bool:
-    """The order of dims by stride (the memory layout) differs between what the DTensor
-    claims and what the rank holds, on dims larger than 1 on both. Views planned on the
-    claimed layout then fail (or worse, succeed on the wrong elements)."""
-    dims = [d for d in range(g.ndim) if g.shape[d] > 1 and lt.shape[d] > 1]
-    if len(dims) < 2 or lt.numel() == 0:
-        return False
-    gs, ls = g.stride(), lt.stride()
-    order_g = sorted(dims, key=lambda d: (-gs[d], d))
-    order_l = sorted(dims, key=lambda d: (-ls[d], d))
-    return order_g != order_l and any(gs[a] != gs[b] for a, b in zip(order_g, order_g[1:]))
-
-
-def max_error(got: torch.Tensor, want: torch.Tensor, *, count_integers: bool = True,
-              equal_infinities: bool = False) -> float:
-    """How far `got` is from `want` (the number reported beside a verdict; the verdict
-    itself is `rank_sim.close`): inf when the shapes differ; for integer and bool results
-    the number of differing elements (`count_integers`, the check's number: a class
-    index off by 3 is no worse than off by 1) or the largest difference (the audit's);
-    for floating results the largest |difference| in float64 / complex128, NaN against
-    NaN counting 0. `equal_infinities` (the audit's number) also counts a matching
-    infinity 0 on real dtypes, and masks nothing on complex ones; without it a matching
-    infinity gives inf - inf = NaN, reported as inf."""
-    if got.shape != want.shape:
-        return math.inf
-    if not (want.dtype.is_floating_point or want.is_complex()):
-        if count_integers:
-            return float((got != want).sum())
-        return float((got.to(torch.float64) - want.to(torch.float64)).abs().max()) if want.numel() else 0.0
-    hi = torch.complex128 if want.is_complex() else torch.float64
-    d = (got.to(hi) - want.to(hi)).abs()
-    if not equal_infinities:
-        same = torch.isnan(got) & torch.isnan(want)
-    elif want.is_complex():
-        same = torch.zeros_like(d, dtype=torch.bool)
-    else:
-        same = (got.isnan() & want.isnan()) | ((got == want) & want.isinf())
-    d = torch.where(same, torch.zeros_like(d), d)
-    return float(torch.nan_to_num(d, nan=math.inf).max()) if d.numel() else 0.0

@@ -18,10 +18,11 @@ For one op and a few sample calls this module asks two questions:
    custom handler that skips the redistribution its strategy asked for (convolution),
    output metadata that does not match the local tensor.
 
-Both run DTensor with `run_on_dtensor`: the one DTensor runner of `dtensor_case.py` (its
-world, mesh, one-device reference and comparison) with the audit's own layouts (the
-checker's single-dim placements and Partial parts, or exact ones) and verdict words
-(refused, local kernel error, ranks disagree), and without the runner's chunk mend:
+Both run DTensor with `run_on_dtensor`: the pieces of the DTensor runner of
+`dtensor_case.py` (its world, mesh and one-device reference) and the one judge
+(`judge.py`: values, shapes, layouts, and refused / local kernel error / ranks disagree
+for a run that raised), with the audit's own layouts (the checker's single-dim
+placements and Partial parts, or exact ones) and without the runner's chunk mend:
 DTensor as torch ships it.
 
 Every finding is a `WrongRule` with the placements, shapes, the max error and a
@@ -32,9 +33,7 @@ Ops are run on float64 copies of the samples; random ops are skipped.
 
 from __future__ import annotations
 
-import math
 import time
-import traceback
 import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Sequence
@@ -43,11 +42,12 @@ import torch
 
 from decompshard._compat import tree_flatten, tree_unflatten
 from decompshard._compat import make_local_tensor, op_strategy_func, single_dim_strategy_info, to_torch_placement
-from decompshard.verify.rank_sim import OpCase, close, input_alphabet, leaves_equal, make_local
+from decompshard.verify.rank_sim import OpCase, input_alphabet, leaves_equal, make_local
 from decompshard.dispatch_modes.clean import clean_dispatch_state
 from decompshard.errors import one_line
-from decompshard.verify.dtensor_case import (
-    device_mesh, every_rank_full, flatten_call, max_error, reference, simulated_world, simulation,
+from decompshard.verify.dtensor_case import device_mesh, flatten_call, reference, simulated_world, simulation
+from decompshard.verify.judge import (
+    LOCAL_KERNEL, METADATA, RANKS_DISAGREE, REFUSED, SHAPE, Verdict, judge, judge_raised,
 )
 from decompshard.placements import (
     P, R, S, MaybePlacement, Partial, SingleDimRule, format_placement, format_rule, is_shard, shard_size,
@@ -127,13 +127,8 @@ class NativeAudit:
 # ------------------------------------------------------------------ one DTensor run, in the audit's words
 
 
-# How a DTensor run ended when it did not return: DTensor refused the placements (a
-# clean error from sharding propagation or redistribution), it accepted them and the
-# op's kernel then failed on the local shards it was handed, or the ranks returned
-# different Python values where one value was due (LocalTensorMode says so by raising;
-# on real processes each rank would silently carry on with its own). Both are bugs.
-REFUSED, LOCAL_KERNEL, RANKS_DISAGREE = "refused", "local-kernel-error", "ranks-disagree"
-_DISAGREE = "rank results must be equal for all ranks"
+# How a DTensor run ended when it did not return (REFUSED, LOCAL_KERNEL, RANKS_DISAGREE):
+# the one judge's words, `judge.error_kind`.
 
 
 @dataclass
@@ -153,18 +148,6 @@ class DTensorRun:
     def wrong(self) -> bool:
         """Silently wrong numbers or metadata, or a kernel fed shards it cannot take."""
         return not self.ok and self.error_kind != REFUSED
-
-
-def _error_kind(e: BaseException) -> str:
-    """RANKS_DISAGREE as above; LOCAL_KERNEL when the exception came out of running the op on the local shards
-    (LocalTensorMode's per-rank loop) after DTensor had settled the placements; REFUSED
-    when it came from sharding propagation, redistribution or argument checks."""
-    if isinstance(e, AssertionError) and _DISAGREE in str(e):
-        return RANKS_DISAGREE
-    frames = [(f.filename.replace("\\", "/"), f.name) for f in traceback.extract_tb(e.__traceback__)]
-    in_prop = any(n.endswith(("_sharding_prop.py", "_redistribute.py")) for n, _ in frames)
-    in_local = any(n.endswith("_local_tensor/__init__.py") and fn == "_for_each_rank_run_func" for n, fn in frames)
-    return LOCAL_KERNEL if in_local and not in_prop else REFUSED
 
 
 def exact_parts(x: torch.Tensor, p: Partial, world_size: int, seed: int, salt: int) -> list[torch.Tensor]:
@@ -194,38 +177,6 @@ def _placement_words(value: Any) -> str:
     if isinstance(value, DTensor):
         return ", ".join(str(p) for p in value.placements)
     return "not a DTensor" if isinstance(value, torch.Tensor) else "not a tensor"
-
-
-def _compare(ref: Any, got: list[Any]) -> tuple[bool, float | None, str]:
-    """Every rank's full value of one output against one device's: (same, largest
-    error over all ranks, why not), judged by the runner's `close` and `max_error`."""
-    if not isinstance(ref, torch.Tensor):
-        same = all(g == ref or (isinstance(g, float) and isinstance(ref, float) and math.isnan(g) and math.isnan(ref))
-                   for g in got)
-        return same, None, "" if same else f"a rank returned {got!r}, one device {ref!r}"
-    worst = 0.0
-    for r, g in enumerate(got):
-        if not isinstance(g, torch.Tensor):
-            return False, None, f"rank {r} holds {type(g).__name__}, one device a tensor"
-        if tuple(g.shape) != tuple(ref.shape):
-            return False, math.inf, f"rank {r}'s full_tensor() has shape {list(g.shape)}, one device {list(ref.shape)}"
-        g = g.detach()
-        if g.dtype != ref.dtype:
-            return False, None, f"rank {r}'s result has dtype {g.dtype}, one device {ref.dtype}"
-        worst = max(worst, max_error(g, ref, count_integers=False, equal_infinities=True))
-        if not close(g, ref, ()):
-            return False, worst, f"rank {r}'s full_tensor() differs from one device"
-    return True, worst, ""
-
-
-def _compare_meta(ref: Any, got: list[Any]) -> tuple[bool, float | None, str]:
-    if not isinstance(ref, torch.Tensor):
-        return True, None, ""
-    for r, g in enumerate(got):
-        if not isinstance(g, torch.Tensor) or tuple(g.shape) != tuple(ref.shape) or g.dtype != ref.dtype:
-            what = list(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__
-            return False, math.inf, f"rank {r}'s full_tensor() is {what}, one device {list(ref.shape)}"
-    return True, None, ""
 
 
 def _refused(run: DTensorRun, reason: str) -> DTensorRun:
@@ -267,18 +218,22 @@ def run_on_dtensor(op: Any, args: Sequence[Any], kwargs: dict[str, Any] | None,
     except Exception as e:  # no such layout (a Partial bool, a P(max) complex)
         return _refused(run, f"cannot lay out the inputs: {one_line(e, 200)}")
     try:
-        got = _run_laid_out(op, flat, spec, dict(zip(pos, zip(placements, parts))), world_size)
+        verdict, run.output_placements = _run_laid_out(op, flat, spec, dict(zip(pos, zip(placements, parts))),
+                                                       world_size, ref, values)
     except Exception as e:
-        run.ok, run.reason, run.error_kind = False, one_line(e, 200), _error_kind(e)
-        return run
-    return _judge(run, got, ref, values)
+        verdict = judge_raised(e)
+    run.ok, run.reason, run.max_error = verdict.ok, verdict.detail, verdict.max_error
+    run.error_kind = verdict.kind if verdict.kind in (REFUSED, LOCAL_KERNEL, RANKS_DISAGREE) else None
+    run.wrong_shape = verdict.kind in (SHAPE, METADATA)
+    return run
 
 
 def _run_laid_out(op: Any, flat: list, spec: Any, laid: dict[int, tuple[MaybePlacement, list]],
-                  world_size: int) -> list[tuple[list[Any], str]]:
+                  world_size: int, ref: list[Any], values: bool) -> tuple[Verdict, list[str]]:
     """The call on DTensors made of the given per-rank parts (flat index -> placement,
-    parts) on the 1-D mesh, every rank simulated and DTensor unmended: per output leaf,
-    every rank's full value and the placements it claims."""
+    parts) on the 1-D mesh, every rank simulated and DTensor unmended: the judge's
+    verdict on its outputs (a plain tensor judged rank by rank) and the placements each
+    output claims."""
     from torch.distributed.tensor import DTensor
 
     mesh = device_mesh((world_size,))
@@ -292,30 +247,8 @@ def _run_laid_out(op: Any, flat: list, spec: Any, laid: dict[int, tuple[MaybePla
                                         shape=x.shape, stride=x.stride())
         dargs, dkwargs = tree_unflatten(new, spec)
         outs = tree_flatten(op(*dargs, **dkwargs))[0]
-        return [_every_rank(o, mesh, world_size) for o in outs]
-
-
-def _every_rank(value: Any, mesh: Any, world_size: int) -> tuple[list[Any], str]:
-    words = _placement_words(value)
-    full = every_rank_full(value, mesh)
-    return [full[r] for r in range(world_size)], words
-
-
-def _judge(run: DTensorRun, got: list[tuple[list[Any], str]], ref: list[Any], values: bool) -> DTensorRun:
-    """The run's verdict on the outputs: the first output that differs gives the
-    reason, the largest error over every output and rank the number."""
-    run.output_placements = [w for _, w in got]
-    if len(got) != len(ref):
-        run.ok, run.reason = False, f"DTensor returned {len(got)} values, one device {len(ref)}"
-        return run
-    for j, ((vals, _), r) in enumerate(zip(got, ref)):
-        ok, err, why = _compare(r, vals) if values else _compare_meta(r, vals)
-        if err is not None:
-            run.max_error = max(run.max_error or 0.0, err)
-        if not ok and run.ok:
-            run.ok, run.reason = False, f"output {j}: {why}"
-            run.wrong_shape = err == math.inf and "shape" in why
-    return run
+        words = [_placement_words(o) for o in outs]
+        return judge(outs, ref, what="output", plain="per-rank", values=values, mesh=mesh), words
 
 
 # ------------------------------------------------------------------ torch's rules, raw
@@ -411,7 +344,8 @@ def _finding(op: Any, kind: str, rule: str, run: DTensorRun, args: tuple, kwargs
         shapes=[list(t.shape) for t in ts], dtypes=[str(t.dtype).replace("torch.", "") for t in ts],
         max_error=None if run.max_error is None or run.max_error == float("inf") else run.max_error,
         effect=effect, empty_shard=empty, reason=run.reason, checker=checker, sample=label,
-        script=reproducer(op, args, kwargs, run.input_placements, run.world_size),
+        script=reproducer(op, args, kwargs, run.input_placements, run.world_size,
+                          values=op._opname not in UNINITIALIZED),
     )
 
 
