@@ -1,0 +1,258 @@
+"""Batch norm on a batch-sharded input: the statistics all-reduced inside the op (what
+DDP users get from SyncBatchNorm), not the activations moved.
+
+DTensor's strategies for batch norm and its backward (torch 2.13 `_ops/_math_ops.py`)
+shard the channels only: an input sharded on the batch, data parallel's layout, is
+moved to Shard(1) and back around every call, forward and backward (an all-to-all of the
+activations each way; torchvision's ResNet-18 in data parallel moved 150-668 MB a step
+where DDP + SyncBatchNorm all-reduce two numbers per channel). One device's batch norm
+needs, per channel, the mean and variance over the batch and the spatial dims (forward)
+and the sums of grad_out and grad_out * xhat (backward): a few numbers per channel,
+summed over the ranks that split the batch. So, where the input is sharded on the batch
+only (Shard(0) or Replicate on every mesh dim) and every per-channel tensor is
+replicated:
+
+* training forward: per-channel sums all-reduced over the mesh dims that shard the
+  batch, then the centred sums of squares likewise (two passes, as one device computes
+  the variance; not sum-of-squares minus squared sum, which cancels in float32); the
+  local shard is normalized by the kernel itself (its evaluation form, given the global
+  mean and biased variance); the output stays on the input's placements, the saved
+  mean and invstd are Replicate; the running statistics are updated in place on every
+  rank as one device does (unbiased variance with the global count);
+* training backward: one all-reduce of the stacked per-channel sums of grad_out and
+  grad_out * xhat; grad_input computed locally; grad_weight and grad_bias are those
+  sums, Replicate (their data-parallel all-reduce is already done);
+* evaluation (running statistics): the kernel on the local shard, no collective;
+  grad_weight and grad_bias Partial(sum) over the batch's mesh dims.
+
+The collectives go through DTensor's `redistribute` (Partial(sum) -> Replicate), so they
+run under LocalTensorMode, gloo, and CommDebugMode's counting alike. Priced against
+DTensor's plan from global shapes and placements only (every rank chooses alike): the
+all-reduces put 2 x C numbers per rank into collectives; DTensor's plan moves at least
+the input's local part (numel / R, R the ranks the batch is split over) and its output
+back. The batch-sharded plan is taken when 2 x C x R <= numel (in evaluation it moves
+nothing and is always taken); otherwise, and for every other layout, the call goes to
+`fallback` (DTensor's own path, or the guard's running-statistics handler).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+
+from decompshard._compat import DTensor, DTensorSpec, TensorMeta, TorchPartial, TorchReplicate, TorchShard, unsharded_dtensor
+
+__all__ = ["batch_sharded_backward", "batch_sharded_forward", "batch_dims", "pays"]
+
+aten = torch.ops.aten
+
+# schema names that differ between the overloads, mapped to one name
+_ALIASES = {"save_var": "save_invstd", "update": "train", "training": "train"}
+
+
+def _named(op_call: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The call's arguments by (aliased) schema name, defaults filled in."""
+    out = {}
+    for i, a in enumerate(op_call._schema.arguments):
+        value = args[i] if i < len(args) else kwargs.get(a.name, a.default_value)
+        out[_ALIASES.get(a.name, a.name)] = value
+    return out
+
+
+def batch_dims(x: Any, others: list[Any]) -> tuple[int, ...] | None:
+    """The mesh dims that shard `x`'s batch when `x` is sharded on its batch only
+    (Shard(0) or Replicate on every mesh dim, at least one Shard(0)) and every other
+    tensor argument is a replicated DTensor or absent; None otherwise."""
+    if not isinstance(x, DTensor) or x.ndim < 2:
+        return None
+    dims = []
+    for d, p in enumerate(x.placements):
+        if type(p) is TorchShard and p.dim == 0:
+            dims.append(d)
+        elif not isinstance(p, TorchReplicate):
+            return None
+    for t in others:
+        if t is None:
+            continue
+        if not isinstance(t, DTensor) or t.device_mesh != x.device_mesh or \
+                not all(isinstance(p, TorchReplicate) for p in t.placements):
+            return None
+    return tuple(dims) or None
+
+
+def pays(x: Any, dims: tuple[int, ...]) -> bool:
+    """Whether all-reducing 2 x C numbers per rank moves no more than DTensor's plan
+    (the activations' local part, at least): 2 x C x R <= numel."""
+    ranks = math.prod(x.device_mesh.shape[d] for d in dims)
+    return 2 * x.shape[1] * ranks <= x.numel()
+
+
+def _all_reduced(local: torch.Tensor, mesh: Any, dims: tuple[int, ...]) -> torch.Tensor:
+    """`local` summed over the mesh dims in `dims` (DTensor's own all-reduce)."""
+    partial = [TorchPartial("sum") if d in dims else TorchReplicate() for d in range(mesh.ndim)]
+    rep = [TorchReplicate()] * mesh.ndim
+    return unsharded_dtensor(local, mesh, partial).redistribute(mesh, rep).to_local()
+
+
+def _spec(mesh: Any, placements: Any, shape: Any, dtype: torch.dtype, stride: Any = None) -> DTensorSpec:
+    shape = torch.Size(shape)
+    if stride is None:
+        stride = tuple(math.prod(shape[k + 1:]) for k in range(len(shape)))
+    return DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, tuple(stride), dtype))
+
+
+def _local(t: Any) -> Any:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _opmath(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _per_channel(v: torch.Tensor, ndim: int) -> torch.Tensor:
+    return v.reshape((1, -1) + (1,) * (ndim - 2))
+
+
+def _moments(x: Any, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global per-channel mean and biased variance of a batch-sharded `x`, every rank
+    alike: two all-reduces of C numbers each (sum, then the centred sum of squares)."""
+    local, mesh = _local(x), x.device_mesh
+    count = x.numel() // x.shape[1]
+    reduce = [0, *range(2, x.ndim)]
+    acc = _opmath(x.dtype)
+    mean = _all_reduced(local.sum(reduce, dtype=acc), mesh, dims) / count
+    centred = local.to(acc) - _per_channel(mean, x.ndim)
+    var = _all_reduced((centred * centred).sum(reduce), mesh, dims) / count
+    return mean, var
+
+
+def _normalized(local: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor, w: Any, b: Any) -> torch.Tensor:
+    """(x - mean) * invstd * weight + bias on the local shard, in plain elementwise ops: the
+    kernel itself divides by its row count, and a rank may hold no row (uneven batch)."""
+    n = local.ndim
+    scale = invstd if w is None else invstd * w.to(invstd.dtype)
+    out = (local.to(mean.dtype) - _per_channel(mean, n)) * _per_channel(scale, n)
+    if b is not None:
+        out = out + _per_channel(b.to(out.dtype), n)
+    return out.to(local.dtype)
+
+
+def _forward_outputs(op_call: Any, x: Any, out: torch.Tensor, stats: list[torch.Tensor]) -> Any:
+    """The op's outputs as DTensors: the normalized tensor on `x`'s placements, the saved
+    statistics (and `_batch_norm_with_update`'s reserve) replicated."""
+    mesh, rep = x.device_mesh, [TorchReplicate()] * x.device_mesh.ndim
+    n_out = len(op_call._schema.returns)
+    if n_out == 4:
+        stats = [*stats, torch.empty(0, dtype=torch.uint8, device=out.device)]
+    specs = [_spec(mesh, x.placements, x.shape, out.dtype, x.stride())]
+    specs += [_spec(mesh, rep, s.shape, s.dtype) for s in stats]
+    return DTensor._op_dispatcher.wrap(tuple([out, *stats]), tuple(specs))
+
+
+def batch_sharded_forward(fallback: Callable, training_default: bool | None = None) -> Callable:
+    """A DTensor custom handler for a batch-norm forward overload (native_batch_norm,
+    `_native_batch_norm_legit`, `_batch_norm_with_update`, ...): the batch-sharded plan
+    where it applies and pays, `fallback(op_call, args, kwargs)` otherwise.
+    `training_default`: the mode of an overload whose schema has no training flag."""
+
+    def handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
+        a = _named(op_call, args, kwargs)
+        x = a["input"]
+        train = bool(a.get("train", training_default))
+        rm, rv = a.get("running_mean"), a.get("running_var")
+        dims = batch_dims(x, [a["weight"], a["bias"], rm, rv])
+        if dims is None or not x.dtype.is_floating_point or (train and not pays(x, dims)) or \
+                (not train and (rm is None or rv is None)):
+            return fallback(op_call, args, kwargs)
+        eps, local = a["eps"], _local(x)
+        if not train:
+            mean = _local(rm).to(_opmath(x.dtype))
+            invstd = torch.rsqrt(_local(rv).to(mean.dtype) + eps)
+            out = _normalized(local, mean, invstd, _local(a["weight"]), _local(a["bias"]))
+            return _forward_outputs(op_call, x, out, [mean.new_empty(0), mean.new_empty(0)])
+        mean, var = _moments(x, dims)
+        invstd = torch.rsqrt(var + eps)
+        out = _normalized(local, mean, invstd, _local(a["weight"]), _local(a["bias"]))
+        if rm is not None and rv is not None:
+            count, momentum = x.numel() // x.shape[1], a["momentum"]
+            with torch.no_grad():
+                _local(rm).mul_(1 - momentum).add_((mean * momentum).to(rm.dtype))
+                unbiased = var * (count / (count - 1)) if count > 1 else var * float("nan")
+                _local(rv).mul_(1 - momentum).add_((unbiased * momentum).to(rv.dtype))
+        return _forward_outputs(op_call, x, out, [mean, invstd])
+
+    return handler
+
+
+def _backward_outputs(x: Any, dims: tuple[int, ...], mask: list[bool], grads: list[Any], partial: bool) -> Any:
+    """grad_input on `x`'s placements; grad_weight and grad_bias Replicate (already
+    all-reduced) or Partial(sum) over the batch's mesh dims (`partial`)."""
+    mesh = x.device_mesh
+    per = [TorchPartial("sum") if partial and d in dims else TorchReplicate() for d in range(mesh.ndim)]
+    specs = [_spec(mesh, x.placements, x.shape, x.dtype, x.stride())]
+    specs += [_spec(mesh, per, g.shape, g.dtype) if g is not None else None for g in grads[1:]]
+    outs = [g if m else None for g, m in zip(grads, mask)]
+    specs = [s if m else None for s, m in zip(specs, mask)]
+    return DTensor._op_dispatcher.wrap(tuple(outs), tuple(specs))
+
+
+def batch_sharded_backward(fallback: Callable) -> Callable:
+    """A DTensor custom handler for `native_batch_norm_backward` / `batch_norm_backward`:
+    the batch-sharded plan where grad_out and input share a batch-only layout, every
+    per-channel tensor is replicated (the forward took the batch-sharded plan) and it
+    pays; `fallback` otherwise."""
+
+    def handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
+        a = _named(op_call, args, kwargs)
+        x, dy = a["input"], a["grad_out"]
+        train = bool(a["train"])
+        per_channel = [a["weight"], a["running_mean"], a["running_var"], a["save_mean"], a["save_invstd"]]
+        dims = batch_dims(x, per_channel)
+        if dims is None or not isinstance(dy, DTensor) or tuple(dy.placements) != tuple(x.placements) \
+                or dy.shape != x.shape or not x.dtype.is_floating_point or (train and not pays(x, dims)):
+            return fallback(op_call, args, kwargs)
+        mask = list(a["output_mask"])
+        local, gl = _local(x), _local(dy)
+        w = _local(a["weight"])
+        if not train:  # running statistics: everything local, the parameter gradients partial sums
+            grads = _eval_grads(x, gl, local, w, _local(a["running_mean"]), _local(a["running_var"]), a["eps"])
+            return _backward_outputs(x, dims, mask, grads, partial=True)
+        mean, invstd = _local(a["save_mean"]), _local(a["save_invstd"])
+        return _backward_outputs(x, dims, mask, _train_grads(x, dims, gl, local, w, mean, invstd), partial=False)
+
+    return handler
+
+
+def _train_grads(x: Any, dims: tuple[int, ...], gl: torch.Tensor, local: torch.Tensor, w: Any,
+                 mean: torch.Tensor, invstd: torch.Tensor) -> list[torch.Tensor]:
+    """One device's training-mode gradients from the local shards and one all-reduce of
+    the per-channel sums of grad_out and grad_out * xhat."""
+    n = x.ndim
+    count = x.numel() // x.shape[1]
+    reduce = [0, *range(2, n)]
+    acc = mean.dtype
+    xhat = (local.to(acc) - _per_channel(mean, n)) * _per_channel(invstd, n)
+    g = gl.to(acc)
+    sums = _all_reduced(torch.stack([g.sum(reduce), (g * xhat).sum(reduce)]), x.device_mesh, dims)
+    sum_dy, sum_dy_xhat = sums[0], sums[1]
+    scale = invstd if w is None else invstd * w.to(acc)
+    grad_input = (g - _per_channel(sum_dy / count, n) - xhat * _per_channel(sum_dy_xhat / count, n)) \
+        * _per_channel(scale, n)
+    wdtype = x.dtype if w is None else w.dtype
+    return [grad_input.to(x.dtype), sum_dy_xhat.to(wdtype), sum_dy.to(wdtype)]
+
+
+def _eval_grads(x: Any, gl: torch.Tensor, local: torch.Tensor, w: Any, rm: torch.Tensor, rv: torch.Tensor,
+                eps: float) -> list[torch.Tensor]:
+    """Evaluation-mode gradients from the local shards: grad_input exact, grad_weight and
+    grad_bias this rank's part of their sums."""
+    n, reduce = x.ndim, [0, *range(2, x.ndim)]
+    acc = _opmath(x.dtype)
+    invstd = torch.rsqrt(rv.to(acc) + eps)
+    g = gl.to(acc)
+    xhat = (local.to(acc) - _per_channel(rm.to(acc), n)) * _per_channel(invstd, n)
+    scale = invstd if w is None else invstd * w.to(acc)
+    wdtype = x.dtype if w is None else w.dtype
+    return [(g * _per_channel(scale, n)).to(x.dtype), (g * xhat).sum(reduce).to(wdtype), g.sum(reduce).to(wdtype)]
