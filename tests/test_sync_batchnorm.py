@@ -32,11 +32,13 @@ CASES = [
     ((2, 2), "SR", 6),
     ((2, 2), "RS", 5),
     ((2, 2), "SS", 7),
+    ((2, 2), "SC", 6),  # channels sharded on the other mesh dim (after a column-parallel conv)
+    ((2, 2), "CS", 5),
 ]
 
 
 def _placements(code: str) -> list:
-    return [Shard(0) if c == "S" else Replicate() for c in code]
+    return [{"S": Shard(0), "C": Shard(1), "R": Replicate()}[c] for c in code]
 
 
 def _full(t) -> dict[int, torch.Tensor]:
@@ -113,15 +115,18 @@ def test_batch_norm_on_a_batch_sharded_input(mesh_shape, code, n, train):
         for rank, v in got[name].items():
             assert torch.allclose(v, w, rtol=1e-10, atol=1e-10), (name, rank, float((v - w).abs().max()))
     assert placements == {"out": tuple(_placements(code)), "grad_input": tuple(_placements(code))}
-    sharded_dims = code.count("S")
+    sharded_dims, channel_shards = code.count("S"), 2 ** code.count("C")
+    local_c = C // channel_shards
     if train:
-        assert set(counts) == {"all_reduce"}, counts
-        # forward: the sums and the centred squares (C each); backward: both sums (2C);
-        # per mesh dim that shards the batch
-        assert nbytes == sharded_dims * 4 * C * 8, (nbytes, counts)
+        # forward: the sums and the centred squares (C each); backward: both sums (2C); per
+        # mesh dim that shards the batch, at this rank's channels; where the channels are
+        # sharded, the running statistics' update gathered (2C / shards)
+        gathered = 2 * local_c * 8 if channel_shards > 1 else 0
+        assert set(counts) == ({"all_reduce", "all_gather_into_tensor"} if gathered else {"all_reduce"}), counts
+        assert nbytes == sharded_dims * 4 * local_c * 8 + gathered, (nbytes, counts)
     else:  # the parameter gradients leave as partial sums; the step's own all-reduce is not in this op
         assert counts.get("all_to_all", 0) == counts.get("all_gather_into_tensor", 0) == 0, counts
-        assert nbytes <= sharded_dims * 2 * C * 8, (nbytes, counts)
+        assert nbytes <= sharded_dims * 2 * local_c * 8, (nbytes, counts)
 
 
 def test_without_the_plan_the_activations_move():
@@ -146,7 +151,7 @@ def test_tiny_activations_keep_dtensors_plan():
     as DTensor moves it than by all-reducing 2C statistics: the call goes to DTensor's
     path (the guard writing the running statistics back where it moves them), still one
     device's numbers."""
-    from decompshard.runtime.sync_batchnorm import batch_dims, pays
+    from decompshard.runtime.sync_batchnorm import layout_of, pays
 
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 16, dtype=torch.float64, generator=g)
@@ -163,7 +168,8 @@ def test_tiny_activations_keep_dtensors_plan():
             dx = distribute_tensor(x, mesh, [Shard(0)])
             per = [distribute_tensor(t, mesh, rep) for t in (w, b)]
             stats = [own_copies(distribute_tensor(t, mesh, rep), 2) for t in (rm, rv)]
-            assert batch_dims(dx, per + stats) == (0,) and not pays(dx, (0,))
+            layout = layout_of(dx, per + stats)
+            assert layout is not None and layout.batch == (0,) and not pays(dx, layout)
             out = aten.native_batch_norm.default(dx, *per, *stats, True, 0.1, 1e-5)
             assert tuple(out[0].placements) != (Shard(0),)  # DTensor's strategy, not the batch-sharded plan
             fulls = [_full(o) for o in out] + [_full(s) for s in stats]
@@ -173,16 +179,20 @@ def test_tiny_activations_keep_dtensors_plan():
         assert all(torch.allclose(v, w_) for v in f.values())
 
 
-def test_channels_sharded_input_is_not_taken():
-    """A layout the plan does not cover (channels sharded, tensor parallel's) goes to
-    DTensor's own strategy unchanged."""
-    from decompshard.runtime.sync_batchnorm import batch_dims
+def test_layouts_not_taken():
+    """Layouts the plan does not cover go to DTensor's own strategy unchanged: no batch
+    sharding (tensor parallel's channels), a per-channel tensor sharded where the input's
+    channels are not, a partial input."""
+    from torch.distributed.tensor import Partial
+
+    from decompshard.runtime.sync_batchnorm import layout_of
 
     mesh = device_mesh((2,))
     with simulation(2):
-        x = distribute_tensor(torch.randn(4, C, 2, 2), mesh, [Shard(1)])
         w = distribute_tensor(torch.randn(C), mesh, [Replicate()])
-        assert batch_dims(x, [w]) is None
+        assert layout_of(distribute_tensor(torch.randn(4, C, 2, 2), mesh, [Shard(1)]), [w]) is None
         xs = distribute_tensor(torch.randn(4, C, 2, 2), mesh, [Shard(0)])
-        assert batch_dims(xs, [distribute_tensor(torch.randn(C), mesh, [Shard(0)])]) is None
-        assert batch_dims(xs, [w, None]) == (0,)
+        assert layout_of(xs, [distribute_tensor(torch.randn(C), mesh, [Shard(0)])]) is None
+        assert layout_of(xs, [w, None]).batch == (0,)
+        xp = DTensor.from_local(torch.randn(4, C, 2, 2), mesh, [Partial()])
+        assert layout_of(xp, [w]) is None
