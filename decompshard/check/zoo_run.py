@@ -35,13 +35,17 @@ def zoo_case(name: str, sharding: str, enable: bool, seed: int = 0) -> dict[str,
     from decompshard.verify.dtensor_case import simulated_world
     from decompshard.check.model import SHARDINGS, run_training_step
     from decompshard.check.zoo import build, get_entry
+    from decompshard.check.expert_bytes import expert_bytes
 
     entry = get_entry(name)
     sh = SHARDINGS[sharding]
     _warm_process()
     built = build(entry, sh.batch, seed)
+    expert = expert_bytes(built, sharding)  # before the step: one plain forward, timings untouched
     with simulated_world(4):
-        return asdict(run_training_step(built, sharding, enable))
+        out = asdict(run_training_step(built, sharding, enable))
+    out["expert_bytes"], out["expert_note"] = expert.bytes, expert.note
+    return out
 
 
 def _warm_process() -> None:
@@ -123,6 +127,16 @@ def _comm(r: dict[str, Any] | None) -> str:
     return f"{r['collectives']} / {_kib(r['bytes'])}"
 
 
+def _versus_expert(e: dict[str, Any] | None) -> list[str]:
+    """The expert's plan's bytes (check/expert_bytes.py) and enable()'s bytes over them."""
+    want = e.get("expert_bytes") if e else None
+    if want is None:
+        return ["-", "-"]
+    note = f" ({e['expert_note']})" if e.get("expert_note") else ""
+    got = e.get("bytes") if e["verdict"] == "OK" else None
+    return [_kib(want) + note, f"{got / want:.2f}x" if got is not None and want else "-"]
+
+
 def _kib(n: int) -> str:
     return f"{n / 1024:.0f} KiB" if n >= 1024 else f"{n} B"
 
@@ -163,12 +177,11 @@ def render(rows: Sequence[dict[str, Any]], tablefmt: str = "github") -> str:
     for row in rows:
         e, t = row["enable"], row["torch"]
         table.append([row["model"], row["sharding"], _verdict(e), _verdict(t), _replicated(e), _comm(e), _comm(t),
-                      _secs(e, "first_s"), _secs(t, "first_s"),
+                      *_versus_expert(e), _secs(e, "first_s"), _secs(t, "first_s"),
                       *_ratios(e, t)])
     headers = ["model", "sharding", "enable()", "torch alone", "ops run replicated, enable()",
-               "collectives / bytes, enable()",
-               "collectives / bytes, torch", "first step s, enable()", "first step s, torch", "first ratio",
-               "warm ratio"]
+               "collectives / bytes, enable()", "collectives / bytes, torch", "expert's bytes", "enable() / expert",
+               "first step s, enable()", "first step s, torch", "first ratio", "warm ratio"]
     out = [tabulate(table, headers=headers, tablefmt=tablefmt)]
     both = [r for r in rows if r.get("torch") and r["enable"] and r["enable"]["verdict"] == "OK"
             and r["torch"]["verdict"] == "OK"]

@@ -60,13 +60,15 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from decompshard._compat import dtensor_default_dispatch
 from decompshard._compat import DTensor, DTensorSpec, OpSpec, OpStrategy, TensorMeta, TorchReplicate, clear_dtensor_caches, custom_op_handlers, from_torch_placement, generate_redistribute_costs, sharding_propagator
 from decompshard.dispatch_modes.graph import freeze, leaves
 from decompshard.runtime.guard_batchnorm import stats_writing_handler
 from decompshard.runtime.guard_dims import wrapping_op_strategy, wrapping_single_dim
 from decompshard.runtime.guard_masks import masking_single_dim
 from decompshard.runtime.guard_losses import mean_loss_handler
-from decompshard.runtime.guard_table import HANDLERS_SKIPPING_REDISTRIBUTION, MEAN_OF_MEANS_LOSSES, NEGATIVE_DIMS_UNWRAPPED, OUTPUT_MASK_IGNORED, READS_OF_ONE_RANKS_PART, STATS_WRITTEN, WRONG_RULES
+from decompshard.runtime.sync_batchnorm import batch_sharded_backward, batch_sharded_forward
+from decompshard.runtime.guard_table import BATCH_SHARDED_NORM_BACKWARDS, BATCH_SHARDED_NORMS, HANDLERS_SKIPPING_REDISTRIBUTION, MEAN_OF_MEANS_LOSSES, NEGATIVE_DIMS_UNWRAPPED, OUTPUT_MASK_IGNORED, READS_OF_ONE_RANKS_PART, STATS_WRITTEN, WRONG_RULES
 from decompshard.placements import SingleDimRule, format_rule
 from decompshard.runtime.table_patches import Entry, TablePatches, where_none
 from decompshard.op_names import resolve_op
@@ -114,11 +116,20 @@ def _handler_entries() -> Iterator[Entry]:
     added = [
         *((name, lambda op: mean_loss_handler(_warn_mean_of_means)) for name in MEAN_OF_MEANS_LOSSES),
         *((name, _replicated_read) for name in READS_OF_ONE_RANKS_PART),
-        *((name, lambda op, w=w, t=t: stats_writing_handler(op, w, t, _warn_once))
-          for name, (w, t) in STATS_WRITTEN.items()),
+        *((name, functools.partial(_batch_norm_handler, training=t, written=STATS_WRITTEN.get(name)))
+          for name, t in BATCH_SHARDED_NORMS.items()),
+        *((name, lambda op: batch_sharded_backward(dtensor_default_dispatch)) for name in BATCH_SHARDED_NORM_BACKWARDS),
     ]
     found = [(op, make) for op, make in ((_resolve(name), make) for name, make in added) if op is not None]
     yield from where_none(handlers, found, lambda op, make: make(op))
+
+
+def _batch_norm_handler(op: torch._ops.OpOverload, training: bool | None, written: tuple | None) -> Callable:
+    """The batch-sharded plan (sync_batchnorm.py) where it applies and pays; otherwise
+    DTensor's own path, with the running statistics written back where DTensor moves
+    them (guard_batchnorm.py)."""
+    fallback = dtensor_default_dispatch if written is None else stats_writing_handler(op, *written, _warn_once)
+    return batch_sharded_forward(fallback, training)
 
 
 def _strategy_entries() -> Iterator[Entry]:

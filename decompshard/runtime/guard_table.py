@@ -57,6 +57,24 @@ STATS_WRITTEN: dict[str, tuple[tuple[int, ...], int | None]] = {
     "aten._batch_norm_with_update.default": ((3, 4), None),
 }
 
+# Batch norm on a batch-sharded input (data parallel): DTensor's strategies shard the
+# channels only, so every call moves the activations to Shard(1) and back, forward and
+# backward. sync_batchnorm.py all-reduces the per-channel statistics instead where that
+# moves less (SyncBatchNorm's plan). Forward overloads -> the training mode of an overload
+# whose schema has no `training` flag (None: it has one); the guard's running-statistics
+# handler (STATS_WRITTEN) stays their fallback.
+BATCH_SHARDED_NORMS: dict[str, bool | None] = {
+    "aten.native_batch_norm.default": None,
+    "aten._native_batch_norm_legit.default": None,
+    "aten._native_batch_norm_legit.no_stats": None,
+    "aten._native_batch_norm_legit_no_training.default": False,
+    "aten._batch_norm_with_update.default": True,
+}
+BATCH_SHARDED_NORM_BACKWARDS: tuple[str, ...] = (
+    "aten.native_batch_norm_backward.default",
+    "aten.batch_norm_backward.default",
+)
+
 # Strategies that compare a dim argument with the placements' dims before wrapping it,
 # so a negative dim lets a Shard on the dim the op works along through, silently
 # wrong (torch/distributed/tensor/_ops/_math_ops.py `scan_strategy`). Found by the

@@ -1,0 +1,311 @@
+"""Batch norm on a batch-sharded input: the statistics all-reduced inside the op (what
+DDP users get from SyncBatchNorm), not the activations moved.
+
+DTensor's strategies for batch norm and its backward (torch 2.13 `_ops/_math_ops.py`)
+shard the channels only: an input sharded on the batch, data parallel's layout, is
+moved to Shard(1) and back around every call, forward and backward (an all-to-all of the
+activations each way; torchvision's ResNet-18 in data parallel moved 150-668 MB a step
+where DDP + SyncBatchNorm all-reduce two numbers per channel). One device's batch norm
+needs, per channel, the mean and variance over the batch and the spatial dims (forward)
+and the sums of grad_out and grad_out * xhat (backward): a few numbers per channel,
+summed over the ranks that split the batch. So, where the input is sharded on the batch
+only (Shard(0) or Replicate on every mesh dim) and every per-channel tensor is
+replicated:
+
+* training forward: per-channel sums all-reduced over the mesh dims that shard the
+  batch, then the centred sums of squares likewise (two passes, as one device computes
+  the variance; not sum-of-squares minus squared sum, which cancels in float32); the
+  local shard is normalized by the kernel itself (its evaluation form, given the global
+  mean and biased variance); the output stays on the input's placements, the saved
+  mean and invstd are Replicate; the running statistics are updated in place on every
+  rank as one device does (unbiased variance with the global count);
+* training backward: one all-reduce of the stacked per-channel sums of grad_out and
+  grad_out * xhat; grad_input computed locally; grad_weight and grad_bias are those
+  sums, Replicate (their data-parallel all-reduce is already done);
+* evaluation (running statistics): the kernel on the local shard, no collective;
+  grad_weight and grad_bias Partial(sum) over the batch's mesh dims.
+
+The collectives go through DTensor's `redistribute` (Partial(sum) -> Replicate), so they
+run under LocalTensorMode, gloo, and CommDebugMode's counting alike. Priced against
+DTensor's plan from global shapes and placements only (every rank chooses alike): the
+all-reduces put 2 x C numbers per rank into collectives; DTensor's plan moves at least
+the input's local part (numel / R, R the ranks the batch is split over) and its output
+back. The batch-sharded plan is taken when 2 x C x R <= numel (in evaluation it moves
+nothing and is always taken); otherwise, and for every other layout, the call goes to
+`fallback` (DTensor's own path, or the guard's running-statistics handler).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from decompshard._compat import DTensor, DTensorSpec, TensorMeta, TorchPartial, TorchReplicate, TorchShard, redistribute_local_tensor
+
+__all__ = ["Layout", "batch_sharded_backward", "batch_sharded_forward", "layout_of", "pays"]
+
+# schema names that differ between the overloads, mapped to one name
+_ALIASES = {"save_var": "save_invstd", "update": "train", "training": "train"}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which mesh dims shard the input's batch (dim 0) and which its channels (dim 1)."""
+
+    mesh: Any
+    batch: tuple[int, ...]
+    channel: tuple[int, ...]
+
+    def per_channel(self, dim: int = 0, partial: bool = False) -> tuple:
+        """Placements of a per-channel tensor (channels on tensor dim `dim`): sharded with
+        the input's channels, Partial(sum) over the batch's mesh dims when `partial`."""
+        return tuple(TorchShard(dim) if d in self.channel else
+                     TorchPartial("sum") if partial and d in self.batch else TorchReplicate()
+                     for d in range(self.mesh.ndim))
+
+
+def _named(op_call: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The call's arguments by (aliased) schema name, defaults filled in."""
+    out = {}
+    for i, a in enumerate(op_call._schema.arguments):
+        value = args[i] if i < len(args) else kwargs.get(a.name, a.default_value)
+        out[_ALIASES.get(a.name, a.name)] = value
+    return out
+
+
+def layout_of(x: Any, others: list[Any]) -> Layout | None:
+    """The layout when `x` is sharded on its batch (Shard(0) on at least one mesh dim) and
+    otherwise on its channels or not at all (Shard(1), Replicate), and every other tensor
+    argument is absent or a DTensor on the same mesh, replicated except that it may be
+    sharded with the channels; None otherwise."""
+    if not isinstance(x, DTensor) or x.ndim < 2:
+        return None
+    batch, channel = [], []
+    for d, p in enumerate(x.placements):
+        if type(p) is TorchShard and p.dim in (0, 1):
+            (batch if p.dim == 0 else channel).append(d)
+        elif not isinstance(p, TorchReplicate):
+            return None
+    if not batch:
+        return None
+    for t in others:
+        if t is None:
+            continue
+        if not isinstance(t, DTensor) or t.device_mesh != x.device_mesh:
+            return None
+        for d, p in enumerate(t.placements):
+            if not (isinstance(p, TorchReplicate) or (d in channel and type(p) is TorchShard and p.dim == 0)):
+                return None
+    return Layout(x.device_mesh, tuple(batch), tuple(channel))
+
+
+def pays(x: Any, layout: Layout) -> bool:
+    """Whether all-reducing 2 x C numbers per rank moves no more than DTensor's plan
+    (the activations' local part, at least): 2 x C x R <= numel, R the ranks the batch is
+    split over (both sides per channel shard alike)."""
+    ranks = math.prod(layout.mesh.shape[d] for d in layout.batch)
+    return 2 * x.shape[1] * ranks <= x.numel()
+
+
+def _spec(mesh: Any, placements: Any, shape: Any, dtype: torch.dtype, stride: Any = None) -> DTensorSpec:
+    shape = torch.Size(shape)
+    if stride is None:
+        stride = tuple(math.prod(shape[k + 1:]) for k in range(len(shape)))
+    return DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, tuple(stride), dtype))
+
+
+def _moved(local: torch.Tensor, layout: Layout, shape: Any, src: tuple, dst: tuple) -> torch.Tensor:
+    """`local` (global `shape`) from placements `src` to `dst`: DTensor's own collectives."""
+    if src == dst:
+        return local
+    return redistribute_local_tensor(local, _spec(layout.mesh, src, shape, local.dtype),
+                                     _spec(layout.mesh, dst, shape, local.dtype))
+
+
+def _all_reduced(local: torch.Tensor, layout: Layout, shape: Any) -> torch.Tensor:
+    """Per-channel partial sums (channels on the last dim) summed over the batch's mesh dims."""
+    dim = len(shape) - 1
+    return _moved(local, layout, shape, layout.per_channel(dim, partial=True), layout.per_channel(dim))
+
+
+def _channel_local(t: Any, layout: Layout) -> Any:
+    """This rank's channels of a per-channel DTensor (a local slice where it is replicated)."""
+    if t is None:
+        return None
+    return _moved(t._local_tensor, layout, t.shape, tuple(t.placements), layout.per_channel())
+
+
+def _opmath(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _per_channel(v: torch.Tensor, ndim: int) -> torch.Tensor:
+    return v.reshape((1, -1) + (1,) * (ndim - 2))
+
+
+def _moments(x: Any, layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global per-channel mean and biased variance of a batch-sharded `x` (this rank's
+    channels), every rank alike: two all-reduces of C numbers each (the sums, then the
+    centred sums of squares)."""
+    local, channels = x._local_tensor, x.shape[1]
+    count = x.numel() // channels
+    reduce = [0, *range(2, x.ndim)]
+    acc = _opmath(x.dtype)
+    mean = _all_reduced(local.sum(reduce, dtype=acc), layout, (channels,)) / count
+    centred = local.to(acc) - _per_channel(mean, x.ndim)
+    var = _all_reduced((centred * centred).sum(reduce), layout, (channels,)) / count
+    return mean, var
+
+
+def _normalized(local: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor, w: Any, b: Any) -> torch.Tensor:
+    """(x - mean) * invstd * weight + bias on the local shard, in plain elementwise ops: the
+    kernel itself divides by its row count, and a rank may hold no row (uneven batch)."""
+    n = local.ndim
+    scale = invstd if w is None else invstd * w.to(invstd.dtype)
+    out = (local.to(mean.dtype) - _per_channel(mean, n)) * _per_channel(scale, n)
+    if b is not None:
+        out = out + _per_channel(b.to(out.dtype), n)
+    return out.to(local.dtype)
+
+
+def _forward_outputs(op_call: Any, x: Any, layout: Layout, out: torch.Tensor, stats: list[torch.Tensor]) -> Any:
+    """The op's outputs as DTensors: the normalized tensor on `x`'s placements, the saved
+    statistics with the input's channels (empty ones, evaluation's, replicated), and
+    `_batch_norm_with_update`'s reserve replicated."""
+    mesh, rep = layout.mesh, (TorchReplicate(),) * layout.mesh.ndim
+    specs = [_spec(mesh, x.placements, x.shape, out.dtype, x.stride())]
+    specs += [_spec(mesh, layout.per_channel() if s.numel() else rep, (x.shape[1] if s.numel() else 0,), s.dtype)
+              for s in stats]
+    if len(op_call._schema.returns) == 4:
+        stats = [*stats, torch.empty(0, dtype=torch.uint8, device=out.device)]
+        specs.append(_spec(mesh, rep, (0,), torch.uint8))
+    return DTensor._op_dispatcher.wrap(tuple([out, *stats]), tuple(specs))
+
+
+def _update_running(bufs: list[Any], values: list[torch.Tensor], momentum: float, layout: Layout) -> None:
+    """running = (1 - momentum) * running + momentum * value, in place on every rank, each
+    buffer in its own placements (the values, on this rank's channels, gathered where a
+    buffer holds every channel: one all-gather of 2 x C / shards numbers)."""
+    channels = bufs[0].shape[0]
+    stacked = torch.stack(values)
+    full = None
+    for buf, i in zip(bufs, range(len(values))):
+        if tuple(buf.placements) == layout.per_channel():
+            value = stacked[i]
+        else:
+            if full is None:
+                full = _moved(stacked, layout, (len(values), channels), layout.per_channel(1),
+                              (TorchReplicate(),) * layout.mesh.ndim)
+            value = full[i]
+        with torch.no_grad():
+            buf._local_tensor.mul_(1 - momentum).add_((value * momentum).to(buf.dtype))
+
+
+def batch_sharded_forward(fallback: Callable, training_default: bool | None = None) -> Callable:
+    """A DTensor custom handler for a batch-norm forward overload (native_batch_norm,
+    `_native_batch_norm_legit`, `_batch_norm_with_update`, ...): the batch-sharded plan
+    where it applies and pays, `fallback(op_call, args, kwargs)` otherwise.
+    `training_default`: the mode of an overload whose schema has no training flag."""
+
+    def handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
+        a = _named(op_call, args, kwargs)
+        x = a["input"]
+        train = bool(a.get("train", training_default))
+        rm, rv = a.get("running_mean"), a.get("running_var")
+        layout = layout_of(x, [a["weight"], a["bias"], rm, rv])
+        if layout is None or not x.dtype.is_floating_point or (train and not pays(x, layout)) or \
+                (not train and (rm is None or rv is None)):
+            return fallback(op_call, args, kwargs)
+        eps, local = a["eps"], x._local_tensor
+        w, b = _channel_local(a["weight"], layout), _channel_local(a["bias"], layout)
+        if not train:
+            mean = _channel_local(rm, layout).to(_opmath(x.dtype))
+            invstd = torch.rsqrt(_channel_local(rv, layout).to(mean.dtype) + eps)
+            out = _normalized(local, mean, invstd, w, b)
+            return _forward_outputs(op_call, x, layout, out, [mean.new_empty(0), mean.new_empty(0)])
+        mean, var = _moments(x, layout)
+        invstd = torch.rsqrt(var + eps)
+        out = _normalized(local, mean, invstd, w, b)
+        if rm is not None and rv is not None:
+            count = x.numel() // x.shape[1]
+            unbiased = var * (count / (count - 1)) if count > 1 else var * float("nan")
+            _update_running([rm, rv], [mean, unbiased], a["momentum"], layout)
+        return _forward_outputs(op_call, x, layout, out, [mean, invstd])
+
+    return handler
+
+
+def _backward_outputs(x: Any, layout: Layout, mask: list[bool], grads: list[Any], partial: bool) -> Any:
+    """grad_input on `x`'s placements; grad_weight and grad_bias with the input's channels,
+    summed over the batch's mesh dims already or Partial(sum) there (`partial`)."""
+    mesh = layout.mesh
+    specs = [_spec(mesh, x.placements, x.shape, x.dtype, x.stride())]
+    specs += [_spec(mesh, layout.per_channel(partial=partial), (x.shape[1],), g.dtype) if g is not None else None
+              for g in grads[1:]]
+    outs = [g if m else None for g, m in zip(grads, mask)]
+    specs = [s if m else None for s, m in zip(specs, mask)]
+    return DTensor._op_dispatcher.wrap(tuple(outs), tuple(specs))
+
+
+def batch_sharded_backward(fallback: Callable) -> Callable:
+    """A DTensor custom handler for `native_batch_norm_backward` / `batch_norm_backward`:
+    the batch-sharded plan where grad_out and input share a layout it takes, every
+    per-channel tensor is replicated or sharded with the channels (the forward took the
+    batch-sharded plan) and it pays; `fallback` otherwise."""
+
+    def handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
+        a = _named(op_call, args, kwargs)
+        x, dy = a["input"], a["grad_out"]
+        train = bool(a["train"])
+        stats = ("save_mean", "save_invstd") if train else ("running_mean", "running_var")
+        per_channel = [a["weight"], *(a[s] for s in stats)]
+        layout = layout_of(x, per_channel)
+        if layout is None or not isinstance(dy, DTensor) or tuple(dy.placements) != tuple(x.placements) \
+                or dy.shape != x.shape or not x.dtype.is_floating_point or (train and not pays(x, layout)) \
+                or any(t is None or t.numel() != x.shape[1] for t in per_channel[1:]):
+            return fallback(op_call, args, kwargs)
+        mask = list(a["output_mask"])
+        w, mean, stat = (_channel_local(t, layout) for t in per_channel)
+        if not train:  # running statistics: everything local, the parameter gradients partial sums
+            grads = _eval_grads(x, dy._local_tensor, w, mean, stat, a["eps"])
+            return _backward_outputs(x, layout, mask, grads, partial=True)
+        return _backward_outputs(x, layout, mask, _train_grads(x, layout, dy._local_tensor, w, mean, stat),
+                                 partial=False)
+
+    return handler
+
+
+def _train_grads(x: Any, layout: Layout, gl: torch.Tensor, w: Any, mean: torch.Tensor,
+                 invstd: torch.Tensor) -> list[torch.Tensor]:
+    """One device's training-mode gradients from the local shards and one all-reduce of
+    the per-channel sums of grad_out and grad_out * xhat."""
+    n, channels = x.ndim, x.shape[1]
+    count = x.numel() // channels
+    reduce = [0, *range(2, n)]
+    acc = mean.dtype
+    xhat = (x._local_tensor.to(acc) - _per_channel(mean, n)) * _per_channel(invstd, n)
+    g = gl.to(acc)
+    sums = _all_reduced(torch.stack([g.sum(reduce), (g * xhat).sum(reduce)]), layout, (2, channels))
+    sum_dy, sum_dy_xhat = sums[0], sums[1]
+    scale = invstd if w is None else invstd * w.to(acc)
+    grad_input = (g - _per_channel(sum_dy / count, n) - xhat * _per_channel(sum_dy_xhat / count, n)) \
+        * _per_channel(scale, n)
+    wdtype = x.dtype if w is None else w.dtype
+    return [grad_input.to(x.dtype), sum_dy_xhat.to(wdtype), sum_dy.to(wdtype)]
+
+
+def _eval_grads(x: Any, gl: torch.Tensor, w: Any, rm: torch.Tensor, rv: torch.Tensor,
+                eps: float) -> list[torch.Tensor]:
+    """Evaluation-mode gradients from the local shards: grad_input exact, grad_weight and
+    grad_bias this rank's part of their sums."""
+    n, reduce = x.ndim, [0, *range(2, x.ndim)]
+    acc = _opmath(x.dtype)
+    invstd = torch.rsqrt(rv.to(acc) + eps)
+    g = gl.to(acc)
+    xhat = (x._local_tensor.to(acc) - _per_channel(rm.to(acc), n)) * _per_channel(invstd, n)
+    scale = invstd if w is None else invstd * w.to(acc)
+    wdtype = x.dtype if w is None else w.dtype
+    return [(g * _per_channel(scale, n)).to(x.dtype), (g * xhat).sum(reduce).to(wdtype), g.sum(reduce).to(wdtype)]
