@@ -1,0 +1,2 @@
+"""placeholder"""
+PLANS: dict = {}
