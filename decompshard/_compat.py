@@ -25,7 +25,7 @@ __all__ = [
     "kwarg_routing_active", "local_tensor", "op_strategy_func", "placed_dtensor", "rebind_dtensor", "redistribute_cost",
     "redistribute_local_tensor", "return_and_correct_aliasing", "route_kwarg_redistribution", "set_dtensor_layout",
     "sharding_propagator",
-    "single_dim_strategy_info", "stage_kwarg_targets", "to_torch_placement", "torch_decomposition_table",
+    "single_dim_strategy_info", "slab_index", "stage_kwarg_targets", "to_torch_placement", "torch_decomposition_table",
     "unroute_kwarg_redistribution", "unsharded_dtensor", "view_family_ops", "view_shape_arg_index",
 ]
 
@@ -378,12 +378,25 @@ def dtensor_planned_moves(op_call: Any, args: tuple, kwargs: dict) -> list[tuple
     op_info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
     try:
         dispatcher.sharding_propagator.propagate(op_info)
-    except (NotImplementedError, RuntimeError, AssertionError):
+    except Exception:  # noqa: BLE001 - whatever DTensor raises, its own path would raise it too
         return None
     sharding = op_info.output_sharding
     current = list(op_info.schema.args_spec)
     target = sharding.redistribute_schema.args_spec if sharding.redistribute_schema is not None else current
     return list(zip(current, target))
+def slab_index(index: torch.Tensor, size: int, mesh: Any, mesh_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global indices into a dim of `size` elements sharded (torch.chunk layout) on one
+    mesh dim, made local to this rank's slab: (index - the slab's offset, 0 where the
+    index is outside the slab; the mask of those). torch's `_MaskPartial` does this for
+    vocab-parallel embeddings and `loss_parallel()`; it reads the rank's coordinate the
+    way LocalTensorMode simulates it (a value per simulated rank)."""
+    from torch.distributed.tensor.placement_types import _MaskPartial
+
+    placement = _MaskPartial(offset_shape=torch.Size([size]), offset_dim=0)
+    local = placement._partition_value(index, mesh, mesh_dim)
+    return local, placement.mask_buffer.data
+
+
 # ------------------------------------------------------------------ keyword tensor arguments
 #
 # DTensor redistributes only positional tensor arguments: its propagator builds the

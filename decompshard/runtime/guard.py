@@ -65,6 +65,7 @@ from decompshard.dispatch_modes.graph import freeze, leaves
 from decompshard.runtime.guard_batchnorm import stats_writing_handler
 from decompshard.runtime.guard_dims import wrapping_op_strategy, wrapping_single_dim
 from decompshard.runtime.guard_losses import mean_loss_handler
+from decompshard.runtime.collective_plans import planned_or
 from decompshard.runtime.guard_table import HANDLERS_SKIPPING_REDISTRIBUTION, MEAN_OF_MEANS_LOSSES, NEGATIVE_DIMS_UNWRAPPED, READS_OF_ONE_RANKS_PART, STATS_WRITTEN, WRONG_RULES
 from decompshard.placements import SingleDimRule, format_rule
 from decompshard.runtime.table_patches import Entry, TablePatches, where_none
@@ -111,7 +112,8 @@ def _handler_entries() -> Iterator[Entry]:
         if op is not None and op in handlers:
             yield handlers, op, _redistributing_handler(op, handlers[op])
     added = [
-        *((name, lambda op: mean_loss_handler(_warn_mean_of_means)) for name in MEAN_OF_MEANS_LOSSES),
+        # the plans enable() activates (collective_plans.py) go first: this handler holds their slot
+        *((name, lambda op: planned_or(mean_loss_handler(_warn_mean_of_means))) for name in MEAN_OF_MEANS_LOSSES),
         *((name, _replicated_read) for name in READS_OF_ONE_RANKS_PART),
         *((name, lambda op, w=w, t=t: stats_writing_handler(op, w, t, _warn_once))
           for name, (w, t) in STATS_WRITTEN.items()),

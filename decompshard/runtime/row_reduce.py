@@ -25,7 +25,7 @@ import torch
 from decompshard._compat import TorchPartial, TorchReplicate, TorchShard, dtensor_planned_moves, placed_dtensor
 from decompshard.mesh.cost import Cost, bytes_key, redistribute_cost
 
-__all__ = ["Stat", "cheaper_than_dtensor", "moves_cost", "row_placements", "sharding_dims"]
+__all__ = ["Stat", "cheaper_than_dtensor", "moves_cost", "reduce_scalars", "row_placements", "scalars_cost", "sharding_dims"]
 
 
 def sharding_dims(placements: Sequence[Any], dims: Iterable[int]) -> tuple[int, ...] | None:
@@ -80,6 +80,27 @@ class Stat:
         shape = self.shape if local.dim() == len(self.shape) else (*self.shape, local.shape[-1])
         dt = placed_dtensor(local, self.mesh, self.partial(op), shape)
         return dt.redistribute(self.mesh, self.placements).to_local()
+
+
+def reduce_scalars(local: torch.Tensor, mesh: Any, mesh_dims: Sequence[int], op: str = "sum") -> torch.Tensor:
+    """A small tensor (a loss, its total weight) every rank holds a part of along
+    `mesh_dims`, reduced with `op` there, one mesh dim at a time (DTensor warns about
+    reducing several unflattened mesh dims at once, and runs them one at a time anyway)."""
+    rep = [TorchReplicate()] * mesh.ndim
+    for d in mesh_dims:
+        parts = [TorchPartial(op) if i == d else TorchReplicate() for i in range(mesh.ndim)]
+        local = placed_dtensor(local, mesh, parts, tuple(local.shape)).redistribute(mesh, rep).to_local()
+    return local
+
+
+def scalars_cost(mesh: Any, mesh_dims: Sequence[int], itemsize: int, shape: Sequence[int] = ()) -> Cost:
+    """The price of `reduce_scalars` on a tensor of `shape`."""
+    rep = [TorchReplicate()] * mesh.ndim
+    total = Cost()
+    for d in mesh_dims:
+        parts = [TorchPartial("sum") if i == d else TorchReplicate() for i in range(mesh.ndim)]
+        total = total + redistribute_cost(tuple(shape), itemsize, parts, rep, tuple(mesh.shape))
+    return total
 
 
 def moves_cost(moves: Iterable[tuple[Any, Sequence[Any]]]) -> Cost:
