@@ -414,8 +414,21 @@ def enable(guard_native: bool | None = None) -> None:
     Each call sets the guard as it says: `enable(guard_native=False)` after `enable()`
     removes it."""
 
-    (guard.install if guard.wanted(guard_native) else guard.uninstall)()
+    _set_guard(guard.wanted(guard_native))
     _PATCHES.install()
+
+
+def _set_guard(on: bool) -> None:
+    """Switch the guard. Its nll_loss handlers and enable()'s own (collective_plans.py)
+    share slots: each side fills only an empty one, so enable()'s entries are set again
+    around a switch, and the slot holds the guard's handler exactly while it is on."""
+    if on == guard.is_installed():
+        return
+    was = _PATCHES.is_installed()
+    _PATCHES.uninstall()
+    (guard.install if on else guard.uninstall)()
+    if was:
+        _PATCHES.install()
 
 
 def disable() -> None:
@@ -453,4 +466,4 @@ def enabled(guard_native: bool | None = None) -> Iterator[None]:
     finally:
         if not was:
             disable()
-        (guard.install if guarded else guard.uninstall)()
+        _set_guard(guarded)
