@@ -20,12 +20,12 @@ __all__ = [
     "TensorMeta", "TorchPartial", "TorchReplicate", "TorchShard", "TorchStridedShard",
     "TupleStrategy", "_ShardingPlaceholder", "_compute_local_shape_and_global_offset", "aten_ops_tagged",
     "clear_dtensor_caches", "custom_op_handlers", "custom_op_overload", "dtensor_default_dispatch", "dtensor_local_results",
-    "dtensor_output_sharding", "dtensor_output_spec", "fake_one_rank_mesh", "from_torch_placement",
+    "dtensor_output_sharding", "dtensor_output_spec", "dtensor_planned_moves", "fake_one_rank_mesh", "from_torch_placement",
     "has_native_strategy", "is_dispatchable",
-    "kwarg_routing_active", "local_tensor", "op_strategy_func", "rebind_dtensor", "redistribute_cost",
+    "kwarg_routing_active", "local_tensor", "op_strategy_func", "placed_dtensor", "rebind_dtensor", "redistribute_cost",
     "redistribute_local_tensor", "return_and_correct_aliasing", "kwarg_routing_entries", "set_dtensor_layout",
     "sharding_propagator",
-    "single_dim_strategy_info", "stage_kwarg_targets", "to_torch_placement", "torch_decomposition_table",
+    "single_dim_strategy_info", "slab_index", "stage_kwarg_targets", "to_torch_placement", "torch_decomposition_table",
     "inferred_schema_info", "unsharded_dtensor", "view_family_ops", "view_shape_arg_index",
 ]
 
@@ -367,6 +367,47 @@ def unsharded_dtensor(local: torch.Tensor, mesh: Any, placements: Any) -> Any:
         raise ValueError(f"unsharded_dtensor: {tuple(placements)} shards the tensor")
     meta = TensorMeta(local.shape, local.stride(), local.dtype)
     return DTensor(local, DTensorSpec(mesh, tuple(placements), tensor_meta=meta), requires_grad=False)
+def placed_dtensor(local: torch.Tensor, mesh: Any, placements: Any, global_shape: Any) -> Any:
+    """A DTensor around a local tensor of a known global shape (contiguous), any placements
+    (a per-row statistic that stays on its rows' shards). For use inside dispatch (no
+    autograd, no checks)."""
+    shape = torch.Size(global_shape)
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(int(size), 1)
+    meta = TensorMeta(shape, tuple(reversed(stride)), local.dtype)
+    return DTensor(local, DTensorSpec(mesh, tuple(placements), tensor_meta=meta), requires_grad=False)
+
+
+def dtensor_planned_moves(op_call: Any, args: tuple, kwargs: dict) -> list[tuple[Any, Any]] | None:
+    """DTensor's own plan for one call, not run: (current spec, the spec its chosen strategy
+    moves it to) for each positional tensor argument; None where DTensor has no strategy
+    (it would raise). For a handler that runs a cheaper plan only when DTensor's moves
+    more (runtime/collective_plans.py)."""
+    dispatcher = DTensor._op_dispatcher
+    op_info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
+    try:
+        dispatcher.sharding_propagator.propagate(op_info)
+    except Exception:  # noqa: BLE001 - whatever DTensor raises, its own path would raise it too
+        return None
+    sharding = op_info.output_sharding
+    current = list(op_info.schema.args_spec)
+    target = sharding.redistribute_schema.args_spec if sharding.redistribute_schema is not None else current
+    return list(zip(current, target))
+def slab_index(index: torch.Tensor, size: int, mesh: Any, mesh_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global indices into a dim of `size` elements sharded (torch.chunk layout) on one
+    mesh dim, made local to this rank's slab: (index - the slab's offset, 0 where the
+    index is outside the slab; the mask of those). torch's `_MaskPartial` does this for
+    vocab-parallel embeddings and `loss_parallel()`; it reads the rank's coordinate the
+    way LocalTensorMode simulates it (a value per simulated rank)."""
+    from torch.distributed.tensor.placement_types import _MaskPartial
+
+    placement = _MaskPartial(offset_shape=torch.Size([size]), offset_dim=0)
+    local = placement._partition_value(index, mesh, mesh_dim)
+    return local, placement.mask_buffer.data
+
+
 # ------------------------------------------------------------------ keyword tensor arguments
 #
 # DTensor redistributes only positional tensor arguments: its propagator builds the

@@ -99,17 +99,18 @@ def test_without_the_guard_the_same_cases_are_wrong(meshes):
 
 
 def test_vocab_sharded_logits_on_2x2(meshes, guard_on):
-    """Logits S(0) on DP and S(1) (classes) on TP, targets S(0), R: DTensor gathers the
-    classes over TP itself (its strategy, not the guard's: same collectives as without
-    the guard); the loss is right only with the guard."""
+    """Logits S(0) on DP and S(1) (classes) on TP, targets S(0), R: DTensor alone gathers
+    the classes over TP and averages per-rank means; under enable() the vocab-parallel
+    plan (runtime/plan_vocab_loss.py) runs ahead of the guard's handler: the loss is
+    right and the logits are not gathered."""
     x, t = L.logits(8, 4), L.targets(8, 4, [0, 1, 2])
     got = L.step(L.CE, x, t, {}, meshes["2x2"], [S0, Shard(1)], [S0, R])
     decompshard.disable()
     plain = L.step(L.CE, x, t, {}, meshes["2x2"], [S0, Shard(1)], [S0, R])
     assert got.error == "" and got.loss_ok and got.grad_ok, got
     assert not plain.loss_ok
-    assert got.comms.get("all_gather_into_tensor") == plain.comms.get("all_gather_into_tensor"), (got.comms,
-                                                                                               plain.comms)
+    assert plain.comms.get("all_gather_into_tensor") and "all_gather_into_tensor" not in got.comms, (got.comms,
+                                                                                                  plain.comms)
 
 
 def test_nll_loss2d_image_targets(meshes, guard_on):

@@ -55,16 +55,17 @@ def _matches(case: C.Case, got: tuple) -> bool:
 def _entries():
     """DTensor's tables as the guard sees them: left out are the view family and the
     handlers `enable()` installs with or without the guard (uneven_views.py,
-    data_dependent.py, inplace.py, inplace_views.py, as_strided.py; each tested in its own
-    file)."""
-    from decompshard.runtime import as_strided, data_dependent, inplace, inplace_views
+    data_dependent.py, inplace.py, inplace_views.py, as_strided.py, collective_plans.py;
+    each tested in its own file)."""
+    from decompshard.runtime import as_strided, collective_plans, data_dependent, inplace, inplace_views
     from decompshard._compat import view_family_ops
 
     sp = sharding_propagator()
     handlers = DTensor._op_dispatcher._custom_op_handlers
     views = set(view_family_ops())
     ours = (set(data_dependent.data_dependent_ops()) | {op for op, _ in inplace.written_back_ops()}
-            | {as_strided.OP, as_strided.OUT_OF_PLACE} | {op for op, _ in inplace_views.in_place_view_ops()})
+            | {as_strided.OP, as_strided.OUT_OF_PLACE} | {op for op, _ in inplace_views.in_place_view_ops()}
+            | {op for op, _ in collective_plans.plan_ops()})
     return ({op: handlers[op] for op in handlers if op not in ours},
             {op: sp.op_single_dim_strategy_funcs[op] for op in sp.op_single_dim_strategy_funcs},
             {op: sp.op_strategy_funcs[op] for op in sp.op_strategy_funcs if op not in views})

@@ -280,7 +280,7 @@ def run_training_step(built: Any, sharding: str, enable: bool, measure: bool = T
             return StepRun("n/a", built.no_local_tp)
         other = sorted({f"{style} {type(mod).__name__ if mod is not None else 'raw parameter'}"
                         for style, mod in plan_targets(built.model, built.plan).values()
-                        if style not in ("colwise", "rowwise") or type(mod) is not torch.nn.Linear})
+                        if style not in ("colwise", "rowwise", "vocab_colwise") or type(mod) is not torch.nn.Linear})
         if other:
             return StepRun("n/a", f"the plan has layers Megatron's Linear styles do not take: {', '.join(other)}")
     dmodel = copy.deepcopy(built.model)  # before the reference step moves BatchNorm's stats
@@ -430,8 +430,9 @@ def _distribute_model(model: torch.nn.Module, plan: dict[str, str], mesh: Any, s
     if sh.tp is not None:
         targets = plan_targets(model, plan)
         if mesh.ndim == 1:
-            styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-            megatron = {name.rsplit(".", 1)[0]: styles[style](use_local_output=sh.local_output)
+            styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "vocab_colwise": ColwiseParallel}
+            megatron = {name.rsplit(".", 1)[0]: styles[style](use_local_output=sh.local_output, **(
+                            {"output_layouts": _replicate()} if style == "vocab_colwise" and sh.local_output else {}))
                         for name, (style, mod) in targets.items()
                         if style in styles and type(mod) is torch.nn.Linear}
             if megatron:

@@ -118,8 +118,9 @@ def _causal_lm(config_cls: str, **kw: Any) -> Callable[[int, int], Built]:
         # Llama-family models build position ids from a cache position (a plain tensor):
         # passing them keeps every tensor a DTensor
         pos = torch.arange(SEQ).expand(batch, SEQ).contiguous()
+        # the lm_head vocab-parallel (torchtitan's plan): the logits stay Shard(-1) into the loss
         return Built(model, {"input_ids": ids, "position_ids": pos, "labels": ids.clone()}, _hf_loss,
-                     _hf_plan(model))
+                     _hf_plan(model, {"lm_head": "vocab_colwise"}))
     return builder
 
 
@@ -336,7 +337,9 @@ def plan_targets(model: nn.Module, plan: dict[str, str]) -> dict[str, tuple[str,
     return out
 
 
-STYLES = ("colwise", "rowwise", "packed_colwise", "qkv_colwise")
+# vocab_colwise: colwise whose output stays sharded into the loss (an lm_head); with
+# Megatron's local outputs (tp-local) its output is gathered, as Megatron users write it
+STYLES = ("colwise", "rowwise", "packed_colwise", "qkv_colwise", "vocab_colwise")
 
 
 def tp_placement(style: str, param_name: str, param: torch.Tensor, module: nn.Module | None) -> Any:
@@ -353,7 +356,7 @@ def tp_placement(style: str, param_name: str, param: torch.Tensor, module: nn.Mo
         out_dim, in_dim = (1, 0) if transposed else (0, 1)
     if style == "rowwise":
         return TorchReplicate() if in_dim is None else TorchShard(in_dim)
-    if style == "colwise":
+    if style in ("colwise", "vocab_colwise"):
         return TorchShard(out_dim)
     parts = 2 if style == "packed_colwise" else 3
     return TorchStridedShard(out_dim, split_factor=parts)

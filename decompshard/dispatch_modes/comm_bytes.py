@@ -33,6 +33,7 @@ class CommBytes(TorchDispatchMode):
         super().__init__()
         self.registry = set(CommDebugMode().comm_registry) | set(c10d_collective_ops)
         self.count = self.bytes = 0
+        self.bytes_by_kind: dict[str, int] = {}  # collective name -> bytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.distributed.tensor import DTensor
@@ -42,7 +43,10 @@ class CommBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if getattr(func, "_overloadpacket", None) in self.registry:
             self.count += 1
-            self.bytes += _arg_bytes(args)
+            nbytes = _arg_bytes(args)
+            self.bytes += nbytes
+            name = func._overloadpacket.__name__
+            self.bytes_by_kind[name] = self.bytes_by_kind.get(name, 0) + nbytes
         return out
 
     def get_total_counts(self) -> int:

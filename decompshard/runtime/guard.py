@@ -69,6 +69,7 @@ from decompshard.runtime.guard_masks import masking_single_dim
 from decompshard.runtime.guard_losses import mean_loss_handler
 from decompshard.runtime.sync_batchnorm import batch_sharded_backward, batch_sharded_forward
 from decompshard.runtime.guard_table import BATCH_SHARDED_NORM_BACKWARDS, BATCH_SHARDED_NORMS, HANDLERS_SKIPPING_REDISTRIBUTION, MEAN_OF_MEANS_LOSSES, NEGATIVE_DIMS_UNWRAPPED, OUTPUT_MASK_IGNORED, READS_OF_ONE_RANKS_PART, STATS_WRITTEN, WRONG_RULES
+from decompshard.runtime.collective_plans import planned_or
 from decompshard.placements import SingleDimRule, format_rule
 from decompshard.runtime.table_patches import Entry, TablePatches, where_none
 from decompshard.op_names import resolve_op
@@ -114,7 +115,8 @@ def _handler_entries() -> Iterator[Entry]:
         if op is not None and op in handlers:
             yield handlers, op, _redistributing_handler(op, handlers[op])
     added = [
-        *((name, lambda op: mean_loss_handler(_warn_mean_of_means)) for name in MEAN_OF_MEANS_LOSSES),
+        # the plans enable() activates (collective_plans.py) go first: this handler holds their slot
+        *((name, lambda op: planned_or(mean_loss_handler(_warn_mean_of_means))) for name in MEAN_OF_MEANS_LOSSES),
         *((name, _replicated_read) for name in READS_OF_ONE_RANKS_PART),
         *((name, functools.partial(_batch_norm_handler, training=t, written=STATS_WRITTEN.get(name)))
           for name, t in BATCH_SHARDED_NORMS.items()),

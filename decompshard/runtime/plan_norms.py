@@ -1,0 +1,128 @@
+"""layer norm over a sharded hidden dim, forward and backward, without moving the input.
+
+DTensor's strategies for `native_layer_norm` and its backward keep the normalized dims
+whole, so an input sharded on the hidden dim is all-gathered, and its weight and bias
+with it (torch 2.13-2.15 alike). The statistics a row needs from the other ranks are
+two sums (forward: the sum, then the sum of squared deviations; one all-reduce each,
+one number per row) and, backward, two more sums stacked into one all-reduce. Output
+and input gradient stay on the input's placements, the weight and bias are used (and
+their gradients returned) on the matching slabs of the hidden dim; the returned mean
+and rstd are replicated over the hidden dim's mesh dims.
+
+float32 and float64 only: for half precision the CPU kernel keeps its statistics in
+float32, which this plan does not reproduce bit for bit, so those go to DTensor.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from decompshard._compat import DTensor, TorchPartial, TorchReplicate, TorchShard, local_tensor, placed_dtensor
+from decompshard.runtime.row_reduce import Stat, cheaper_than_dtensor, moves_cost, sharding_dims
+
+__all__ = ["PLANS"]
+
+
+class _Norm:
+    """One call's layout: the normalized dims, their statistics, the parameters' slabs."""
+
+    def __init__(self, x: Any, normalized_shape: Any):
+        self.ok = False
+        if not isinstance(x, DTensor) or x.dtype not in (torch.float32, torch.float64):
+            return
+        k = len(normalized_shape)
+        self.axis = x.dim() - k
+        self.reduced = tuple(range(self.axis, x.dim()))
+        if not k or not sharding_dims(x.placements, self.reduced) or 0 in x.shape:
+            return
+        self.x, self.mesh = x, x.device_mesh
+        self.count = math.prod(x.shape[self.axis:])
+        self.stat = Stat(self.mesh, x.placements, x.shape, self.reduced)
+        # weight and bias: the slab of the hidden dims this rank's input holds
+        self.param_placements = tuple(
+            TorchShard(p.dim - self.axis) if isinstance(p, TorchShard) and p.dim >= self.axis else TorchReplicate()
+            for p in x.placements)
+        # their gradients: summed over the rows, so a mesh dim sharding rows leaves a partial sum
+        self.grad_param_placements = tuple(
+            TorchPartial("sum") if isinstance(p, TorchShard) and p.dim < self.axis else q
+            for p, q in zip(x.placements, self.param_placements))
+        self.ok = True
+
+    def param(self, p: Any) -> torch.Tensor | None:
+        if p is None:
+            return None
+        if tuple(p.placements) != self.param_placements:
+            p = p.redistribute(self.mesh, self.param_placements)
+        return local_tensor(p)
+
+    def moves(self, *params: Any) -> list:
+        return [(p, self.param_placements) for p in params if p is not None]
+
+    def wrap(self, t: torch.Tensor, placements: tuple, shape: Any) -> Any:
+        return placed_dtensor(t.contiguous(), self.mesh, placements, shape)
+
+
+def _params_ok(norm: _Norm, *params: Any) -> bool:
+    return all(p is None or (isinstance(p, DTensor) and p.device_mesh == norm.mesh
+                             and sharding_dims(p.placements, []) is not None) for p in params)
+
+
+def _forward(op_call: Any, args: tuple, kwargs: dict) -> Any:
+    x, normalized_shape, weight, bias, eps = args[:5]
+    norm = _Norm(x, normalized_shape)
+    if not norm.ok or not _params_ok(norm, weight, bias):
+        return None
+    cost = norm.stat.cost(["sum", "sum"], x.dtype.itemsize) + moves_cost(norm.moves(weight, bias))
+    if not cheaper_than_dtensor(cost, op_call, args, kwargs):
+        return None
+    xl = local_tensor(x)
+    mean = norm.stat.reduce(xl.sum(norm.reduced, keepdim=True), "sum") / norm.count
+    centered = xl - mean
+    var = norm.stat.reduce((centered * centered).sum(norm.reduced, keepdim=True), "sum") / norm.count
+    rstd = torch.rsqrt(var + eps)
+    out = centered * rstd
+    w, b = norm.param(weight), norm.param(bias)
+    if w is not None:
+        out = out * w
+    if b is not None:
+        out = out + b
+    return (norm.wrap(out, tuple(x.placements), x.shape), norm.wrap(mean, norm.stat.placements, norm.stat.shape),
+            norm.wrap(rstd, norm.stat.placements, norm.stat.shape))
+
+
+def _backward(op_call: Any, args: tuple, kwargs: dict) -> Any:
+    grad, x, normalized_shape, mean, rstd, weight, bias, mask = args[:8]
+    norm = _Norm(x, normalized_shape)
+    if not norm.ok or not _params_ok(norm, weight, bias, grad, mean, rstd):
+        return None
+    stats = [(grad, tuple(x.placements)), (mean, norm.stat.placements), (rstd, norm.stat.placements)]
+    cost = norm.stat.cost(["sum"], x.dtype.itemsize, width=2) + moves_cost(norm.moves(weight) + stats)
+    if not cheaper_than_dtensor(cost, op_call, args, kwargs):
+        return None
+    g, m, r = (local_tensor(t if tuple(t.placements) == pl else t.redistribute(norm.mesh, pl)) for t, pl in stats)
+    xhat = (local_tensor(x) - m) * r
+    w = norm.param(weight)
+    gw = g * w if w is not None else g
+    both = torch.stack([gw.sum(norm.reduced, keepdim=True), (gw * xhat).sum(norm.reduced, keepdim=True)], dim=-1)
+    both = norm.stat.reduce(both, "sum") / norm.count
+    rows = tuple(range(norm.axis))
+
+    def over_rows(t: torch.Tensor) -> torch.Tensor:
+        return t.sum(rows) if rows else t
+
+    shape = x.shape[norm.axis:]
+    grad_input = r * (gw - both[..., 0] - xhat * both[..., 1]) if mask[0] else None
+    grad_weight = over_rows(g * xhat) if mask[1] and weight is not None else None
+    grad_bias = over_rows(g) if mask[2] and bias is not None else None
+    return (None if grad_input is None else norm.wrap(grad_input, tuple(x.placements), x.shape),
+            None if grad_weight is None else norm.wrap(grad_weight, norm.grad_param_placements, shape),
+            None if grad_bias is None else norm.wrap(grad_bias, norm.grad_param_placements, shape))
+
+
+PLANS = {
+    "aten.native_layer_norm.default": _forward,
+    "aten.native_layer_norm_backward.default": _backward,
+}
