@@ -157,7 +157,7 @@ def _strategy_entries() -> Iterator[Entry]:
         op = _resolve(name)
         if op in single:
             yield single, op, dataclasses.replace(
-                single[op], func=masking_single_dim(op, single[op].func, mask_index, _warn_once))
+                single[op], func=masking_single_dim(single[op].func, mask_index))
 
 
 def _declared() -> Iterator[Entry]:

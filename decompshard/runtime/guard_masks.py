@@ -9,6 +9,7 @@ raises "strategy position 0 mixes None with placements across mesh dims: (None,
 Shard(dim=0))": the backward of every network's first convolution (its input needs no
 gradient) fails on a 2-D mesh, with or without decompshard. The guard hands the
 expansion the rules with None where the mask is False, which is what the op returns.
+No warning: no number changes, only a placement for a tensor that does not exist.
 """
 
 from __future__ import annotations
@@ -17,10 +18,8 @@ from typing import Any, Callable
 
 __all__ = ["masking_single_dim"]
 
-Warn = Callable[[str, str], None]
 
-
-def masking_single_dim(op: Any, func: Callable, mask_index: int, warn: Warn) -> Callable:
+def masking_single_dim(func: Callable, mask_index: int) -> Callable:
     """A single-dim strategy function whose rules say None for every output the
     `output_mask` argument (at `mask_index`) leaves out. Rules list outputs first, one
     per mask entry."""
@@ -31,10 +30,6 @@ def masking_single_dim(op: Any, func: Callable, mask_index: int, warn: Warn) -> 
         if not mask or all(mask):
             return rules
         off = [i for i, keep in enumerate(mask) if not keep]
-        if not any(rule[i] is not None for rule in rules for i in off):
-            return rules
-        warn(f"mask:{op}", f"decompshard guard: {op}: DTensor's strategy places outputs that output_mask "
-                           f"leaves out (a 2-D mesh then fails); giving those outputs no placement")
         return [[None if i in off else p for i, p in enumerate(rule)] for rule in rules]
 
     masked.__wrapped__ = func  # type: ignore[attr-defined]
