@@ -358,19 +358,18 @@ def _index_uneven_rules(node: PrimNode) -> list[SingleDimRule]:
 
 
 # Ops whose torch rules hold however a dim is split: each output slice along a sharded
-# dim comes from the same slice of every input sharded on it (matmul rows, columns and
-# batches; cat/split along another dim; a mean over other dims; a transpose), and a
-# sharded contraction sums per-rank products, exact for any split since both operands
-# have the same size there. Torch 2.13 served these from op strategies (read as holding
-# for any shards); 2.14 moved them to single-dim strategies registered without
-# `allow_uneven_sharding`, which decompshard reads as [even], so an uneven batch lost
-# its batch rule (an RMSNorm's mean all-gathered). The same rules, unconditional, except
-# a Shard averaged into P(avg), which only even shards make exact (registry's
-# _even_if_averaging_shards). gather/scatter are not here: their index may be smaller
-# than the input on the sharded dim.
+# dim comes from the same slice of every input sharded on it (cat/split along another
+# dim, a mean over other dims, a transpose), and dot's sharded contraction sums per-rank
+# products, exact for any split since both operands have the same size there. Torch
+# 2.13 served these from op strategies (read as holding for any shards); 2.14 moved them
+# to single-dim strategies registered without `allow_uneven_sharding`, which decompshard
+# reads as [even], so an uneven batch lost its batch rule (an RMSNorm's mean
+# all-gathered). Stated here unconditional, as on 2.13, except a Shard averaged into
+# P(avg), which only even shards make exact (registry's _even_if_averaging_shards).
+# Not here: mm/bmm/addmm/baddbmm (single-dim and [even] on 2.13 already: unchanged), and
+# gather/scatter (their index may be smaller than the input on the sharded dim).
 _UNEVEN_SAFE = frozenset({
-    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.dot.default,
-    aten.mean.dim, aten.t.default, aten.cat.default,
+    aten.dot.default, aten.mean.dim, aten.t.default, aten.cat.default,
     aten.split.Tensor, aten.split_with_sizes.default, aten.split_with_sizes_copy.default,
 })
 
