@@ -366,10 +366,12 @@ def _index_uneven_rules(node: PrimNode) -> list[SingleDimRule]:
 # reads as [even], so an uneven batch lost its batch rule (an RMSNorm's mean
 # all-gathered). Stated here unconditional, as on 2.13, except a Shard averaged into
 # P(avg), which only even shards make exact (registry's _even_if_averaging_shards).
-# Not here: mm/bmm/addmm/baddbmm (single-dim and [even] on 2.13 already: unchanged), and
-# gather/scatter (their index may be smaller than the input on the sharded dim).
+# gather's rules only where each output slice reads the same slice of every sharded
+# tensor: a replicated input (the index alone sharded), or input and index of one size
+# on the sharded dim (gather lets the index be smaller, and then the shards misalign).
+# Not here: mm/bmm/addmm/baddbmm (single-dim and [even] on 2.13 already: unchanged).
 _UNEVEN_SAFE = frozenset({
-    aten.dot.default, aten.mean.dim, aten.t.default, aten.cat.default,
+    aten.dot.default, aten.mean.dim, aten.t.default, aten.cat.default, aten.gather.default,
     aten.split.Tensor, aten.split_with_sizes.default, aten.split_with_sizes_copy.default,
 })
 
@@ -380,7 +382,18 @@ def _uneven_torch_rules(node: PrimNode) -> list[SingleDimRule]:
         return []  # torch 2.13: an op strategy, already unconditional
     found = torch_tables.torch_rules(torch_single_dim, node) or []
     return [SingleDimRule(r.inputs, r.outputs, source=UNEVEN_SOURCE) for r in found
-            if r.even_only and not _averages_a_shard(r)]
+            if r.even_only and not _averages_a_shard(r) and _slices_align(node, r)]
+
+
+def _slices_align(node: PrimNode, rule: SingleDimRule) -> bool:
+    if node.op is not aten.gather.default:
+        return True
+    x, index = node.args[0], node.args[2]
+    x_p, index_p = rule.inputs[0], rule.inputs[1]
+    if x_p == R:
+        return True
+    return (is_shard(x_p) and is_shard(index_p) and x_p.dim == index_p.dim
+            and x.shape[x_p.dim] == index.shape[index_p.dim])
 
 
 def _averages_a_shard(rule: SingleDimRule) -> bool:
