@@ -101,15 +101,36 @@ def test_mv_is_decomposed_again():
     assert {"S(0), R -> S(0)", "S(1), S(0) -> P(sum)", "P(sum), R -> P(sum)", "R, P(sum) -> P(sum)"} <= rules
 
 
-def test_permute_copy_and_t_copy_reject_partials():
-    res, rules = rules_of(aten.permute_copy.default, torch.randn(2, 3, 4), [2, 0, 1])
-    assert rules == {"S(0) -> S(1)", "S(1) -> S(2)", "S(2) -> S(0)"}
-    assert res.rejected == {
-        "RuntimeError: Decomposition requires redistribution for aten.clone.default": 4
-    }
-    res, rules = rules_of(aten.t_copy.default, torch.randn(2, 3))
-    assert rules == {"S(0) -> S(1)", "S(1) -> S(0)"}
-    assert not any("P(" in r for r in rules)
+def _partials_torch_clone_keeps(x: torch.Tensor) -> set[str]:
+    """`P -> P` for each Partial the running torch's own clone strategy carries through.
+    The _copy ops decompose to a view then clone, and views keep every Partial, so these
+    are the Partial rules torch's fallback can find for them (torch 2.13's clone lists
+    none; 2.14's lists all four)."""
+    from torch.distributed.tensor.placement_types import Partial
+
+    from decompshard._compat import TensorMeta, single_dim_strategy_info
+
+    clone = aten.clone.default
+    meta = TensorMeta(x.shape, x.stride(), x.dtype)
+    kept = set()
+    for out, inp in single_dim_strategy_info(clone).func(clone, (meta,), {}):
+        if isinstance(inp, Partial) and out == inp:
+            p = from_torch_placement(inp)
+            kept.add(f"{p} -> {p}")
+    return kept
+
+
+def test_permute_copy_and_t_copy_keep_the_partials_torchs_clone_keeps():
+    x = torch.randn(2, 3, 4)
+    res, rules = rules_of(aten.permute_copy.default, x, [2, 0, 1])
+    kept = _partials_torch_clone_keeps(x)
+    assert rules == {"S(0) -> S(1)", "S(1) -> S(2)", "S(2) -> S(0)"} | kept
+    refused = 4 - len(kept)  # each refused Partial is one rejected candidate
+    assert sum(res.rejected.values()) == refused
+    assert all("requires redistribution for aten.clone.default" in k for k in res.rejected)
+    x = torch.randn(2, 3)
+    res, rules = rules_of(aten.t_copy.default, x)
+    assert rules == {"S(0) -> S(1)", "S(1) -> S(0)"} | _partials_torch_clone_keeps(x)
 
 
 def test_block_diag_aborts_on_factory_op():
@@ -142,9 +163,11 @@ def test_mse_loss_mean_gives_p_avg():
 
 
 def test_channel_shuffle_strided_shard_maps_to_s():
-    res, rules = rules_of(aten.channel_shuffle.default, torch.randn(2, 4, 3, 3), 2)
+    x = torch.randn(2, 4, 3, 3)
+    res, rules = rules_of(aten.channel_shuffle.default, x, 2)
     # torch returns _StridedShard(1, split_factor=2) for S(1); ours is S(1)
-    assert rules == {"S(0) -> S(0)", "S(1) -> S(1)", "S(2) -> S(2)", "S(3) -> S(3)"}
+    shards = {"S(0) -> S(0)", "S(1) -> S(1)", "S(2) -> S(2)", "S(3) -> S(3)"}
+    assert rules == shards | _partials_torch_clone_keeps(x)  # views, then a clone
 
 
 def test_dist_norm_partial_is_reported_unrepresentable():

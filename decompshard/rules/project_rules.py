@@ -12,9 +12,12 @@ import torch
 
 from decompshard.dispatch_modes import signs
 from decompshard.dispatch_modes.graph import PrimNode
-from decompshard.placements import PARTIALS, P, R, SingleDimRule, ShardPlaceholder
+from decompshard.placements import PARTIALS, P, Partial, R, SingleDimRule, ShardPlaceholder, is_shard
+from decompshard.rules import torch_single_dim, torch_tables
 
 SOURCE = "decompshard"
+# torch's own rule, which decompshard states for uneven shards too (see _UNEVEN_SAFE)
+UNEVEN_SOURCE = "torch single-dim (uneven: decompshard)"
 aten = torch.ops.aten
 
 
@@ -106,7 +109,7 @@ def extra_rules(node: PrimNode) -> list[SingleDimRule]:
     if node.op in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
         return _masked_fill_rules(node)
     if node.op in _BILINEAR:
-        return _bilinear_rules(node)
+        return _uneven_torch_rules(node) + _bilinear_rules(node)
     if node.op in (aten.index_put.default, aten._unsafe_index_put.default):
         return _index_put_rules(node)
     if node.op in _INDEX:
@@ -115,6 +118,8 @@ def extra_rules(node: PrimNode) -> list[SingleDimRule]:
         return _expand_rules(node) + _passthrough_rules(node)
     if node.op in _ZERO_FILL_ARG:
         return _zero_fill_rules(node)
+    if node.op in _UNEVEN_SAFE:  # dot is _BILINEAR's, above
+        return _uneven_torch_rules(node) + _passthrough_rules(node)
     return _passthrough_rules(node)
 
 
@@ -352,10 +357,54 @@ def _index_uneven_rules(node: PrimNode) -> list[SingleDimRule]:
     return out
 
 
+# Ops whose torch rules hold however a dim is split: each output slice along a sharded
+# dim comes from the same slice of every input sharded on it (cat/split along another
+# dim, a mean over other dims, a transpose), and dot's sharded contraction sums per-rank
+# products, exact for any split since both operands have the same size there. Torch
+# 2.13 served these from op strategies (read as holding for any shards); 2.14 moved them
+# to single-dim strategies registered without `allow_uneven_sharding`, which decompshard
+# reads as [even], so an uneven batch lost its batch rule (an RMSNorm's mean
+# all-gathered). Stated here unconditional, as on 2.13, except a Shard averaged into
+# P(avg), which only even shards make exact (registry's _even_if_averaging_shards).
+# gather's rules only where each output slice reads the same slice of every sharded
+# tensor: a replicated input (the index alone sharded), or input and index of one size
+# on the sharded dim (gather lets the index be smaller, and then the shards misalign).
+# Not here: mm/bmm/addmm/baddbmm (single-dim and [even] on 2.13 already: unchanged).
+_UNEVEN_SAFE = frozenset({
+    aten.dot.default, aten.mean.dim, aten.t.default, aten.cat.default, aten.gather.default,
+    aten.split.Tensor, aten.split_with_sizes.default, aten.split_with_sizes_copy.default,
+})
+
+
+def _uneven_torch_rules(node: PrimNode) -> list[SingleDimRule]:
+    """Torch's single-dim [even] rules of an _UNEVEN_SAFE op, without the condition."""
+    if node.op not in _UNEVEN_SAFE or not torch_single_dim.has_rules(node.op):
+        return []  # torch 2.13: an op strategy, already unconditional
+    found = torch_tables.torch_rules(torch_single_dim, node) or []
+    return [SingleDimRule(r.inputs, r.outputs, source=UNEVEN_SOURCE) for r in found
+            if r.even_only and not _averages_a_shard(r) and _slices_align(node, r)]
+
+
+def _slices_align(node: PrimNode, rule: SingleDimRule) -> bool:
+    if node.op is not aten.gather.default:
+        return True
+    x, index = node.args[0], node.args[2]
+    x_p, index_p = rule.inputs[0], rule.inputs[1]
+    if x_p == R:
+        return True
+    return (is_shard(x_p) and is_shard(index_p) and x_p.dim == index_p.dim
+            and x.shape[x_p.dim] == index.shape[index_p.dim])
+
+
+def _averages_a_shard(rule: SingleDimRule) -> bool:
+    return any(is_shard(p) for p in rule.inputs) and any(
+        isinstance(p, Partial) and p.reduce_op == "avg" for p in rule.outputs)
+
+
 _SCALAR_OPS = _SHIFT | _SCALE | _FLIP
 # every op extra_rules answers other than by _passthrough_rules
 _SPECIAL = frozenset(
     _SCALAR_OPS | {aten.mul.Tensor, aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor,
                    aten.index_put.default, aten._unsafe_index_put.default, aten.expand.default}
-    | set(_BINARY_SHIFT) | _BILINEAR | set(_ZERO_FILL_ARG) | _INDEX
+    | set(_BINARY_SHIFT) | _BILINEAR | set(_ZERO_FILL_ARG) | _INDEX | _UNEVEN_SAFE
 )

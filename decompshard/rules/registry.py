@@ -20,6 +20,7 @@ from decompshard.rules import project_rules, strided, torch_op_strategy, torch_s
 
 SOURCES = (torch_single_dim, torch_op_strategy, project_rules)
 _TORCH_SOURCES = (torch_single_dim, torch_op_strategy)  # answered by shape class (torch_tables)
+_UNCONDITIONAL_SOURCES = (project_rules.SOURCE, project_rules.UNEVEN_SOURCE)
 
 
 def has_rule(op: torch._ops.OpOverload) -> bool:
@@ -83,7 +84,7 @@ def _compute_rules(node: PrimNode) -> tuple[SingleDimRule, ...]:
         if at is None:
             seen[key] = len(table)
             table.append(rule)
-        elif table[at].even_only and not rule.even_only and rule.source == project_rules.SOURCE:
+        elif table[at].even_only and not rule.even_only and rule.source in _UNCONDITIONAL_SOURCES:
             # decompshard's own rule holds for uneven shards where torch's table did not
             # say so (it reads as [even]): the same rule, at the same index, unconditional
             table[at] = rule

@@ -28,7 +28,7 @@ from decompshard.errors import UnsupportedOp
 from decompshard.solve.localcheck import check_local
 from decompshard.placements import MaybePlacement, P, R, SingleDimRule, format_placement, format_rule, is_partial
 from decompshard.solve.propagate import Propagation, Survivor, propagate
-from decompshard.rules import has_rule, rules_for, torch_op_strategy, torch_single_dim
+from decompshard.rules import has_rule, project_rules, rules_for, torch_op_strategy, torch_single_dim
 from decompshard.rules.project_rules import value_checked_inputs
 
 OpOverload = torch._ops.OpOverload
@@ -316,7 +316,7 @@ def native_rules(op: OpOverload | str, *args: Any, **kwargs: Any) -> list[Single
     return [r for r in rules_for(graph.nodes[0]) if r.source in _TORCH_SOURCES]
 
 
-_TORCH_SOURCES = {"implied", torch_single_dim.SOURCE, torch_op_strategy.SOURCE}
+_TORCH_SOURCES = {"implied", torch_single_dim.SOURCE, torch_op_strategy.SOURCE, project_rules.UNEVEN_SOURCE}
 
 
 def _solve(result: DerivedRules, args: tuple, kwargs: dict) -> None:
