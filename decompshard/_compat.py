@@ -25,7 +25,7 @@ __all__ = [
     "kwarg_routing_active", "local_tensor", "op_strategy_func", "placed_dtensor", "rebind_dtensor", "redistribute_cost",
     "redistribute_local_tensor", "return_and_correct_aliasing", "kwarg_routing_entries", "set_dtensor_layout",
     "sharding_propagator",
-    "single_dim_strategy_info", "slab_index", "stage_kwarg_targets", "to_torch_placement", "torch_decomposition_table",
+    "single_dim_strategy_info", "strategy_reused_from", "slab_index", "stage_kwarg_targets", "to_torch_placement", "torch_decomposition_table",
     "inferred_schema_info", "unsharded_dtensor", "view_family_ops", "view_shape_arg_index",
 ]
 
@@ -114,6 +114,21 @@ def inferred_schema_info(op: torch._ops.OpOverload) -> Any:
 
 def single_dim_strategy_info(op: torch._ops.OpOverload) -> Any | None:
     return sharding_propagator().op_single_dim_strategy_funcs.get(op)
+
+
+def strategy_reused_from(op: torch._ops.OpOverload) -> Any | None:
+    """The op whose strategy DTensor registered again for `op` unchanged, or None.
+
+    From 2.14 torch's `_ops/autogen.py` gives each in-place, out and functional variant
+    its base op's single-dim strategy wrapped in a closure over `base_op`; 2.13 has no
+    such copies. Feature detection: the registered function's closure names `base_op`."""
+    info = single_dim_strategy_info(op)
+    fn = getattr(info, "func", None)
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+    if code is None or not cells or "base_op" not in code.co_freevars:
+        return None
+    base = cells[code.co_freevars.index("base_op")].cell_contents
+    return base if isinstance(base, torch._ops.OpOverload) and base != op else None
 
 
 def op_strategy_func(op: torch._ops.OpOverload) -> Any | None:

@@ -37,6 +37,8 @@ CASES = [  # (call, placements): Shard on a dim that moves, on one that stays, P
     (lambda t: t.unsqueeze_(-1), [Partial()]),
     (lambda t: t.unsqueeze_(1), [Replicate()]),
     (lambda t: t[0].t_(), [Shard(1)]),
+    (lambda t: t[0].t_(), [Replicate()]),
+    (lambda t: t[0].t_(), [Partial()]),
 ]
 
 
@@ -86,10 +88,31 @@ def test_without_enable_dtensor_has_no_strategy():
         distribute_tensor(_x(), mesh, [Shard(0)]).transpose_(0, 1)
 
 
+def test_without_enable_t_in_place_does_not_match_one_device():
+    """torch alone: 2.13 has no strategy for `t_`; from 2.14 it reuses `t`'s strategy,
+    and DTensor's in-place path keeps the old spec when the placements do not change,
+    so a replicated [5, 4] becomes a DTensor of shape [5, 4] over [4, 5] locals."""
+    decompshard.disable()
+    x = _x()[0]
+    mesh = device_mesh((3,))
+    with LocalTensorMode(3), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        d = distribute_tensor(x.clone(), mesh, [Replicate()])
+        try:
+            d.t_()
+        except (NotImplementedError, RuntimeError) as e:
+            assert "sharding strategy" in str(e)
+            return
+        assert tuple(local_tensor(d).shape) == (4, 5)
+        assert tuple(d.shape) == (5, 4)  # the DTensor's shape is not its data's
+
+
 def test_ops_are_found_by_property():
     found = {str(op): str(twin) for op, twin in in_place_view_ops()}
     assert found["aten.transpose_.default"] == "aten.transpose.int"
     assert found["aten.unsqueeze_.default"] == "aten.unsqueeze.default"
+    # no strategy of its own on 2.13; from 2.14 torch copies `t`'s, which is not one
+    assert found["aten.t_.default"] == "aten.t.default"
     # squeeze_ has its own native strategy; resize_ and as_strided_ have no twin with one
     assert not {"aten.squeeze_.dim", "aten.resize_.default", "aten.as_strided_.default"} & found.keys()
 

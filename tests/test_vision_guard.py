@@ -137,7 +137,10 @@ def _megatron(name: str, t: torch.Tensor):
 def test_vit_dp_tp_2x2_trains_with_the_guard(mesh2x2):
     """transformers' ViTForImageClassification, batch [Shard(0), Replicate()], Megatron
     TP on the second mesh dim: loss and every gradient match one device on every rank
-    with the guard on (it used to raise at convolution_backward) and off."""
+    with the guard on (it used to raise at convolution_backward). Off, torch 2.13 matches
+    too; from 2.14 torch's own convolution_backward strategy raises on the patch
+    embedding's backward (its input needs no gradient: guard_masks.py), never a wrong
+    number."""
     from torch.distributed.tensor import Replicate, Shard
 
     pytest.importorskip("transformers")
@@ -150,6 +153,9 @@ def test_vit_dp_tp_2x2_trains_with_the_guard(mesh2x2):
         decompshard.disable()
         decompshard.enable(guard_native=guarded)
         got = V.dtensor_step(model, x, y, mesh2x2, [Shard(0), Replicate()], _megatron)
+        if not guarded and got.error:
+            assert "mixes None with placements across mesh dims" in got.error, got.error
+            continue
         assert V.mismatches(got, ref) == [], f"guard {guarded}"
         assert len(got.grads) == len(dict(model.named_parameters()))
         assert not [w for w in got.warnings if "convolution" in w], got.warnings
@@ -206,12 +212,11 @@ def _conv_on_mesh(mesh, op: str, groups: int, placements: Sequence[str], guarded
             warnings.simplefilter("ignore")
             dargs = tuple(make_dtensor(t, mesh, [code[c] for c in p], 0, k)
                           for k, (t, p) in enumerate(zip(plain, placements)))
-            try:
+            try:  # reading the outputs back is part of it: a malformed DTensor raises there
                 outs = _conv_outputs(op, groups, dargs)
+                fulls = [list(_plain_parts(o.full_tensor())) for o in outs]
             except Exception as e:
                 return f"{type(e).__name__}: {e}"
-            fulls = [o.full_tensor() for o in outs]
-            fulls = [list(_plain_parts(f)) for f in fulls]
         return [max(float((v - r).abs().max()) if v.shape == r.shape else float("inf") for v in per_rank)
                 for per_rank, r in zip(fulls, ref)]
     finally:
@@ -224,13 +229,15 @@ def test_conv_backward_partial_input_from_a_rowwise_mlp(mesh2x2):
     its backward meets grad_output on [Shard(0), Shard(0)]. The guard copied the
     handler's own first move (grad_output to the input's placements) and asked DTensor
     to redistribute S(0) -> P(sum): "redistributing to Partial is for internal use
-    only!". DTensor alone raises the same. Now: grad_input, grad_weight and grad_bias
+    only!". DTensor alone fails too: torch 2.13 raises the same; 2.14 and 2.15 return a
+    grad_input whose local tensors do not fit its spec (reading it raises "narrow
+    unexpectedly changed concrete size"). Now: grad_input, grad_weight and grad_bias
     match one device on every rank."""
     placements = ["SS", "SP", "RR"]  # grad_output, input, weight
     got = _conv_on_mesh(mesh2x2, "backward", 4, placements)
     assert isinstance(got, list) and max(got) < 1e-10, got
     alone = _conv_on_mesh(mesh2x2, "backward", 4, placements, guarded=False)
-    assert isinstance(alone, str) and "Partial" in alone, alone
+    assert isinstance(alone, str) and ("Partial" in alone or "narrow unexpectedly" in alone), alone
 
 
 # Layouts a DP x TP model can hand a conv on 2x2 (S: Shard(0) of the batch, or of the
