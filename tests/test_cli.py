@@ -324,7 +324,13 @@ def test_repl_line_editing_history_and_ctrl_c(tmp_path):
         os.write(fd, b"quit\r")
         until(None, limit=30)
     finally:
-        _, status = os.waitpid(pid, 0)
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done == 0:  # a failed wait above: the REPL still waits for input; end it, never hang
+            time.sleep(1)
+            done, status = os.waitpid(pid, os.WNOHANG)
+        if done == 0:
+            os.kill(pid, signal.SIGKILL)
+            _, status = os.waitpid(pid, 0)
         os.close(fd)
     text = buf.decode(errors="replace")
     assert os.waitstatus_to_exitcode(status) == 0, text[-2000:]
