@@ -246,7 +246,7 @@ def test_llama_vocab_sharded_lm_head_keeps_logits_sharded(sharding, monkeypatch)
     from decompshard.dispatch_modes import comm_bytes
 
     built = build(ZOO["llama"], SHARDINGS[sharding].batch, seed=0)
-    assert built.plan.get("lm_head") == "vocab_colwise"
+    built.plan["lm_head"] = "vocab_colwise"  # torchtitan's plan; the zoo keeps transformers' own
     seen: list[tuple[str, str, int]] = []  # (collective, the DTensor op issuing it, elements)
     in_flight = ["?"]
     dispatch = comm_bytes.CommBytes.__torch_dispatch__

@@ -118,9 +118,12 @@ def _causal_lm(config_cls: str, **kw: Any) -> Callable[[int, int], Built]:
         # Llama-family models build position ids from a cache position (a plain tensor):
         # passing them keeps every tensor a DTensor
         pos = torch.arange(SEQ).expand(batch, SEQ).contiguous()
-        # the lm_head vocab-parallel (torchtitan's plan): the logits stay Shard(-1) into the loss
+        # transformers' own plan: the lm_head replicated. At the zoo's vocabulary (64) a
+        # vocab-parallel lm_head (torchtitan's plan, style `vocab_colwise`) moves more
+        # than it saves (Llama tp: 172 KiB against 78 KiB); tests/test_collective_plans.py
+        # runs it to show the loss computed without gathering the logits
         return Built(model, {"input_ids": ids, "position_ids": pos, "labels": ids.clone()}, _hf_loss,
-                     _hf_plan(model, {"lm_head": "vocab_colwise"}))
+                     _hf_plan(model))
     return builder
 
 
