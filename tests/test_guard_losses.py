@@ -85,21 +85,13 @@ def test_guarded_mean_loss_matches_one_device(meshes, guard_on, case, layout):
     assert got.loss_ok, f"loss {got.loss} != {got.want}"
     assert got.grad_ok
     assert all(getattr(p, "reduce_op", None) != "avg" for p in got.placements), got.placements
-    # the logits never move for the loss: one all-reduce of (sum, total weight) per
-    # sharded mesh dim (unless DTensor's own log_softmax gathers them first: from torch
-    # 2.14 it does not leave a rank an empty shard)
-    if _softmax_keeps(meshes[mesh_name], x_pl, case[3]):
-        assert "all_gather_into_tensor" not in got.comms and "all_to_all_single" not in got.comms, got.comms
-
-
-def _softmax_keeps(mesh, placements, n: int) -> bool:
-    """Whether DTensor's log_softmax over the classes keeps n rows on `placements`."""
-    from torch.distributed._local_tensor import LocalTensorMode
-    from torch.distributed.tensor import distribute_tensor
-
-    with LocalTensorMode(W), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return tuple(distribute_tensor(L.logits(n, C), mesh, placements).log_softmax(1).placements) == tuple(placements)
+    # the logits move no more than for DTensor's own sum of the same terms (none where its
+    # strategy keeps the batch sharded; from torch 2.14 it gathers a batch shorter than
+    # the mesh): one all-reduce of (sum, total weight) per sharded mesh dim on top
+    summed = _case(*case[:5], {**case[5], "reduction": "sum"}, meshes[mesh_name], x_pl, t_pl)
+    for kind in ("all_gather_into_tensor", "all_to_all_single"):
+        assert got.comms.get(kind, 0) <= summed.comms.get(kind, 0), (got.comms, summed.comms)
+    assert "all_gather_into_tensor" not in got.comms or case[3] < W, got.comms  # only a batch shorter than the mesh
 
 
 def test_without_the_guard_the_same_cases_are_as_measured(meshes):
@@ -243,7 +235,8 @@ def test_warns_once_and_leaves_dtensor_as_it_was(meshes):
     finally:
         decompshard.disable()
     texts = [str(w.message) for w in caught if "decompshard guard" in str(w.message)]
-    assert sum("nll_loss_forward" in t for t in texts) == 1, texts
+    # once where it corrects torch; silent where it is only the cheaper plan (torch right)
+    assert sum("nll_loss_forward" in t for t in texts) == int(NATIVE_WRONG), texts
     assert aten.nll_loss_forward.default not in handlers and aten.nll_loss2d_forward.default not in handlers
     with loss_parallel():  # torch's vocab-parallel loss handlers are not replaced
         theirs = handlers[aten.nll_loss_forward.default]
