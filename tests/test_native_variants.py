@@ -111,7 +111,7 @@ def test_the_guarded_sweep_finds_nothing_there(monkeypatch):
 
 
 def test_item_audit_is_clean_with_the_guard(monkeypatch):
-    """The audit's `_local_scalar_dense` findings (docs/native_audit.json: `.item()` of
+    """The audit's `_local_scalar_dense` findings (docs/native_audit/torch-<release>.json: `.item()` of
     P(sum) reads each rank's part; of a one-element S(0), an empty shard) are gone with
     the guard and back without its handler."""
     op = aten._local_scalar_dense.default
