@@ -3,7 +3,9 @@ labels -100 on unmasked tokens, batch Shard(0) on 4 ranks, parameters and buffer
 replicated. DTensor's native nll_loss_forward averages per-rank means (relative error
 ~1e-4..1e-3 on this model; NaN when a rank has no masked token). With
 `enable(guard_native=True)` the loss and every parameter gradient match one device on
-every rank."""
+every rank. torch 2.14 fixed the native mean (it replicates the target first); where the
+guard table says torch is right (`guard_table.wrong_here`), torch alone is shown right.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 import decompshard
+from decompshard.runtime.guard_table import wrong_here
 from decompshard.verify.dtensor_case import simulated_world
 
 transformers = pytest.importorskip("transformers")
@@ -24,6 +27,16 @@ except ImportError:
     pass
 
 W, BATCH, SEQ, VOCAB = 4, 8, 8, 64
+NATIVE_WRONG = wrong_here("aten.nll_loss_forward.default")  # on the running torch release
+
+
+def _alone_as_measured(want: float, got: dict[int, float]) -> None:
+    """torch alone: wrong on every rank where the table says so, right where upstream fixed it."""
+    errs = [abs(v - want) / abs(want) for v in got.values()]
+    if NATIVE_WRONG:
+        assert all(e > 1e-6 for e in errs), (want, got)
+    else:
+        assert all(e <= 1e-12 for e in errs), (want, got)
 
 
 def _model() -> torch.nn.Module:
@@ -103,10 +116,8 @@ def test_bert_masked_lm_loss_and_gradients_match_one_device(mesh):
     assert grads_ok, wrong
 
 
-def test_bert_masked_lm_is_wrong_without_the_guard(mesh):
-    want, got, _, _ = _step(mesh, guard=False)
-    errs = [abs(v - want) / abs(want) for v in got.values()]
-    assert all(e > 1e-6 for e in errs), (want, got)
+def test_bert_masked_lm_without_the_guard_is_as_measured(mesh):
+    _alone_as_measured(*_step(mesh, guard=False)[:2])
 
 
 def test_bert_masked_lm_on_2x2_batch_over_both_dims(meshes):
@@ -115,5 +126,4 @@ def test_bert_masked_lm_on_2x2_batch_over_both_dims(meshes):
     want, got, grads_ok, wrong = _step(meshes["2x2"], guard=True)
     assert all(abs(v - want) <= 1e-12 * abs(want) for v in got.values()), (want, got)
     assert grads_ok, wrong
-    want, got, _, _ = _step(meshes["2x2"], guard=False)
-    assert all(abs(v - want) > 1e-6 * abs(want) for v in got.values()), (want, got)
+    _alone_as_measured(*_step(meshes["2x2"], guard=False)[:2])

@@ -1,11 +1,13 @@
 """The native audit (`decompshard coverage --verify-native`, decompshard/verify/native_rules.py):
 what it reports about DTensor's own strategies, and that every report is real.
 
-0 false alarms: every wrong behaviour listed in docs/native_audit.json (the full sweep's
-output) is re-run here through DTensor by its own reproducer script and judged by the one
+0 false alarms: every wrong behaviour listed in the running release's findings,
+docs/native_audit/torch-<release>.json (the full sweep's output on that release), is re-run here through DTensor by its own reproducer script and judged by the one
 judge (verify/judge.py: values at their dtype's tolerance, shapes and layouts, and for a
 run that raised, whether DTensor had accepted the placements), which must find it wrong.
-Right ops, rounding noise and rules DTensor never applies must not be reported.
+Right ops, rounding noise and rules DTensor never applies must not be reported. The
+guard's table (guard_table.WRONG_ON) says on which releases each fence was measured
+wrong; for every op the audit can see, it says what the findings files say.
 """
 
 from __future__ import annotations
@@ -15,16 +17,20 @@ import io
 import json
 import pathlib
 
+import pytest
 import torch
 
+from decompshard import _compat
 from decompshard.cli import main
+from decompshard.runtime.guard_table import STATS_WRITTEN, TESTED_RELEASES, WRONG_ON
 from decompshard.verify.native_rules import run_on_dtensor
 from decompshard.verify.native_rules import DISPATCH, KERNEL_ERROR, RULE, WRONG_SHAPE, WRONG_VALUES, audit_native_op, audit_native_op_detailed
 from decompshard.placements import P, R, S
 from decompshard.verify.judge import Verdict
 
 aten = torch.ops.aten
-REPORT = pathlib.Path(__file__).resolve().parent.parent / "docs" / "native_audit.json"
+FINDINGS = pathlib.Path(__file__).resolve().parent.parent / "docs" / "native_audit"
+REPORT = FINDINGS / f"torch-{_compat.TORCH_RELEASE}.json"
 
 
 def _conv1d_sample():
@@ -115,8 +121,11 @@ def test_a_wrong_table_rule_is_confirmed(world):
 
 def test_every_reported_wrong_rule_reproduces_in_dtensor(world):
     """0 false alarms: each finding of the full sweep, re-run by its own script and
-    judged by the one judge."""
+    judged by the one judge, on the release that found it."""
+    if not REPORT.exists():
+        pytest.skip(f"no native audit of torch {_compat.TORCH_RELEASE} (untested): run coverage --verify-native")
     doc = json.loads(REPORT.read_text())
+    assert doc["torch_version"].split("+")[0] == _compat.TORCH_RELEASE
     found = doc["wrong_rules"]
     assert found, "the committed sweep found nothing"
     for w in found:
@@ -179,3 +188,19 @@ def test_a_crashing_op_costs_one_record_not_the_sweep():
     assert doc["summary"]["crashed"] == ["aten.die.default"]
     mul = next(r for r in doc["ops"] if r["op"] == "aten.mul.Tensor")
     assert mul["status"] == "checked" and mul["n_rules"] > 0 and mul["n_wrong"] == 0
+
+
+def _wrong_ops(release: str) -> set[str]:
+    return {w["op"] for w in json.loads((FINDINGS / f"torch-{release}.json").read_text())["wrong_rules"]}
+
+
+def test_every_tested_release_has_its_findings_and_the_guard_table_follows_them():
+    """For each fenced op the audit found wrong on some tested release (the audit can
+    see it), the releases WRONG_ON names are exactly those whose findings list it:
+    no fence kept where the audit found torch right, none missing where it found it
+    wrong. (Fences the audit cannot see, batch norm's running statistics, are measured
+    by tests/test_guard_releases.py; its findings on batch norm are empty shards.)"""
+    found = {release: _wrong_ops(release) for release in TESTED_RELEASES}
+    seen = {op for ops in found.values() for op in ops} - set(STATS_WRITTEN)
+    for op in sorted(seen & set(WRONG_ON)):
+        assert {r for r in TESTED_RELEASES if op in found[r]} == set(WRONG_ON[op]), op

@@ -17,7 +17,10 @@ Llama, first and warm, were equal within this shared machine's noise (+-10%).
 
 What it guards is the list `guard_table.py` holds, found by `decompshard coverage
 --verify-native` and by training vision models (every entry is confirmed by a direct
-DTensor run in the tests):
+DTensor run in the tests). Each entry is installed only where it was measured wrong on
+the running torch release, or where that release was never measured
+(`guard_table.WRONG_ON`, `fenced`); the mean-loss handler also where torch is right,
+as the cheaper plan (`KEPT_WHERE_RIGHT`):
 
 * **Handlers that skip the redistribution their strategy asks for** (convolution and
   its backward: the custom handler runs the local kernel on the inputs as they are and
@@ -68,7 +71,7 @@ from decompshard.runtime.guard_dims import wrapping_op_strategy, wrapping_single
 from decompshard.runtime.guard_masks import masking_single_dim
 from decompshard.runtime.guard_losses import mean_loss_handler
 from decompshard.runtime.sync_batchnorm import batch_sharded_backward, batch_sharded_forward
-from decompshard.runtime.guard_table import BATCH_SHARDED_NORM_BACKWARDS, BATCH_SHARDED_NORMS, HANDLERS_SKIPPING_REDISTRIBUTION, MEAN_OF_MEANS_LOSSES, NEGATIVE_DIMS_UNWRAPPED, OUTPUT_MASK_IGNORED, READS_OF_ONE_RANKS_PART, STATS_WRITTEN, WRONG_RULES
+from decompshard.runtime.guard_table import BATCH_SHARDED_NORM_BACKWARDS, BATCH_SHARDED_NORMS, HANDLERS_SKIPPING_REDISTRIBUTION, MEAN_OF_MEANS_LOSSES, NEGATIVE_DIMS_UNWRAPPED, OUTPUT_MASK_IGNORED, READS_OF_ONE_RANKS_PART, STATS_WRITTEN, WRONG_RULES, fenced, mask_key, wrong_here
 from decompshard.runtime.collective_plans import planned_or
 from decompshard.placements import SingleDimRule, format_rule
 from decompshard.runtime.table_patches import Entry, TablePatches, where_none
@@ -110,20 +113,27 @@ def _handler_entries() -> Iterator[Entry]:
     """Handlers: the listed ones that skip their redistribution, wrapped; new ones where
     DTensor has none (someone else's, such as loss_parallel's, stays)."""
     handlers = custom_op_handlers()
-    for name in HANDLERS_SKIPPING_REDISTRIBUTION:
+    for name in filter(fenced, HANDLERS_SKIPPING_REDISTRIBUTION):
         op = _resolve(name)
         if op is not None and op in handlers:
             yield handlers, op, _redistributing_handler(op, handlers[op])
     added = [
         # the plans enable() activates (collective_plans.py) go first: this handler holds their slot
-        *((name, lambda op: planned_or(mean_loss_handler(_warn_mean_of_means))) for name in MEAN_OF_MEANS_LOSSES),
-        *((name, _replicated_read) for name in READS_OF_ONE_RANKS_PART),
-        *((name, functools.partial(_batch_norm_handler, training=t, written=STATS_WRITTEN.get(name)))
+        *((name, functools.partial(_mean_loss, wrong=wrong_here(name))) for name in filter(fenced, MEAN_OF_MEANS_LOSSES)),
+        *((name, _replicated_read) for name in filter(fenced, READS_OF_ONE_RANKS_PART)),
+        *((name, functools.partial(_batch_norm_handler, training=t,
+                                   written=STATS_WRITTEN.get(name) if name in STATS_WRITTEN and fenced(name) else None))
           for name, t in BATCH_SHARDED_NORMS.items()),
         *((name, lambda op: batch_sharded_backward(dtensor_default_dispatch)) for name in BATCH_SHARDED_NORM_BACKWARDS),
     ]
     found = [(op, make) for op, make in ((_resolve(name), make) for name, make in added) if op is not None]
     yield from where_none(handlers, found, lambda op, make: make(op))
+
+
+def _mean_loss(op: torch._ops.OpOverload, wrong: bool) -> Callable:
+    """The mean-loss handler behind the plans; it warns only where DTensor alone was
+    measured wrong (elsewhere it is kept as the cheaper plan: guard_table.KEPT_WHERE_RIGHT)."""
+    return planned_or(mean_loss_handler(_warn_mean_of_means if wrong else lambda op: None))
 
 
 def _batch_norm_handler(op: torch._ops.OpOverload, training: bool | None, written: tuple | None) -> Callable:
@@ -139,7 +149,7 @@ def _strategy_entries() -> Iterator[Entry]:
     sp = sharding_propagator()
     single, full = sp.op_single_dim_strategy_funcs, sp.op_strategy_funcs
     for name, rules in WRONG_RULES.items():
-        op = _resolve(name)
+        op = _resolve(name) if fenced(name) else None
         if op is None:
             continue
         if op in single:
@@ -147,14 +157,14 @@ def _strategy_entries() -> Iterator[Entry]:
                 single[op], func=_filtered_single_dim(op, single[op].func, frozenset(rules)))
         elif op in full:
             yield full, op, _filtered_op_strategy(op, full[op], frozenset(rules))
-    for name in NEGATIVE_DIMS_UNWRAPPED:
+    for name in filter(fenced, NEGATIVE_DIMS_UNWRAPPED):
         op = _resolve(name)
         if op in single:
             yield single, op, dataclasses.replace(single[op], func=wrapping_single_dim(op, single[op].func, _warn_once))
         elif op in full:
             yield full, op, wrapping_op_strategy(op, full[op], _warn_once)
     for name, mask_index in OUTPUT_MASK_IGNORED.items():
-        op = _resolve(name)
+        op = _resolve(name) if fenced(mask_key(name)) else None
         if op in single:
             yield single, op, dataclasses.replace(
                 single[op], func=masking_single_dim(single[op].func, mask_index))

@@ -1,10 +1,20 @@
-"""What the native guard (`guard.py`) guards: findings of `decompshard coverage
---verify-native` on torch 2.13 (docs/native_audit.json), each confirmed by a direct
-DTensor run in tests/test_native_audit.py, and of vision models (tests/test_vision_guard.py). Op names are aten overloads; rules are in
-decompshard's rule format (`placements.py`), as torch's strategy table states them.
+"""What the native guard (`guard.py`) guards, and on which torch releases: findings of
+`decompshard coverage --verify-native` on each tested release
+(docs/native_audit/torch-<release>.json), each confirmed by a direct DTensor run in
+tests/test_native_audit.py, and of vision models (tests/test_vision_guard.py). Op names
+are aten overloads; rules are in decompshard's rule format (`placements.py`), as torch's
+strategy table states them.
+
+Upstream fixes some of what the guard fences (torch 2.14: mean `nll_loss`, `cumsum` with
+a negative dim, `any` of a Partial(sum)), so every fence says on which tested releases
+DTensor alone was measured wrong (`WRONG_ON`); the guard installs it there and on any
+release nobody has measured (a fence on a right op costs communication, a missing one
+costs a wrong number), and steps aside where the measurement found torch right.
 """
 
 from __future__ import annotations
+
+from decompshard import _compat
 
 # Custom DTensor handlers that run the local kernel without the redistribution their
 # strategy asked for (torch/distributed/tensor/_tp_conv.py): any layout that needs one
@@ -96,3 +106,66 @@ NEGATIVE_DIMS_UNWRAPPED: tuple[str, ...] = (
 OUTPUT_MASK_IGNORED: dict[str, int] = {
     "aten.convolution_backward.default": 10,
 }
+
+def mask_key(op: str) -> str:
+    """The `WRONG_ON` key of an `OUTPUT_MASK_IGNORED` fence (its op has another fence)."""
+    return f"{op}/output_mask"
+
+
+# The releases every fence above was measured on: the native audit's findings file of
+# each, and the cases of tests/test_guard_releases.py (DTensor alone wrong where listed
+# below, right where not).
+TESTED_RELEASES: tuple[str, ...] = ("2.13.0", "2.14.1", "2.15.0")
+_ALL = TESTED_RELEASES
+
+# Fenced op -> the tested releases on which DTensor alone was measured wrong for it.
+WRONG_ON: dict[str, tuple[str, ...]] = {
+    # convolution's handlers skip their redistribution on every tested release
+    "aten.convolution.default": _ALL,
+    "aten.convolution_backward.default": _ALL,
+    # P(sum) -> P(sum): 2.14 made `any`'s P(sum) input replicate first
+    "aten.any.default": ("2.13.0",),
+    "aten.any.dim": ("2.13.0",),
+    "aten.any.dims": ("2.13.0",),
+    "aten.fill_.Scalar": _ALL,
+    "aten.threshold.default": _ALL,
+    # 2.14's single-dim rule shards a mean only with the target replicated (pytorch#185167)
+    "aten.nll_loss_forward.default": ("2.13.0",),
+    "aten.nll_loss2d_forward.default": ("2.13.0",),
+    "aten._local_scalar_dense.default": _ALL,
+    "aten.native_batch_norm.default": _ALL,
+    "aten._native_batch_norm_legit.default": _ALL,
+    "aten._batch_norm_with_update.default": _ALL,
+    # 2.14's scan strategy wraps the dim
+    "aten.cumsum.default": ("2.13.0",),
+    "aten.cumprod.default": ("2.13.0",),
+    "aten.logcumsumexp.default": ("2.13.0",),
+    # a single-dim strategy from 2.14 on; 2.13's op strategy has no such rule
+    mask_key("aten.convolution_backward.default"): ("2.14.1", "2.15.0"),
+}
+
+# Fences the guard keeps where DTensor alone is right, because the fence is also the
+# cheaper plan: op -> why. On a release where torch is right the guard neither warns nor
+# claims to correct anything there.
+KEPT_WHERE_RIGHT: dict[str, str] = {
+    # 2.14 fixed the mean by replicating: a batch-sharded target and its logits are
+    # all-gathered (logits are batch x vocabulary, the largest activation of a language
+    # model) to compute one scalar; the handler all-reduces two scalars and gives the
+    # same numbers (tests/test_guard_losses.py: right, no all-gather, on every release).
+    "aten.nll_loss_forward.default": "moves two scalars where torch all-gathers the logits",
+    "aten.nll_loss2d_forward.default": "moves two scalars where torch all-gathers the logits",
+}
+
+
+def wrong_here(key: str, release: str | None = None) -> bool:
+    """Whether DTensor alone is to be taken as wrong for the fence `key` (a `WRONG_ON`
+    key) on `release` (default: the running one): measured wrong there, or never
+    measured there (an untested release keeps every fence)."""
+    release = _compat.TORCH_RELEASE if release is None else release
+    return release not in TESTED_RELEASES or release in WRONG_ON[key]
+
+
+def fenced(key: str, release: str | None = None) -> bool:
+    """Whether the guard installs the fence `key` on `release`: where DTensor alone is
+    wrong, and where the fence is the cheaper plan (`KEPT_WHERE_RIGHT`)."""
+    return key in KEPT_WHERE_RIGHT or wrong_here(key, release)
