@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import logging
 import os
 import re
 import select
@@ -189,7 +190,31 @@ def test_ctrl_c_during_the_capture(tmp_path):
     assert proc.returncode == 130, err
     assert "Traceback" not in err
     assert err.splitlines()[-1] == "decompshard coverage: interrupted"
+    # only the command's own lines: a CUDA build of torch on a CPU machine logs "No CUDA
+    # runtime is found" while OpInfo's database imports (torch_notices drops it)
+    assert all(line.startswith(("coverage: ", "decompshard coverage: ")) for line in err.splitlines()), err
     assert stdout == "" and not list(tmp_path.glob("opinfo-samples-*"))
+
+
+def test_only_the_no_cuda_runtime_notice_is_dropped():
+    """The CLI drops torch's "No CUDA runtime is found" notice by its text: the same
+    logger's other warnings still reach the user, and outside the block nothing is
+    dropped."""
+    from decompshard.torch_notices import no_cuda_runtime_notice
+
+    log = logging.getLogger("torch.utils.cpp_extension")
+    seen: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())
+    log.addHandler(handler)
+    try:
+        with no_cuda_runtime_notice(), no_cuda_runtime_notice():
+            log.warning("No CUDA runtime is found, using CUDA_HOME='%s'", "/usr/local")
+            log.warning("Error checking compiler version for %s", "c++")
+        log.warning("No CUDA runtime is found, using CUDA_HOME='%s'", "/opt/cuda")
+    finally:
+        log.removeHandler(handler)
+    assert seen == ["Error checking compiler version for c++", "No CUDA runtime is found, using CUDA_HOME='/opt/cuda'"]
 
 
 # ------------------------------------------------------------------ report formats
