@@ -88,9 +88,15 @@ def start_server(modules: Sequence[str] = ()) -> None:
     at the terminal reaches the whole process group, and only the caller must answer it
     (it stops the workers and says "interrupted" once); a server interrupted while it
     imports torch would print a traceback. A Ctrl-C in the few milliseconds of the spawn
-    itself is lost."""
+    itself is lost, so the ignoring happens once per process, never on the later calls
+    (each run_jobs makes one, and a Ctrl-C there must stop the caller)."""
     from multiprocessing import forkserver
 
+    global _SERVER_STARTED_BY
+    if _SERVER_STARTED_BY == os.getpid():
+        with quiet_children():
+            forkserver.ensure_running()  # running: returns at once (restarts one that died)
+        return
     mp.get_context("forkserver").set_forkserver_preload(["decompshard.workers", "torch", *modules])
     try:
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -102,6 +108,10 @@ def start_server(modules: Sequence[str] = ()) -> None:
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
+    _SERVER_STARTED_BY = os.getpid()
+
+
+_SERVER_STARTED_BY: int | None = None  # the process that started the forkserver with Ctrl-C ignored
 
 
 def _context(modules: Sequence[str] = ()) -> Any:
