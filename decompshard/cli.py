@@ -20,6 +20,7 @@ import importlib
 import sys
 
 from decompshard.errors import UsageError
+from decompshard.torch_notices import no_cuda_runtime_notice
 
 COMMANDS = {
     "coverage": ("decompshard.coverage.command", "op coverage tables: native, derived, unsupported and why"),
@@ -60,8 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        _import_user_modules(args)
-        return int(modules[args.command].run(args) or 0)
+        with no_cuda_runtime_notice():  # a CUDA build's notice about C++ extensions, on a CPU box
+            _import_user_modules(args)
+            return int(modules[args.command].run(args) or 0)
     except (UsageError, ValueError) as e:
         print(f"decompshard {args.command}: error: {e}", file=sys.stderr)
         return 2

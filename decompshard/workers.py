@@ -21,6 +21,7 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
+import threading
 import time
 import warnings
 from multiprocessing.connection import wait
@@ -34,16 +35,26 @@ Job = tuple[str, Callable[..., Any], tuple]  # (name, module-level function, its
 _START_TIMEOUT = 300.0
 
 
-def _worker_main(conn: Any) -> None:
-    """Say "ready", then serve (fn, args) requests with the one protocol of
-    decompshard.isolate until the parent closes the pipe."""
+def _worker_main(conn: Any, modules: Sequence[str] = ()) -> None:
+    """Import the jobs' `modules`, say "ready", then serve (fn, args) requests with the
+    one protocol of decompshard.isolate until the parent closes the pipe.
+
+    A job's deadline starts when a ready worker receives it, so what every job needs
+    loads before "ready": importing the coverage sweep takes seconds on a busy machine,
+    and inside the first job's deadline it failed that job (and the next worker's) as
+    timed out without running a line of it."""
+    import importlib
+
     import torch
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C for all
-    if hasattr(signal, "pthread_sigmask"):  # a spawned worker inherits _Worker's mask
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception:  # each job that needs it unpickles it again and reports the error
+            continue
     try:
         conn.send_bytes(b"ready")
     except OSError:  # the parent closed our pipe while we started (a timeout, Ctrl-C): leave quietly
@@ -69,35 +80,83 @@ def quiet_children() -> Iterator[None]:
         os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
 
 
-def _context() -> Any:
-    """forkserver with torch preloaded (a recycled worker starts in ~25 ms instead of ~5 s
-    for a spawned one); spawn where forkserver does not exist."""
-    if "forkserver" in mp.get_all_start_methods():
-        from multiprocessing import forkserver
+def start_server(modules: Sequence[str] = ()) -> None:
+    """Start the forkserver (torch, this module and `modules` preloaded) unless it runs.
 
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["decompshard.workers", "torch"])
+    It starts with SIGINT ignored, which it and every worker it forks inherit (Python
+    installs no KeyboardInterrupt handler when it starts with SIGINT ignored): a Ctrl-C
+    at the terminal reaches the whole process group, and only the caller must answer it
+    (it stops the workers and says "interrupted" once); a server interrupted while it
+    imports torch would print a traceback. A Ctrl-C in the few milliseconds of the spawn
+    itself is lost, so the ignoring happens once per process, never on the later calls
+    (each run_jobs makes one, and a Ctrl-C there must stop the caller)."""
+    from multiprocessing import forkserver
+
+    global _SERVER_STARTED_BY
+    if _SERVER_STARTED_BY == os.getpid():
+        with quiet_children():
+            forkserver.ensure_running()  # running: returns at once (restarts one that died)
+        return
+    mp.get_context("forkserver").set_forkserver_preload(["decompshard.workers", "torch", *modules])
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: Ctrl-C never raises here
+        previous = None
+    try:
         with quiet_children():
             forkserver.ensure_running()
-        return ctx
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+    _SERVER_STARTED_BY = os.getpid()
+
+
+_SERVER_STARTED_BY: int | None = None  # the process that started the forkserver with Ctrl-C ignored
+
+
+def _context(modules: Sequence[str] = ()) -> Any:
+    """forkserver with torch and the jobs' `modules` preloaded (a recycled worker starts
+    in ~25 ms instead of ~5 s for a spawned one; a server already running keeps its own
+    preload); spawn where forkserver does not exist."""
+    if "forkserver" in mp.get_all_start_methods():
+        start_server(modules)
+        return mp.get_context("forkserver")
     return mp.get_context("spawn")
 
 
+@contextlib.contextmanager
+def _ctrl_c_after() -> Iterator[None]:
+    """A Ctrl-C inside is held until the block is done, then raised as it would have been.
+
+    Starting a worker is a request to the forkserver: a connect, then a send of fds. A
+    KeyboardInterrupt between the two closes the socket, and the server dies printing an
+    EOFError traceback (multiprocessing catches only OSError there). Blocking SIGINT in
+    this thread does not hold it: the kernel hands a signal sent to the process group to
+    any thread that leaves it unblocked (torch's OpenMP threads), and Python then runs
+    the handler in the main thread at its next bytecode. So the handler itself is
+    replaced by one that only notes the signal."""
+    caught: list[int] = []
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is None or threading.current_thread() is not threading.main_thread():
+        yield  # a handler set outside Python (none to put back), or Ctrl-C never raises here
+        return
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught and callable(previous):
+            previous(signal.SIGINT, None)
+        elif caught and previous == signal.SIG_DFL:
+            signal.raise_signal(signal.SIGINT)
+
+
 class _Worker:
-    def __init__(self, ctx: Any):
+    def __init__(self, ctx: Any, modules: Sequence[str] = ()):
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child,), daemon=True)
-        # A fork request to the forkserver is a connect then a send of fds; a Ctrl-C between
-        # the two closes the socket and the server dies printing an EOFError traceback
-        # (multiprocessing catches only OSError there). SIGINT waits until the request is sent.
-        blocked = hasattr(signal, "pthread_sigmask")
-        if blocked:
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
+        self.proc = ctx.Process(target=_worker_main, args=(child, tuple(modules)), daemon=True)
+        with _ctrl_c_after():  # the fork request reaches the server whole
             self.proc.start()
-        finally:
-            if blocked:
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         child.close()
         self.ready = False
         self.job: str | None = None
@@ -129,14 +188,15 @@ def run_jobs(jobs: Sequence[Job], workers: int, timeout: float,
                 continue
             on_result(name, value)
         return
-    ctx = _context()
+    preload = sorted({fn.__module__ for _, fn, _ in jobs} - {"__main__"})  # a script's main never reruns
+    ctx = _context(preload)
     from decompshard.user_modules import call_with_user_modules, imported
 
     modules = imported()  # the user's --import/--model modules: their custom ops, in every worker
     if modules:
         jobs = [(name, call_with_user_modules, (modules, fn, args)) for name, fn, args in jobs]
     pending = collections.deque((name, pickle.dumps((fn, args))) for name, fn, args in jobs)
-    pool = [_Worker(ctx) for _ in range(min(workers, len(pending)))]
+    pool = [_Worker(ctx, preload) for _ in range(min(workers, len(pending)))]
     early_deaths = 0
     try:
         while pending or any(w.job for w in pool):
@@ -158,7 +218,7 @@ def run_jobs(jobs: Sequence[Job], workers: int, timeout: float,
                         on_failure(w.job, f"crashed: worker exited with code {code}", time.monotonic() - w.started)
                     elif (early_deaths := early_deaths + 1) >= 3:
                         raise RuntimeError(f"worker processes fail to start (exit code {code})") from None
-                    pool[pool.index(w)] = _Worker(ctx)
+                    pool[pool.index(w)] = _Worker(ctx, preload)
                     w.stop(kill=True)
                     continue
                 if not w.ready:
@@ -175,7 +235,7 @@ def run_jobs(jobs: Sequence[Job], workers: int, timeout: float,
                 if w.job and now - w.started > timeout:
                     on_failure(w.job, f"timed out after {timeout:g} s", now - w.started)
                     w.stop(kill=True)
-                    pool[i] = _Worker(ctx)
+                    pool[i] = _Worker(ctx, preload)
                 elif not w.ready and now - w.started > _START_TIMEOUT:
                     raise RuntimeError(f"a worker process did not start within {_START_TIMEOUT:g} s")
     finally:

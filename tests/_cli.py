@@ -4,10 +4,13 @@ read from `cache_dir` (see conftest.opinfo_cache), never from the user's own cac
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,9 +30,29 @@ def run_cli(*argv: str, cache_dir: str | os.PathLike, timeout: float = 300, **en
                           env=cli_env(cache_dir, **env), timeout=timeout, cwd=ROOT)
 
 
+@contextlib.contextmanager
+def ctrl_c_reaches_children() -> Iterator[None]:
+    """Processes started inside begin with SIGINT at its default action, as a terminal's
+    foreground job does. A test run started in the background by a non-interactive shell
+    (`pytest ... &`, CI wrappers) ignores SIGINT, and an ignored signal stays ignored
+    across exec: the child would never see the Ctrl-C the test sends (it honours the
+    shell's wish, rightly). A Python-level handler here becomes SIG_DFL in the exec'd
+    child."""
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.SIG_IGN:
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def spawn_cli(*argv: str, cache_dir: str | os.PathLike, **env: str) -> subprocess.Popen:
     """In its own session (process group), so a test can Ctrl-C the whole group, workers
     included, as a terminal does."""
-    return subprocess.Popen([sys.executable, "-m", "decompshard", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=cli_env(cache_dir, **env), cwd=ROOT,
-                            start_new_session=True)
+    with ctrl_c_reaches_children():
+        return subprocess.Popen([sys.executable, "-m", "decompshard", *argv], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=cli_env(cache_dir, **env), cwd=ROOT,
+                                start_new_session=True)

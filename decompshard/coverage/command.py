@@ -208,31 +208,17 @@ def run(args: argparse.Namespace) -> int:
 
 def _start_worker_server(jobs: int) -> None:
     """The sweep's workers fork from a server process that imports torch and decompshard
-    once (sweep._context: forkserver, sweep preloaded). Starting that server before this
-    process imports torch and reads the capture lets the two run side by side on two
-    cores (`run` starts it right after the checks that need no torch, the globs included
-    once their list is on disk).
-
-    It starts with SIGINT ignored, which it and every worker it forks inherit (Python
-    installs no KeyboardInterrupt handler when it starts with SIGINT ignored): a Ctrl-C
-    at the terminal reaches the whole process group, and only this process must answer
-    it (it stops the workers and says "interrupted" once)."""
+    once (workers.start_server: forkserver, sweep preloaded, Ctrl-C the parent's alone).
+    Starting that server before this process imports torch and reads the capture lets
+    the two run side by side on two cores (`run` starts it right after the checks that
+    need no torch, the globs included once their list is on disk)."""
     import multiprocessing as mp
-    import signal
 
     if jobs <= 0 or "forkserver" not in mp.get_all_start_methods():
         return
-    from multiprocessing import forkserver
+    from decompshard.workers import start_server
 
-    mp.get_context("forkserver").set_forkserver_preload(["decompshard.coverage.sweep"])
-    from decompshard.workers import quiet_children
-
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        with quiet_children():
-            forkserver.ensure_running()
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    start_server(["decompshard.coverage.sweep"])
 
 
 def mark_backward(records: Sequence[dict[str, Any]], backward_names: set[str]) -> None:

@@ -65,21 +65,14 @@ def environment(head: dict[str, Any]) -> tuple[list[Finding], bool]:
 def hook_points() -> Iterator[Finding]:
     """Every hook point decompshard patches or reads, then whether torch's fallback
     takes the arguments enable()'s replacement accepts."""
-    import logging
-
     from decompshard import _compat
+    from decompshard.torch_notices import no_cuda_runtime_notice
 
     # importing OpInfo's database on a CUDA build without a GPU logs "No CUDA runtime is
     # found" (torch.utils.cpp_extension): not a finding
-    cpp_ext = logging.getLogger("torch.utils.cpp_extension")
-    level = cpp_ext.level
-    cpp_ext.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            probes = _compat.hook_probes()
-    finally:
-        cpp_ext.setLevel(level)
+    with no_cuda_runtime_notice(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        probes = _compat.hook_probes()
     for name, found, detail in probes:
         yield Finding(HOOKS, name, OK if found else MISSING, detail)
     yield _fallback_signature()
