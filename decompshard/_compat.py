@@ -22,7 +22,7 @@ __all__ = [
     "clear_dtensor_caches", "custom_op_handlers", "custom_op_overload", "dtensor_default_dispatch", "dtensor_local_results",
     "dtensor_output_sharding", "dtensor_output_spec", "dtensor_planned_moves", "fake_one_rank_mesh", "from_torch_placement",
     "has_native_strategy", "is_dispatchable",
-    "kwarg_routing_active", "local_tensor", "op_strategy_func", "placed_dtensor", "rebind_dtensor", "redistribute_cost",
+    "kwarg_routing_active", "local_tensor", "op_strategy_func", "contiguous_spec", "placed_dtensor", "rebind_dtensor", "redistribute_cost",
     "redistribute_local_tensor", "return_and_correct_aliasing", "kwarg_routing_entries", "set_dtensor_layout",
     "sharding_propagator",
     "single_dim_strategy_info", "strategy_reused_from", "slab_index", "stage_kwarg_targets", "to_torch_placement", "torch_decomposition_table",
@@ -386,17 +386,27 @@ def unsharded_dtensor(local: torch.Tensor, mesh: Any, placements: Any) -> Any:
         raise ValueError(f"unsharded_dtensor: {tuple(placements)} shards the tensor")
     meta = TensorMeta(local.shape, local.stride(), local.dtype)
     return DTensor(local, DTensorSpec(mesh, tuple(placements), tensor_meta=meta), requires_grad=False)
+def contiguous_spec(mesh: Any, placements: Any, global_shape: Any, dtype: torch.dtype,
+                    stride: Any = None) -> Any:
+    """A DTensorSpec of a global shape laid out contiguously (torch's strides: a size-0
+    dim counts as 1), or with `stride` where given: what a handler that moves or wraps a
+    local tensor itself (batch norm's statistics, a per-row reduction) hands DTensor."""
+    shape = torch.Size(global_shape)
+    if stride is None:
+        acc, rev = 1, []
+        for size in reversed(shape):
+            rev.append(acc)
+            acc *= max(int(size), 1)
+        stride = tuple(reversed(rev))
+    return DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, tuple(stride), dtype))
+
+
 def placed_dtensor(local: torch.Tensor, mesh: Any, placements: Any, global_shape: Any) -> Any:
     """A DTensor around a local tensor of a known global shape (contiguous), any placements
     (a per-row statistic that stays on its rows' shards). For use inside dispatch (no
     autograd, no checks)."""
-    shape = torch.Size(global_shape)
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(int(size), 1)
-    meta = TensorMeta(shape, tuple(reversed(stride)), local.dtype)
-    return DTensor(local, DTensorSpec(mesh, tuple(placements), tensor_meta=meta), requires_grad=False)
+    spec = contiguous_spec(mesh, placements, global_shape, local.dtype)
+    return DTensor(local, spec, requires_grad=False)
 
 
 def dtensor_planned_moves(op_call: Any, args: tuple, kwargs: dict) -> list[tuple[Any, Any]] | None:

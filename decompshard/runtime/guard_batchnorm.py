@@ -19,12 +19,11 @@ DTensor does not move them, the kernel updates the buffers directly, as on one d
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import torch
 
-from decompshard._compat import DTensor, DTensorSpec, TensorMeta, TorchPartial, TorchReplicate, TorchShard, redistribute_local_tensor
+from decompshard._compat import DTensor, DTensorSpec, TorchPartial, TorchReplicate, TorchShard, contiguous_spec, redistribute_local_tensor
 
 __all__ = ["stats_writing_handler"]
 
@@ -45,8 +44,7 @@ def _shifted(placements: tuple) -> tuple | None:
 
 
 def _spec(like: Any, placements: tuple, shape: tuple) -> Any:
-    stride = tuple(math.prod(shape[k + 1:]) for k in range(len(shape)))
-    return DTensorSpec(like.mesh, placements, tensor_meta=TensorMeta(torch.Size(shape), stride, like.tensor_meta.dtype))
+    return contiguous_spec(like.mesh, placements, shape, like.tensor_meta.dtype)
 
 
 def _write_back(updates: list[tuple[torch.Tensor, Any, Any, torch.Tensor]]) -> None:

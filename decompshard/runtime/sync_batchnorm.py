@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 import torch
 
-from decompshard._compat import DTensor, DTensorSpec, TensorMeta, TorchPartial, TorchReplicate, TorchShard, redistribute_local_tensor
+from decompshard._compat import DTensor, TorchPartial, TorchReplicate, TorchShard, contiguous_spec, redistribute_local_tensor
 
 __all__ = ["Layout", "batch_sharded_backward", "batch_sharded_forward", "layout_of", "pays"]
 
@@ -110,19 +110,12 @@ def pays(x: Any, layout: Layout) -> bool:
     return 2 * x.shape[1] * ranks <= x.numel()
 
 
-def _spec(mesh: Any, placements: Any, shape: Any, dtype: torch.dtype, stride: Any = None) -> DTensorSpec:
-    shape = torch.Size(shape)
-    if stride is None:
-        stride = tuple(math.prod(shape[k + 1:]) for k in range(len(shape)))
-    return DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, tuple(stride), dtype))
-
-
 def _moved(local: torch.Tensor, layout: Layout, shape: Any, src: tuple, dst: tuple) -> torch.Tensor:
     """`local` (global `shape`) from placements `src` to `dst`: DTensor's own collectives."""
     if src == dst:
         return local
-    return redistribute_local_tensor(local, _spec(layout.mesh, src, shape, local.dtype),
-                                     _spec(layout.mesh, dst, shape, local.dtype))
+    return redistribute_local_tensor(local, contiguous_spec(layout.mesh, src, shape, local.dtype),
+                                     contiguous_spec(layout.mesh, dst, shape, local.dtype))
 
 
 def _all_reduced(local: torch.Tensor, layout: Layout, shape: Any) -> torch.Tensor:
@@ -176,12 +169,12 @@ def _forward_outputs(op_call: Any, x: Any, layout: Layout, out: torch.Tensor, st
     statistics with the input's channels (empty ones, evaluation's, replicated), and
     `_batch_norm_with_update`'s reserve replicated."""
     mesh, rep = layout.mesh, (TorchReplicate(),) * layout.mesh.ndim
-    specs = [_spec(mesh, x.placements, x.shape, out.dtype, x.stride())]
-    specs += [_spec(mesh, layout.per_channel() if s.numel() else rep, (x.shape[1] if s.numel() else 0,), s.dtype)
+    specs = [contiguous_spec(mesh, x.placements, x.shape, out.dtype, x.stride())]
+    specs += [contiguous_spec(mesh, layout.per_channel() if s.numel() else rep, (x.shape[1] if s.numel() else 0,), s.dtype)
               for s in stats]
     if len(op_call._schema.returns) == 4:
         stats = [*stats, torch.empty(0, dtype=torch.uint8, device=out.device)]
-        specs.append(_spec(mesh, rep, (0,), torch.uint8))
+        specs.append(contiguous_spec(mesh, rep, (0,), torch.uint8))
     return DTensor._op_dispatcher.wrap(tuple([out, *stats]), tuple(specs))
 
 
@@ -242,8 +235,8 @@ def _backward_outputs(x: Any, layout: Layout, mask: list[bool], grads: list[Any]
     """grad_input on `x`'s placements; grad_weight and grad_bias with the input's channels,
     summed over the batch's mesh dims already or Partial(sum) there (`partial`)."""
     mesh = layout.mesh
-    specs = [_spec(mesh, x.placements, x.shape, x.dtype, x.stride())]
-    specs += [_spec(mesh, layout.per_channel(partial=partial), (x.shape[1],), g.dtype) if g is not None else None
+    specs = [contiguous_spec(mesh, x.placements, x.shape, x.dtype, x.stride())]
+    specs += [contiguous_spec(mesh, layout.per_channel(partial=partial), (x.shape[1],), g.dtype) if g is not None else None
               for g in grads[1:]]
     outs = [g if m else None for g, m in zip(grads, mask)]
     specs = [s if m else None for s, m in zip(specs, mask)]
