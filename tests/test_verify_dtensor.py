@@ -277,3 +277,33 @@ def test_plain_tensor_gradients_are_judged_by_their_values(scale_x, scale_y, sta
     args = (torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64))
     out = _case(op, args, "S(0);R", "6")
     assert out.status == status and out.stage == "backward" and detail in out.detail, out
+
+
+@pytest.mark.parametrize("text", ["P(avg),P(avg)", "R,P(sum)", "P(avg),S(0)"])
+def test_partial_inputs_reduce_to_the_reference_bit_for_bit(text):
+    # hash_tensor's output depends on every bit of its (reduced) input: the check's
+    # Partial parts must reduce to exactly what one device is given, in the order
+    # DTensor reduces them, or a right rule reads as WRONG (it did, 5 cases).
+    x = torch.randn(6, 5, dtype=torch.float64) * torch.logspace(-8, 3, 5, dtype=torch.float64)
+    assert _case(aten.hash_tensor.default, (x,), text, backward=False).status == "ok"
+    assert _case(aten.hash_tensor.default, (x,), text, backward=False, kwargs={"dim": [1]}).status == "ok"
+
+
+@pytest.mark.parametrize("text", ["P(sum)", "P(avg)", "P(max)"])
+def test_partial_parts_have_their_own_storage_laid_out_like_the_value(text):
+    # as_strided_copy reads absolute storage positions: a part that was a view into a
+    # shared buffer (offset 9k) read another rank's numbers, 4 WRONG on a right rule.
+    x = torch.randn(3, 3, dtype=torch.float64)
+    out = _case(aten.as_strided_copy.default, (x, (2, 2), (1, 2)), text, mesh="6", kwargs={"storage_offset": 1})
+    assert out.status == "ok", out
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    xt = torch.randn(4, 6, dtype=torch.float64).t()
+    with LocalTensorMode(frozenset(range(6))):
+        d = make_dtensor(xt, device_mesh((6,)), parse_placements(text, [(6, 4)], 1)[0], seed=0, salt=0)
+        locals_ = per_rank_values(d.to_local(), 6)
+        replicated = per_rank_values(make_dtensor(xt, device_mesh((6,)), parse_placements("R", [(6, 4)], 1)[0],
+                                                  seed=0, salt=0).to_local(), 6)
+    # laid out as distribute_tensor lays out a replicated rank's tensor, each in its own storage
+    assert all(t.storage_offset() == 0 and t.stride() == replicated[r].stride() for r, t in locals_.items())
+    assert len({t.untyped_storage().data_ptr() for t in locals_.values()}) == 6

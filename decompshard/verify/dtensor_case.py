@@ -44,7 +44,7 @@ from decompshard._compat import (
 from decompshard.errors import one_line
 from decompshard.verify.judge import PLAIN, Verdict, judge
 from decompshard.verify.placement_text import format_placements
-from decompshard.verify.rank_sim import make_parts, promote
+from decompshard.verify.rank_sim import make_parts, on_exact_grid, promote
 from decompshard.verify.ranks import every_rank_full, mesh_coords, per_rank_values, rank_locals
 from decompshard.placements import REDUCE_OPS, Partial, check_placement_rows, parse_mesh_shape, parse_placement_rows
 
@@ -342,6 +342,9 @@ def run_case(op: Any, args: tuple, kwargs: dict | None, mesh_shape: Sequence[int
     flat, spec, tensor_idx = flatten_call(args, kwargs)
     if len(placements) != len(tensor_idx):
         raise ValueError(f"expected placements for {len(tensor_idx)} tensor inputs, got {len(placements)}")
+    for i, pl in zip(tensor_idx, placements):
+        if any(isinstance(p, TorchPartial) for p in pl):
+            flat[i] = on_exact_grid(flat[i])
     try:
         ref = reference(op, flat, spec, tensor_idx, seed, backward)
     except Exception as e:

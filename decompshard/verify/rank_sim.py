@@ -112,8 +112,50 @@ def _finite_abs(x: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(x.abs(), nan=0.0, posinf=0.0, neginf=0.0)
 
 
+_GRID_BITS = 18  # log2 of (largest |part| / |value| + 1) * ranks the exact grid leaves room for
+
+
+def _grid(mag: torch.Tensor) -> torch.Tensor:
+    """Per element, the power of two every part of a P(sum)/P(avg) value is a multiple
+    of: coarse enough that the parts (at most 1000x the value, up to 64 ranks) and every
+    partial sum of them fit float64's 53 bits, so any reduction order is exact."""
+    return torch.exp2(torch.ceil(torch.log2(mag * 2.0**_GRID_BITS)) - 52)
+
+
+def on_exact_grid(x: torch.Tensor) -> torch.Tensor:
+    """`x` rounded onto the grid `make_parts` splits P(sum)/P(avg) values on (finite
+    floats; complex per component; other dtypes unchanged). Why: a check that builds a
+    Partial input from `x` compares with one device run on `x`; with `x` on the grid the
+    ranks' reduction gives `x` bit for bit, so an op whose output depends on every bit
+    (hash_tensor) is judged on its rule, not on the last bit of a reduction."""
+    if x.is_complex():
+        return torch.complex(on_exact_grid(x.real), on_exact_grid(x.imag))
+    if not x.dtype.is_floating_point or x.dtype != torch.float64:
+        return x
+    q = _grid(_finite_abs(x) + 1.0)
+    return torch.where(torch.isfinite(x), torch.round(x / q) * q, x)
+
+
+def _noise(shape: tuple, mag: torch.Tensor, g: torch.Generator, complex_: bool) -> torch.Tensor:
+    """Random parts of per-element magnitude 0.1x to 100x `mag`, on `_grid(mag)`."""
+    decades = 10.0 ** torch.empty(shape, dtype=torch.float64).uniform_(-1, 2, generator=g)
+    noise = torch.randn(shape, dtype=torch.float64, generator=g) * decades
+    if complex_:
+        noise = torch.complex(noise, torch.randn(noise.shape, dtype=torch.float64, generator=g) * decades)
+        return torch.complex(_on(noise.real, mag), _on(noise.imag, mag))
+    return _on(noise, mag)
+
+
+def _on(noise: torch.Tensor, mag: torch.Tensor) -> torch.Tensor:
+    q = _grid(mag)
+    return torch.round(noise.clamp(-1000, 1000) * mag / q) * q
+
+
 def make_parts(x: torch.Tensor, p: Partial, world_size: int, draw: Draw, salt: int) -> list[torch.Tensor]:
-    """Per-rank parts whose `p.reduce_op` over ranks is exactly (up to rounding) `x`."""
+    """Per-rank parts whose `p.reduce_op` over ranks is `x`: exactly, in any order, for
+    values `on_exact_grid` (max/min always), else up to rounding. Each part has its own
+    storage laid out like `x`, as a rank's tensor would: an op that reads storage
+    positions (as_strided_copy) sees what it would see on one device."""
     seed, flipped = draw
     g = torch.Generator().manual_seed((seed * 1_000_003 + salt * 7_919 + world_size) % 2**62)
     W, op, shape = world_size, p.reduce_op, x.shape
@@ -131,11 +173,7 @@ def make_parts(x: torch.Tensor, p: Partial, world_size: int, draw: Draw, salt: i
         if is_int:
             noise = torch.randint(-m, m + 1, (W - 1, *shape), generator=g)
         else:
-            decades = 10.0 ** torch.empty((W - 1, *shape), dtype=torch.float64).uniform_(-1, 2, generator=g)
-            noise = torch.randn((W - 1, *shape), dtype=torch.float64, generator=g) * decades
-            if x.is_complex():
-                noise = torch.complex(noise, torch.randn(noise.shape, dtype=torch.float64, generator=g) * decades)
-            noise = noise * mag
+            noise = _noise((W - 1, *shape), mag, g, x.is_complex())
         if flipped:
             noise = -noise
         parts = [target - noise.sum(0), *noise.unbind(0)]
@@ -156,7 +194,7 @@ def make_parts(x: torch.Tensor, p: Partial, world_size: int, draw: Draw, salt: i
             # count_nonzero(P(max)) -> P(min) looks valid as long as no part is zero
             others = torch.where(sign * xi < 0, torch.zeros_like(others), others)
         parts = [torch.where(holder == r, xi, others[r]) for r in range(W)]
-    return [q.to(x.dtype).contiguous() for q in parts]
+    return [torch.empty_like(x).copy_(q) for q in parts]
 
 
 def make_local(x: torch.Tensor, p: MaybePlacement, world_size: int, draw: Draw, salt: int) -> list[torch.Tensor]:
