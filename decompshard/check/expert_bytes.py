@@ -63,44 +63,61 @@ def _ddp(model: torch.nn.Module, targets: dict, tp: int) -> int:
     return total
 
 
-def _hooked_forward(built: Any, targets: dict, want_tp: bool) -> tuple[int, int, bool]:
-    """One forward on one device: (SyncBatchNorm bytes, Megatron bytes at the full batch,
-    whether the plan has raw parameters Megatron has no count for)."""
+def _megatron_hooks(model: torch.nn.Module, orig: dict, targets: dict, counts: dict) -> list:
+    """Forward hooks on the plan's layers of `model` (a copy of the model whose modules
+    are `orig`) adding Megatron's bytes at the full batch to counts["tp"]."""
+    keep: list[torch.Tensor] = []  # inputs already counted, held so that their ids stay unique
+
+    def count_input(x: Any) -> None:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and not any(x is k for k in keep):
+            keep.append(x)
+            counts["tp"] += x.numel() * x.element_size()
+
+    def layer_hook(style: str) -> Any:
+        def hook(mod: Any, args: Any, out: Any) -> None:
+            if style == "rowwise":
+                counts["tp"] += out.numel() * out.element_size()
+            else:
+                count_input(args[0])
+        return hook
+
+    def experts_hook(mod: Any, args: Any, out: Any) -> None:
+        out = out[0] if isinstance(out, tuple) else out
+        counts["tp"] += out.numel() * out.element_size()
+        for a in args:
+            count_input(a)
+
+    by_module = {id(mod): style for style, mod in targets.values() if mod is not None}
+    owners = {name.rsplit(".", 1)[0] for name, (_, mod) in targets.items() if mod is None}
+    handles = []
+    for name, mod in model.named_modules():
+        style = by_module.get(id(orig.get(name)))
+        if style is not None:
+            handles.append(mod.register_forward_hook(layer_hook(style)))
+        elif name in owners:
+            handles.append(mod.register_forward_hook(experts_hook))
+    return handles
+
+
+def _hooked_forward(built: Any, targets: dict) -> tuple[int, int]:
+    """One forward on one device: (SyncBatchNorm bytes, Megatron bytes at the full batch)."""
     model = copy.deepcopy(built.model)
-    by_module = {id(mod): style for style, mod in targets.values() if mod is not None} if want_tp else {}
-    raw = want_tp and any(mod is None for _, mod in targets.values())
-    mods = dict(model.named_modules())
-    orig = dict(built.model.named_modules())
     counts = {"bn": 0, "tp": 0}
-    inputs_seen: set[int] = set()
 
     def bn_hook(mod: Any, args: Any, out: Any) -> None:
         if mod.training:
             counts["bn"] += 4 * mod.num_features * args[0].element_size()
 
-    def tp_hook(style: str) -> Any:
-        def hook(mod: Any, args: Any, out: Any) -> None:
-            if style == "rowwise":
-                counts["tp"] += out.numel() * out.element_size()
-            elif id(args[0]) not in inputs_seen:
-                inputs_seen.add(id(args[0]))
-                counts["tp"] += args[0].numel() * args[0].element_size()
-        return hook
-
-    handles = []
-    for name, mod in mods.items():
-        if isinstance(mod, torch.nn.modules.batchnorm._BatchNorm):
-            handles.append(mod.register_forward_hook(bn_hook))
-        style = by_module.get(id(orig.get(name)))
-        if style is not None:
-            handles.append(mod.register_forward_hook(tp_hook(style)))
+    handles = _megatron_hooks(model, dict(built.model.named_modules()), targets, counts)
+    handles += [mod.register_forward_hook(bn_hook) for mod in model.modules()
+                if isinstance(mod, torch.nn.modules.batchnorm._BatchNorm)]
     try:
         with torch.no_grad():
             built.loss(model, built.inputs)
     finally:
         for h in handles:
             h.remove()
-    return counts["bn"], counts["tp"], raw
+    return counts["bn"], counts["tp"]
 
 
 def expert_bytes(built: Any, sharding: str) -> Expert:
@@ -111,7 +128,7 @@ def expert_bytes(built: Any, sharding: str) -> Expert:
     sh = SHARDINGS[sharding]
     dp, tp = _sizes(sh)
     targets = plan_targets(built.model, built.plan) if sh.tp is not None and built.plan else {}
-    bn, megatron, raw = _hooked_forward(built, targets, sh.tp is not None)
+    bn, megatron = _hooked_forward(built, targets)
     total = 0
     if sh.dp is not None:
         total += _ddp(built.model, targets, tp) + bn
@@ -119,4 +136,4 @@ def expert_bytes(built: Any, sharding: str) -> Expert:
         batch = next(iter(built.inputs.values())).shape[0]
         share = math.ceil(batch / dp) / batch
         total += int(megatron * share)
-    return Expert(total, "raw expert parameters: no Megatron count" if raw else "")
+    return Expert(total)
