@@ -25,7 +25,7 @@ tensor):
   channels, a `rowwise` conv its input channels); what runs per channel between them
   (BatchNorm, activations, depthwise convs sharded along) moves nothing. Not counted:
   a SqueezeExcite inside such a span (EfficientNet's InvertedResidual) reduces over all
-  channels, one all-reduce of [batch, reduced channels] each way (under 1 KiB here);
+  channels, one all-reduce of [batch, reduced channels] each way (2.5 KiB in all here);
   a `vocab_colwise` lm_head's loss-parallel statistics (a few [tokens] all-reduces; no
   zoo case shards its lm_head).
 * raw expert parameters (a plan entry without a module: Mixtral's batched-matmul
