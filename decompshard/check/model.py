@@ -302,7 +302,7 @@ def _sharded_step(built: Any, dmodel: torch.nn.Module, ref: _RefStep, mesh: Any,
     """The DTensor step, its verdict against `ref`, and with `measure` its times and
     collectives (inside the simulation and the caller's `switched`)."""
     try:
-        _distribute_model(dmodel, built.plan, mesh, sh)
+        _distribute_model(dmodel, built.plan, mesh, sh, getattr(built, "megatron_inputs", None))
         din = _distribute_inputs(built.inputs, mesh, sh)
     except Exception as e:
         return StepRun("ERROR", one_line(e, 300), stage="setup")
@@ -413,13 +413,15 @@ def _compare_step(loss: Any, model: torch.nn.Module, ref: _RefStep, dtype: torch
     return v.detail
 
 
-def _distribute_model(model: torch.nn.Module, plan: dict[str, str], mesh: Any, sh: Sharding) -> None:
+def _distribute_model(model: torch.nn.Module, plan: dict[str, str], mesh: Any, sh: Sharding,
+                      extra: dict[str, Any] | None = None) -> None:
     """The plan on the TP dim, everything else replicated: every parameter and buffer a
     DTensor on the whole mesh. On a 1-D TP mesh, plain `nn.Linear` layers go through
     `parallelize_module` (Megatron: ColwiseParallel/RowwiseParallel with their input and
     output redistributions); other layers (convs, Conv1D, fused projections, raw expert
     weights) and every layer on a 2-D mesh get their placements directly, DTensor
-    propagating activations from there."""
+    propagating activations from there. `extra`: the model's `megatron_inputs`, applied
+    with the Linear styles under local outputs."""
     from torch.distributed.tensor import DTensor, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -435,6 +437,8 @@ def _distribute_model(model: torch.nn.Module, plan: dict[str, str], mesh: Any, s
                             {"output_layouts": _replicate()} if style == "vocab_colwise" and sh.local_output else {}))
                         for name, (style, mod) in targets.items()
                         if style in styles and type(mod) is torch.nn.Linear}
+            if sh.local_output:
+                megatron.update(extra or {})
             if megatron:
                 parallelize_module(model, mesh, megatron)
     else:

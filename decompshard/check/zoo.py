@@ -51,6 +51,11 @@ class Built:
     # why the model cannot run Megatron's local-output TP (sharding tp-local) as built,
     # '' when it can: e.g. attention that views q/k/v with the global head count
     no_local_tp: str = ""
+    # parallelize_module entries (module name or glob -> ParallelStyle) added under
+    # Megatron's local outputs (tp-local): PrepareModuleInput on a block, so the layers
+    # that read its input share one input-gradient all-reduce (torchtitan's plan) where
+    # ColwiseParallel alone makes one per layer. Empty: the plan's Linear styles alone
+    megatron_inputs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
