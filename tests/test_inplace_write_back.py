@@ -108,3 +108,35 @@ def test_derived_strategy_of_an_in_place_op_keeps_self():
         assert any("in place on self" in m for m in chain), chain
     finally:
         decompshard.disable()
+
+
+@pytest.mark.parametrize("rows,reduced", [(7, "src"), (30, "self")])
+def test_partial_source_is_reduced_where_that_moves_less(rows, reduced):
+    # Mixtral tp: each expert's Partial rows added into the replicated token buffer
+    # all-reduced the whole buffer per expert (4 x 16 KiB); reducing the rows first
+    # moves only them. Numbers equal one device either way.
+    from torch.distributed.tensor import Partial
+
+    from decompshard.dispatch_modes.comm_bytes import CommBytes
+    from decompshard.verify.dtensor_case import make_dtensor
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(12, 6, dtype=torch.float64, generator=g)
+    idx = torch.randint(0, 12, (rows,), generator=g)
+    src = torch.randn(rows, 6, dtype=torch.float64, generator=g)
+    want = x.clone().index_add_(0, idx, src)
+    mesh = device_mesh((4,))
+    decompshard.enable()
+    try:
+        with LocalTensorMode(4), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dx = distribute_tensor(x.clone(), mesh, [Shard(0)]).redistribute(mesh, [Replicate()])
+            dsrc = make_dtensor(src, mesh, [Partial()], seed=0, salt=0)  # random per-rank parts
+            di = distribute_tensor(idx, mesh, [Replicate()])
+            with CommBytes() as comm:
+                dx.index_add_(0, di, dsrc)
+            err = max((v - want).abs().max().item() for v in rank_locals(dx.full_tensor(), mesh).values())
+    finally:
+        decompshard.disable()
+    assert err < 1e-12 and dx.placements == (Replicate(),)
+    assert comm.bytes == {"src": src, "self": x}[reduced].numel() * 8

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from decompshard._compat import DTensor, custom_op_handlers, has_native_strategy, local_tensor
+from decompshard._compat import DTensor, custom_op_handlers, has_native_strategy, local_tensor, tree_flatten, tree_unflatten
 from decompshard.runtime.table_patches import Entry, WarnOnce, where_none
 
 __all__ = ["entries", "written_back_ops"]
@@ -79,6 +79,8 @@ def entries(warn_once: WarnOnce) -> Iterator[Entry]:
 def _write_back_handler(op: torch._ops.OpOverload, twin: torch._ops.OpOverload) -> Callable:
     def handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
         target = args[0]
+        if isinstance(target, DTensor):
+            args, kwargs = _reduced_first(target, args, kwargs)
         out = twin(*args, **kwargs)  # DTensor's ordinary path (derived or native strategy)
         if not isinstance(target, DTensor) or not isinstance(out, DTensor):
             raise RuntimeError(f"decompshard: {op} on a {type(target).__name__} self with DTensor arguments: "
@@ -93,3 +95,27 @@ def _write_back_handler(op: torch._ops.OpOverload, twin: torch._ops.OpOverload) 
 
     handler.__name__ = f"write_back_{op._opname}"
     return handler
+
+
+def _reduced_first(target: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The arguments with their Partial mesh dims reduced first, where that moves fewer
+    bytes than reducing the result into `self`. The twin's strategy is chosen as for an
+    out-of-place op: Partial arguments make a Partial result for free, and the write-back
+    then all-reduces all of `self` (Mixtral: each expert's few rows added into the whole
+    token buffer cost one all-reduce of the buffer per expert). Decided from global
+    shapes and placements only, so every rank decides alike."""
+    from torch.distributed.tensor import Replicate
+
+    flat, spec = tree_flatten((args, kwargs))
+    dims = {m for t in flat[1:] if isinstance(t, DTensor) and t.device_mesh == target.device_mesh
+            for m, p in enumerate(t.placements) if p.is_partial() and not target.placements[m].is_partial()}
+    if not dims:
+        return args, kwargs
+    partial = [i for i, t in enumerate(flat) if i and isinstance(t, DTensor) and any(
+        t.placements[m].is_partial() for m in dims if t.device_mesh == target.device_mesh)]
+    if sum(flat[i].numel() for i in partial) >= target.numel():
+        return args, kwargs
+    for i in partial:
+        t = flat[i]
+        flat[i] = t.redistribute(t.device_mesh, [Replicate() if m in dims else p for m, p in enumerate(t.placements)])
+    return tree_unflatten(flat, spec)
