@@ -352,14 +352,23 @@ def dtensor_output_spec(op_call: Any, args: tuple, kwargs: dict) -> Any:
     return op_info.output_sharding.output_spec
 
 
-def dtensor_output_sharding(op_call: Any, args: tuple, kwargs: dict) -> tuple[Any, bool]:
+def dtensor_output_sharding(op_call: Any, args: tuple, kwargs: dict) -> tuple[Any, bool, Any, tuple, dict]:
     """DTensor's sharding propagation for this call, not run: (output spec with its
-    tensor meta, whether the chosen strategy redistributes an input first)."""
+    tensor meta, whether the chosen strategy moves an input first, and the local call
+    DTensor would make: op, the arguments after `self`, kwargs). The local call differs
+    from this one where DTensor rewrites it without moving anything (`squeeze.default`
+    on a shard becomes `squeeze.dims` of the global size-1 dims: a shard's own size-1
+    dims are not the tensor's)."""
     dispatcher = DTensor._op_dispatcher
     op_info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
     dispatcher.sharding_propagator.propagate(op_info)
     sharding = op_info.output_sharding
-    return sharding.output_spec, bool(sharding.needs_redistribute or sharding.redistribute_schema is not None)
+    rs = sharding.redistribute_schema
+    if not sharding.needs_redistribute or rs is None:
+        return sharding.output_spec, False, op_call, tuple(args[1:]), dict(kwargs)
+    moves = any(isinstance(a, DTensorSpec) and (not isinstance(b, DTensorSpec) or a.placements != b.placements)
+                for a, b in zip(op_info.schema.args_schema, rs.args_schema))
+    return sharding.output_spec, moves, rs.op, tuple(rs.args_schema[1:]), dict(rs.kwargs_schema)
 
 
 def rebind_dtensor(dt: Any, local: torch.Tensor, spec: Any) -> None:

@@ -39,6 +39,10 @@ CASES = [  # (call, placements): Shard on a dim that moves, on one that stays, P
     (lambda t: t[0].t_(), [Shard(1)]),
     (lambda t: t[0].t_(), [Replicate()]),
     (lambda t: t[0].t_(), [Partial()]),
+    (lambda t: t[:6, :1].squeeze_(), [Shard(0)]),  # torch's own squeeze_ strategy kept [7, 1, 4]
+    (lambda t: t[:, :1].squeeze_(1), [Shard(2)]),
+    (lambda t: t[:, :1].squeeze_((0, 1)), [Replicate()]),
+    (lambda t: t[:, :1].squeeze_(), [Partial()]),
 ]
 
 
@@ -113,8 +117,24 @@ def test_ops_are_found_by_property():
     assert found["aten.unsqueeze_.default"] == "aten.unsqueeze.default"
     # no strategy of its own on 2.13; from 2.14 torch copies `t`'s, which is not one
     assert found["aten.t_.default"] == "aten.t.default"
-    # squeeze_ has its own native strategy; resize_ and as_strided_ have no twin with one
-    assert not {"aten.squeeze_.dim", "aten.resize_.default", "aten.as_strided_.default"} & found.keys()
+    # squeeze_'s own native strategy is squeeze's, the wrong registration: taken too
+    assert found["aten.squeeze_.dim"] == "aten.squeeze.dim"
+    # resize_ and as_strided_ have no twin with a strategy
+    assert not {"aten.resize_.default", "aten.as_strided_.default"} & found.keys()
+
+
+def test_without_enable_squeeze_in_place_keeps_the_old_shape():
+    """torch alone (2.13 to 2.15): squeeze_ has squeeze's strategy, and DTensor's in-place
+    path keeps the old spec when the placements do not change: a DTensor of shape
+    [7, 1, 4] over [7, 4] data, silently."""
+    decompshard.disable()
+    mesh = device_mesh((3,))
+    with LocalTensorMode(3), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        d = distribute_tensor(_x()[:, :1].clone(), mesh, [Replicate()])
+        d.squeeze_()
+        assert tuple(local_tensor(d).shape) == (7, 4)
+        assert tuple(d.shape) == (7, 1, 4)  # the DTensor's shape is not its data's
 
 
 def test_autograd_through_an_in_place_view():
