@@ -73,6 +73,39 @@ def _view(shape, mesh_shape, placements, new_shape):
                    for v in rank_locals(y.full_tensor(), mesh).values())
 
 
+def test_a_forced_move_is_priced_there_and_back():
+    """A residual block on ViT's tokens, [10, 17, 32] with 10 images on 4 ranks:
+    `F.linear`'s flatten cannot stay local. By DTensor's cost model an all-to-all to
+    tokens and the one back cost more than an all-gather whose way back is a local
+    slice, so the activation is gathered, never token-sharded (before the way back was
+    priced, every collective of this step was an all-to-all), and the step matches one
+    device."""
+    from decompshard.dispatch_modes.comm_bytes import CommBytes
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(10, 17, 32, dtype=DT, generator=g, requires_grad=True)
+    w = torch.randn(32, 32, dtype=DT, generator=g, requires_grad=True)
+    y = F.layer_norm(x + F.linear(x, w), (32,))
+    y.pow(2).sum().backward()
+    mesh = device_mesh((4,))
+    decompshard.enable()
+    try:
+        with LocalTensorMode(4), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dx = distribute_tensor(x.detach(), mesh, [Shard(0)]).requires_grad_()
+            dw = distribute_tensor(w.detach(), mesh, [Replicate()]).requires_grad_()
+            with CommBytes(listing=True) as comm:
+                dy = F.layer_norm(dx + F.linear(dx, dw), (32,))
+                dy.pow(2).sum().backward()
+            worst = max((v - want.detach()).abs().max().item()
+                        for got, want in [(dy, y), (dx.grad, x.grad), (dw.grad, w.grad)]
+                        for v in rank_locals(got.full_tensor(), mesh).values())
+    finally:
+        decompshard.disable()
+    assert {c.collective for c in comm.listing} == {"all_gather_into_tensor"}, comm.listing
+    assert worst < 1e-10
+
+
 def test_native_answer_whose_local_shapes_do_not_fit_is_replaced():
     # DTensor accepts [6, 8, 16] on (S(0), S(0)) -> [48, 16] as (S(0), S(0)): local rows
     # 12 each where the local views give 16 and 8 (the local view then fails)

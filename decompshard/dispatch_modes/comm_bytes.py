@@ -6,10 +6,16 @@ It sits below DTensor on purpose: DTensor turns each op into local ops and colle
 and only those collectives reach this mode. Not torch's `CommDebugMode` itself: its
 module tracker raises on models whose hooks return early (transformers' output
 capturing); the collectives counted are the ones CommDebugMode's registry names.
+
+`CommBytes(listing=True)` also keeps one `Collective` per collective, named by the
+DTensor op that issued it (the last op DTensor dispatched: an op's own input moves, or
+a `redistribute()` after it), so that a byte count can be read as what moved and why
+(bench/comm_listing.py prints it).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -17,7 +23,20 @@ import torch
 from decompshard._compat import TorchDispatchMode
 from decompshard._compat import tree_leaves
 
-__all__ = ["CommBytes"]
+__all__ = ["CommBytes", "Collective"]
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective: the DTensor op in flight (its DTensor arguments as
+    'shape placements'), the collective's name, the largest rank's local shape and its
+    bytes (as counted in `CommBytes.bytes`)."""
+
+    op: str
+    operands: str
+    collective: str
+    local_shape: tuple[int, ...]
+    bytes: int
 
 
 class CommBytes(TorchDispatchMode):
@@ -26,7 +45,7 @@ class CommBytes(TorchDispatchMode):
     size, the largest rank's where ranks differ). Not CommDebugMode itself: its module
     tracker raises on models whose hooks return early (transformers' output capturing)."""
 
-    def __init__(self) -> None:
+    def __init__(self, listing: bool = False) -> None:
         from torch.distributed.tensor.debug import CommDebugMode
         from decompshard._compat import c10d_collective_ops
 
@@ -34,11 +53,15 @@ class CommBytes(TorchDispatchMode):
         self.registry = set(CommDebugMode().comm_registry) | set(c10d_collective_ops)
         self.count = self.bytes = 0
         self.bytes_by_kind: dict[str, int] = {}  # collective name -> bytes
+        self.listing: list[Collective] | None = [] if listing else None
+        self._in_flight = ("(before any DTensor op)", "")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.distributed.tensor import DTensor
 
         if any(issubclass(t, DTensor) for t in types):
+            if self.listing is not None:
+                self._in_flight = (str(func), _operands(args, kwargs))
             return NotImplemented  # let DTensor turn the op into local ops and collectives
         out = func(*args, **(kwargs or {}))
         if getattr(func, "_overloadpacket", None) in self.registry:
@@ -47,6 +70,8 @@ class CommBytes(TorchDispatchMode):
             self.bytes += nbytes
             name = func._overloadpacket.__name__
             self.bytes_by_kind[name] = self.bytes_by_kind.get(name, 0) + nbytes
+            if self.listing is not None:
+                self.listing.append(Collective(*self._in_flight, name, _arg_shape(args), nbytes))
         return out
 
     def get_total_counts(self) -> int:
@@ -63,3 +88,20 @@ def _arg_bytes(args: Sequence[Any]) -> int:
             ts = list(per_rank.values()) if per_rank else [a]
             return max(t.numel() * t.element_size() for t in ts)
     return 0
+
+
+def _arg_shape(args: Sequence[Any]) -> tuple[int, ...]:
+    """The local shape of the first tensor argument on the rank that holds the most."""
+    for a in tree_leaves(args):
+        if isinstance(a, torch.Tensor):
+            per_rank = getattr(a, "_local_tensors", None)
+            ts = list(per_rank.values()) if per_rank else [a]
+            return tuple(max(ts, key=lambda t: t.numel()).shape)
+    return ()
+
+
+def _operands(args: Any, kwargs: Any) -> str:
+    from torch.distributed.tensor import DTensor
+
+    return " ".join(f"{list(a.shape)}{''.join(map(str, a.placements))}"
+                    for a in tree_leaves((args, kwargs)) if isinstance(a, DTensor))

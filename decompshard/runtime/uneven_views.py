@@ -19,8 +19,24 @@ Under `enable()` each view-family entry of DTensor's strategy table is wrapped:
 2. Otherwise the sharded mesh dims are moved, the fewest first: each to Replicate or to
    Shard of another tensor dim, keeping only what the native strategy accepts and what
    passes the same local-shape check (all-Replicate always does). Every survivor is
-   priced by DTensor's own `redistribute_cost` from the input's current layout and
-   DTensor takes the cheapest, then redistributes the input as it does for any op.
+   priced by DTensor's own `redistribute_cost`: the move from the input's current layout
+   plus the move back to it, and DTensor takes the cheapest, then redistributes the
+   input as it does for any op.
+
+Why the way back is priced: the move is forced by the view alone. A flatten of an uneven
+batch with the dims after it (`F.linear`'s [10, 17, 32] -> [170, 32]) is undone by the
+unflatten after the matmul, and the ops around it want the batch layout the program
+holds; a Shard(k) target leaves the rest of the layer sharded on tokens or features, so
+the next batch-wise op moves it back (the residual add, layer norm's backward,
+attention; measured on the zoo's ViTs with 10 images on 4 ranks: the token-sharded
+choice cascaded into 46 collectives and 421.5 KiB, 4.9x DDP, where Replicate, whose way
+back to the batch shard is a local slice, moves 19 collectives and 97.3 KiB). By
+DTensor's cost model a small activation's all-gather beats an all-to-all there and back
+(latency), and a large one's does not (bandwidth: ViT-B, [130, 197, 768] on 4 ranks,
+all-gather 2863 against 2 x 728), so the token-sharded move stays where it is cheaper.
+Replicate runs the view's consumer (the matmul) on every rank's copy of the whole batch:
+its weight gradient comes out replicated, with no all-reduce, at the price of compute
+DDP splits; DTensor's cost model, like this choice, prices communication only.
 
 An uneven Shard(a) -> Shard(b) move (S(0) -> S(1) of ViT's [10, 17, 32] tokens on 4 ranks)
 leaves the local tensor a narrowed slice of torch's padded all-to-all buffer, which a
@@ -89,7 +105,7 @@ def _redistributing_view_strategy(op: torch._ops.OpOverload, native: Callable, w
         warn_once(f"view:{op}", (
             f"decompshard: {op} on {_spec_text(spec)}: DTensor's view strategy refuses it ({refusal}); "
             f"redistributing the input to {tuple(best.input_specs[0].placements)} first "
-            f"(cheapest valid layout by DTensor's cost model). The result views that copy: "
+            f"(cheapest valid layout by DTensor's cost model, the move back included). The result views that copy: "
             f"an in-place write to it does not reach the input"))
         return OpStrategy(found)
 
@@ -127,7 +143,8 @@ def _redistributed(op: Any, op_schema: Any, native: Callable, spec: Any) -> list
                     if key in seen or not _fits(op, op_schema, s):
                         continue
                     seen.add(key)
-                    cost = redistribute_cost(spec, target)
+                    back = DTensorSpec(spec.mesh, tuple(target.placements), tensor_meta=spec.tensor_meta)
+                    cost = redistribute_cost(spec, target) + redistribute_cost(back, spec)
                     found.append(OpSpec(s.output_specs, input_specs=s.input_specs, redistribute_cost=[[cost]]))
         if found:
             return found
