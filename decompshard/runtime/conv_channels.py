@@ -26,18 +26,21 @@ Shard(1) and gives grad_input Partial(sum), grad_weight and grad_bias Shard(0);
 rowwise takes grad_output Replicate and gives grad_input and grad_weight Shard(1),
 grad_bias Replicate; grouped takes and gives Shard(1) / Shard(0); batch gives
 grad_weight and grad_bias Partial(sum). Moves of grad_output go through DTensor's own
-collectives. Any other layout (a dim sharded on two mesh dims alike, spatial dims,
-transposed convolutions, an uneven grouped split, no channel sharding at all) returns
-None: the caller's path, as before.
+collectives. The channel-parallel form is taken where it moves no more bytes than the
+weight all-gathers it replaces (`_pays`). Any other layout (a dim sharded on two mesh
+dims alike, spatial dims, transposed convolutions, an uneven grouped split, no channel
+sharding at all) returns None: the caller's path, as before.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 from decompshard._compat import DTensor, TorchPartial, TorchReplicate, TorchShard, contiguous_spec, redistribute_local_tensor
+from decompshard.placements import shard_size
 
 __all__ = ["channel_parallel"]
 
@@ -105,6 +108,54 @@ def _kinds(x: Any, w: Any, groups: int, transposed: bool) -> list[str] | None:
     return kinds
 
 
+def _numel(shape: Any, placements: Any, mesh: Any, dtype: torch.dtype) -> int:
+    """Bytes of the largest local part (rank 0's, torch.chunk-style) of a tensor of global
+    `shape` under `placements`: from global metadata only, so every rank decides alike."""
+    out = list(shape)
+    for d, p in enumerate(placements):
+        if type(p) is TorchShard:
+            out[p.dim] = shard_size(out[p.dim], mesh.size(d), 0)
+    return math.prod(out) * dtype.itemsize
+
+
+def _pays(kinds: list[str], x: Any, w: Any, out_shape: Any) -> bool:
+    """Whether the channel-parallel run moves no more than the weight all-gathers it
+    replaces (guard_conv.py's layout), priced in the zoo's unit (comm_bytes.py: bytes
+    a rank puts into a collective), forward and backward together, from global metadata:
+
+    * colwise: the backward all-reduce of grad_input (the input's size) against the
+      weight's shard all-gathered twice (forward, backward);
+    * rowwise: the forward all-reduce of the output against the same weight gathers
+      plus the input's shard gathered (where it is channel-sharded);
+    * a replicated weight cut locally needs its gradient's shard all-gathered back;
+    * grouped (depthwise): no activation moves, always taken.
+
+    Why not always the plan's channel-parallel form: a convolution's weight is small
+    beside its activations at real resolutions but not at the zoo's (timm's
+    test_efficientnet tp: channel-parallel 565 KiB where gathering weights moves 259),
+    and ResNet's late layers are the other way round (18 MiB of weights, 0.3 MiB of
+    activations). The choice is per call, the same forward and backward (same shapes)."""
+    mesh = x.device_mesh
+    t = next(d for d, k in enumerate(kinds) if k in ("colwise", "rowwise", "grouped"))
+    if kinds[t] == "grouped":
+        return True
+    other = [p if d != t else _R for d, p in enumerate(x.placements)]  # the activations' batch split
+    w_shard = _numel(w.shape, [w.placements[d] if d != t else TorchShard(0) for d in range(mesh.ndim)], mesh, w.dtype)
+    gather = 2 * w_shard if not isinstance(w.placements[t], TorchReplicate) else 0
+    regather = w_shard if isinstance(w.placements[t], TorchReplicate) else 0
+    if kinds[t] == "colwise":
+        return _numel(x.shape, other, mesh, x.dtype) + regather <= gather
+    x_gather = _numel(x.shape, x.placements, mesh, x.dtype) if _is(x.placements[t], 1) else 0
+    return _numel(out_shape, other, mesh, x.dtype) + regather <= gather + x_gather
+
+
+def _out_shape(x: Any, w: Any, stride: Any, padding: Any, dilation: Any) -> tuple[int, ...]:
+    """A (not transposed) convolution's global output shape."""
+    spatial = [(d + 2 * padding[i] - dilation[i] * (w.shape[i + 2] - 1) - 1) // stride[i] + 1
+               for i, d in enumerate(x.shape[2:])]
+    return (x.shape[0], w.shape[0], *spatial)
+
+
 def _local(t: Any, want: tuple) -> torch.Tensor | None:
     """`t`'s local tensor moved to placements `want` (DTensor's collectives; Replicate to
     Shard or Partial is local)."""
@@ -142,7 +193,8 @@ def _local_groups(groups: int, kinds: list[str], mesh: Any) -> int:
 def _forward(args: tuple, kwargs: dict) -> Any:
     x, w, b, stride, padding, dilation, transposed, output_padding, groups = args
     kinds = _kinds(x, w, groups, transposed)
-    if kinds is None or kwargs or (b is not None and (not isinstance(b, DTensor) or b.device_mesh != x.device_mesh)):
+    if kinds is None or kwargs or (b is not None and (not isinstance(b, DTensor) or b.device_mesh != x.device_mesh)) \
+            or not _pays(kinds, x, w, _out_shape(x, w, stride, padding, dilation)):
         return None
     mesh = x.device_mesh
     want = [tuple(_FORWARD[k][0][i] for k in kinds) for i in range(3)]
@@ -156,7 +208,8 @@ def _forward(args: tuple, kwargs: dict) -> Any:
 def _backward(args: tuple, kwargs: dict) -> Any:
     dy, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask = args
     kinds = _kinds(x, w, groups, transposed)
-    if kinds is None or kwargs or not isinstance(dy, DTensor) or dy.device_mesh != x.device_mesh:
+    if kinds is None or kwargs or not isinstance(dy, DTensor) or dy.device_mesh != x.device_mesh \
+            or not _pays(kinds, x, w, dy.shape):
         return None
     mesh = x.device_mesh
     inputs = [tuple(_FORWARD[k][0][i] for k in kinds) for i in range(2)]
