@@ -4,10 +4,11 @@ local shape, the aten op in flight and that op's input placements, then the tota
 (kind, op). The zoo's table says how much moves; this says what and why.
 
 A mode above DTensor names the op in flight; CommBytes below it sees the collectives
-DTensor turns that op into. Collectives outside any op (a module hook's redistribute,
-the step's gradient redistributions) show the collective itself as the op.
+DTensor turns that op into. Collectives outside any aten op on DTensors (a module hook's
+redistribute, the step's gradient redistributions) name the functional collective as
+the op, where the mode sees it, or say they are outside one.
 
-Usage: python bench/comm_breakdown.py MODEL SHARDING [--torch-alone] [--totals-only]
+Usage: python bench/comm_breakdown.py MODEL SHARDING [--torch-alone] [--totals-only] [--warm 3]
 """
 
 from __future__ import annotations
@@ -35,15 +36,19 @@ def _modes():
     from decompshard._compat import TorchDispatchMode, tree_leaves
     from decompshard.dispatch_modes.comm_bytes import CommBytes
 
-    current = {"op": "(outside an op)", "inputs": ""}
+    current = {"op": "(outside an aten op: a hook's or the step's redistribute)", "inputs": ""}
     log = []
 
     class OpInFlight(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             leaves = tree_leaves((args, kwargs or {}))
+            before = dict(current)
             current["op"] = str(func)
             current["inputs"] = " ".join(_text(a) for a in leaves if isinstance(a, DTensor))
-            return func(*args, **(kwargs or {}))
+            try:
+                return func(*args, **(kwargs or {}))
+            finally:
+                current.update(before)
 
     class Listed(CommBytes):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -54,15 +59,16 @@ def _modes():
                 nbytes = self.bytes - sum(e[1] for e in log)
                 log.append((func._overloadpacket.__name__, nbytes, list(t.shape) if t is not None else None,
                             current["op"], current["inputs"]))
-                current["op"], current["inputs"] = f"{func._overloadpacket.__name__} (outside an op)", ""
             return out
 
     return OpInFlight, Listed, log
 
 
-def breakdown(name: str, sharding: str, enable: bool = True) -> list[tuple]:
-    """(collective, bytes, local shape, op in flight, its inputs' placements) of the
-    second training step of zoo case `name` under `sharding` (the first warms caches)."""
+def breakdown(name: str, sharding: str, enable: bool = True, warm: int = 3) -> list[tuple]:
+    """(collective, bytes, local shape, op in flight, its inputs' placements) of one
+    training step of zoo case `name` under `sharding`, after `warm` steps from cleared
+    caches: the step the zoo counts (check/model.py `_sharded_step`: a first step, two
+    timed ones, then the counted one)."""
     from decompshard.check import model as M
     from decompshard.check.zoo import ZOO, build
     from decompshard.runtime.enable import switched
@@ -78,7 +84,10 @@ def breakdown(name: str, sharding: str, enable: bool = True) -> list[tuple]:
             warnings.simplefilter("ignore")
             M._distribute_model(dmodel, built.plan, mesh, sh)
             inputs = M._distribute_inputs(built.inputs, mesh, sh)
-            M._dtensor_step(dmodel, built.loss, inputs, not sh.local_output)
+            M._clear_all_caches()
+            for _ in range(warm):
+                M._zero_grads(dmodel)
+                M._dtensor_step(dmodel, built.loss, inputs, not sh.local_output)
             M._zero_grads(dmodel)
             with Listed(), OpInFlight():
                 M._dtensor_step(dmodel, built.loss, inputs, not sh.local_output)
@@ -91,8 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("sharding")
     parser.add_argument("--torch-alone", action="store_true", help="without enable()")
     parser.add_argument("--totals-only", action="store_true")
+    parser.add_argument("--warm", type=int, default=3, help="steps before the counted one (default 3, as the zoo)")
     a = parser.parse_args(argv)
-    log = breakdown(a.model, a.sharding, enable=not a.torch_alone)
+    log = breakdown(a.model, a.sharding, enable=not a.torch_alone, warm=a.warm)
     print(f"{a.model} {a.sharding}: {len(log)} collectives, {sum(e[1] for e in log) / 1024:.1f} KiB")
     if not a.totals_only:
         for kind, nbytes, shape, op, inputs in log:
