@@ -7,6 +7,8 @@ processes.
   each rank convolves with a quarter of the filters and the result says Replicate().
 - conv2d with a Shard(1) (channel) input: the handler hands the local kernel a quarter
   of the channels, and the kernel raises.
+- the same layouts where the weight outweighs the activations, which the guard runs
+  channel-parallel (output Shard(1); rowwise: the partial sums all-reduced).
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ CASES = [
     Case("conv1d out-channels", F.conv1d, [(2, 3, 10), (8, 3, 3), (8,)], ["R", "S0", "S0"]),
     Case("conv2d out-channels", F.conv2d, [(2, 3, 6, 6), (8, 3, 3, 3), (8,)], ["R", "S0", "S0"]),
     Case("conv2d channel-sharded input", F.conv2d, [(2, 8, 6, 6), (4, 8, 3, 3)], ["S1", "R"]),
+    # weights larger than the activations: run channel-parallel on the shards
+    # (runtime/conv_channels.py), no weight all-gather; here on real collectives too
+    Case("conv2d colwise, large weight", F.conv2d, [(2, 8, 3, 3), (32, 8, 3, 3), (32,)], ["R", "S0", "S0"]),
+    Case("conv2d rowwise with bias, large weight", F.conv2d, [(2, 32, 3, 3), (8, 32, 3, 3), (8,)], ["S1", "S1", "R"]),
 ]
 
 

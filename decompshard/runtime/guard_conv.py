@@ -23,6 +23,10 @@ layout first, in three steps:
    "Tensor dim 0 is already sharded on mesh dim 0"), weight and bias Replicate;
 3. after the move, the propagator must agree with no further redistribution; if it
    does not, the call raises instead of letting the handler label a wrong result.
+
+Before all that, a call whose weight is sharded on its channels (a channel-parallel
+plan) runs on its shards as they are, with no handler (conv_channels.py): the weight
+all-gather the steps above would make is what such a plan exists to avoid.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from decompshard._compat import DTensor, TorchPartial, TorchReplicate, TorchShard
+from decompshard.runtime.conv_channels import channel_parallel
 
 __all__ = ["handler_layout", "redistributing_handler"]
 
@@ -97,6 +102,9 @@ def redistributing_handler(op: torch._ops.OpOverload, original: Callable,
     backward = op == aten.convolution_backward.default
 
     def handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
+        result = channel_parallel(op_call, args, kwargs)
+        if result is not None:  # a channel-parallel layout: run on the shards as they are
+            return result
         args = list(args)
         if backward and isinstance(args[0], DTensor) and isinstance(args[1], DTensor):
             # the handler's own first move, made one DTensor allows (never *to* Partial)
