@@ -72,7 +72,7 @@ DISPATCH_WORLD_SIZE = 4
 MAX_REPLAYS = 64  # earlier calls of the op tried as the one a wrong run's cached decision came from
 # Ops whose DTensor result LocalTensorMode cannot simulate: `equal` all-reduces each
 # rank's Python bool, which the simulation collapses to one rank's before the all-reduce
-# (every layout comes back True; right on 4 gloo processes, torch 2.13 and 2.14.1).
+# (every layout comes back True; right on 4 gloo processes, torch 2.13.0, 2.14.1, 2.15.0).
 NOT_SIMULATED = {"aten.equal.default": "DTensor all-reduces per-rank Python bools, which LocalTensorMode "
                                        "collapses to one rank's: no ground truth under simulation"}
 MAX_DISPATCH_LAYOUTS = 24  # per sample: a handful of ms each
