@@ -149,6 +149,9 @@ CASES: dict[str, Callable[[], bool | None]] = {
                                     {"dtype": torch.float64, "memory_format": torch.channels_last},
                                     {"dtype": torch.float64}),
     "aten.gather.default": _native(aten.gather.default, _GATHER, (S(0), S(0)), 2),
+    # keepdim by position, as the dispatcher passes it: reduce dim 0 of a Shard(1) input
+    "aten.logsumexp.default": _native(aten.logsumexp.default, (torch.randn(8, 4, generator=_gen()), [0], True),
+                                      (S(1),), 2),
 }
 
 

@@ -51,6 +51,8 @@ as the cheaper plan (`KEPT_WHERE_RIGHT`):
   index shorter than its input on d): dropped at those shapes (guard_aligned.py).
 * **Cache keys without an argument the output depends on** (`histc`'s `bins`,
   `_to_copy`'s `memory_format`): the op's RuntimeSchemaInfo widened (guard_cache_keys.py).
+* **Arguments a strategy reads by name only** (`logsumexp`'s `keepdim`, passed by
+  position): handed to the strategy by name (guard_kwargs.py).
 * **Reads of one rank's part** (`_local_scalar_dense`, i.e. `.item()`, which DTensor
   runs on the local tensor without asking its strategy): a handler redistributes a
   partial or sharded input to Replicate first.
@@ -75,9 +77,10 @@ from decompshard.runtime.guard_dims import wrapping_op_strategy, wrapping_single
 from decompshard.runtime.guard_masks import masking_single_dim
 from decompshard.runtime.guard_losses import mean_loss_handler
 from decompshard.runtime.sync_batchnorm import batch_sharded_backward, batch_sharded_forward
-from decompshard.runtime.guard_table import BATCH_SHARDED_NORM_BACKWARDS, BATCH_SHARDED_NORMS, CACHE_KEY_MISSES, HANDLERS_SKIPPING_REDISTRIBUTION, MEAN_OF_MEANS_LOSSES, NEGATIVE_DIMS_UNWRAPPED, OUTPUT_MASK_IGNORED, READS_OF_ONE_RANKS_PART, SHARDS_MUST_LINE_UP, STATS_WRITTEN, WRONG_RULES, fenced, mask_key, wrong_here
+from decompshard.runtime.guard_table import BATCH_SHARDED_NORM_BACKWARDS, BATCH_SHARDED_NORMS, CACHE_KEY_MISSES, HANDLERS_SKIPPING_REDISTRIBUTION, MEAN_OF_MEANS_LOSSES, NEGATIVE_DIMS_UNWRAPPED, OUTPUT_MASK_IGNORED, READ_BY_NAME_ONLY, READS_OF_ONE_RANKS_PART, SHARDS_MUST_LINE_UP, STATS_WRITTEN, WRONG_RULES, fenced, mask_key, wrong_here
 from decompshard.runtime.guard_aligned import aligned_op_strategy, aligned_single_dim
 from decompshard.runtime.guard_cache_keys import widened_keys
+from decompshard.runtime.guard_kwargs import naming_op_strategy, naming_single_dim
 from decompshard.runtime.collective_plans import planned_or
 from decompshard.placements import SingleDimRule, format_rule
 from decompshard.runtime.table_patches import Entry, TablePatches, where_none
@@ -175,6 +178,13 @@ def _strategy_entries() -> Iterator[Entry]:
             yield single, op, dataclasses.replace(single[op], func=aligned_single_dim(op, single[op].func, _warn_once))
         elif op in full:
             yield full, op, aligned_op_strategy(op, full[op], _warn_once)
+    for name, (index, kw) in READ_BY_NAME_ONLY.items():
+        op = _resolve(name) if fenced(name) else None
+        if op in single:
+            yield single, op, dataclasses.replace(
+                single[op], func=naming_single_dim(op, single[op].func, index, kw, _warn_once))
+        elif op in full:
+            yield full, op, naming_op_strategy(op, full[op], index, kw, _warn_once)
     yield from widened_keys({k: v for k, v in CACHE_KEY_MISSES.items() if fenced(k)}, _resolve)
     for name, mask_index in OUTPUT_MASK_IGNORED.items():
         op = _resolve(name) if fenced(mask_key(name)) else None

@@ -131,6 +131,16 @@ SHARDS_MUST_LINE_UP: tuple[str, ...] = (
 )
 
 
+# Strategies that read an argument from the keyword arguments only, while the dispatcher
+# passes it by position: op -> (its position, its name). `logsumexp`'s strategy reads
+# `keepdim` by name, so `torch.logsumexp(x, 0, keepdim=True)` on a Shard(1) input claims
+# Shard(0) (silently wrong shape and values; every tested release). The guard hands the
+# strategy the argument by name (guard_kwargs.py).
+READ_BY_NAME_ONLY: dict[str, tuple[int, str]] = {
+    "aten.logsumexp.default": (2, "keepdim"),
+}
+
+
 def mask_key(op: str) -> str:
     """The `WRONG_ON` key of an `OUTPUT_MASK_IGNORED` fence (its op has another fence)."""
     return f"{op}/output_mask"
@@ -171,6 +181,8 @@ WRONG_ON: dict[str, tuple[str, ...]] = {
     "aten._to_copy.default": _ALL,
     # gather's S(d), S(d) -> S(d) for an index shorter than its input on d
     "aten.gather.default": _ALL,
+    # logsumexp's strategy reads keepdim by name only
+    "aten.logsumexp.default": _ALL,
 }
 
 # Fences the guard keeps where DTensor alone is right, because the fence is also the
