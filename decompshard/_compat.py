@@ -382,7 +382,14 @@ def dtensor_output_sharding(op_call: Any, args: tuple, kwargs: dict) -> tuple[An
     op_info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
     dispatcher.sharding_propagator.propagate(op_info)
     sharding = op_info.output_sharding
-    return sharding.output_spec, bool(sharding.needs_redistribute or sharding.redistribute_schema is not None)
+    target = sharding.redistribute_schema
+    if target is None:
+        return sharding.output_spec, bool(sharding.needs_redistribute)
+    # a redistribute schema can only restate the call (squeeze.dim's is squeeze.dims with
+    # the dim wrapped): a move is an input whose placements it changes
+    before = [tuple(s.placements) for s in op_info.schema.args_spec]
+    after = [tuple(s.placements) for s in target.args_spec]
+    return sharding.output_spec, before != after
 
 
 def rebind_dtensor(dt: Any, local: torch.Tensor, spec: Any) -> None:

@@ -110,6 +110,7 @@ _X35 = torch.randn(5, 5, generator=_gen())
 _CONV1D = (torch.randn(2, 3, 10, generator=_gen()), torch.randn(8, 3, 3, generator=_gen(1)),
            torch.randn(8, generator=_gen(2)), [1], [0], [1], False, [0], 1)
 _GRAD_OUT = torch.randn(2, 8, 8, generator=_gen(3))
+_X431 = torch.randn(4, 3, 1, generator=_gen())  # squeeze_ drops its last dim
 _HIST_IN = torch.rand(5, 5, generator=_gen()) * 10
 _NCHW = torch.randn(4, 3, 5, 5, generator=_gen())
 # an index of 3 rows into an input of 6, both sharded on the rows (gathering along dim 1)
@@ -152,6 +153,9 @@ CASES: dict[str, Callable[[], bool | None]] = {
     # keepdim by position, as the dispatcher passes it: reduce dim 0 of a Shard(1) input
     "aten.logsumexp.default": _native(aten.logsumexp.default, (torch.randn(8, 4, generator=_gen()), [0], True),
                                       (S(1),), 2),
+    "aten.squeeze_.default": _native(aten.squeeze_.default, (_X431.clone(),), (R,), 2),
+    "aten.squeeze_.dim": _native(aten.squeeze_.dim, (_X431.clone(), -1), (S(0),), 2),
+    "aten.squeeze_.dims": _native(aten.squeeze_.dims, (_X431.clone(), [2]), (P("sum"),), 2),
 }
 
 

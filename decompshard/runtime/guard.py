@@ -53,6 +53,8 @@ as the cheaper plan (`KEPT_WHERE_RIGHT`):
   `_to_copy`'s `memory_format`): the op's RuntimeSchemaInfo widened (guard_cache_keys.py).
 * **Arguments a strategy reads by name only** (`logsumexp`'s `keepdim`, passed by
   position): handed to the strategy by name (guard_kwargs.py).
+* **In-place views DTensor leaves at their old shape** (`squeeze_`): enable()'s in-place
+  view handler (inplace_views.py).
 * **Reads of one rank's part** (`_local_scalar_dense`, i.e. `.item()`, which DTensor
   runs on the local tensor without asking its strategy): a handler redistributes a
   partial or sharded input to Replicate first.
@@ -77,10 +79,11 @@ from decompshard.runtime.guard_dims import wrapping_op_strategy, wrapping_single
 from decompshard.runtime.guard_masks import masking_single_dim
 from decompshard.runtime.guard_losses import mean_loss_handler
 from decompshard.runtime.sync_batchnorm import batch_sharded_backward, batch_sharded_forward
-from decompshard.runtime.guard_table import BATCH_SHARDED_NORM_BACKWARDS, BATCH_SHARDED_NORMS, CACHE_KEY_MISSES, HANDLERS_SKIPPING_REDISTRIBUTION, MEAN_OF_MEANS_LOSSES, NEGATIVE_DIMS_UNWRAPPED, OUTPUT_MASK_IGNORED, READ_BY_NAME_ONLY, READS_OF_ONE_RANKS_PART, SHARDS_MUST_LINE_UP, STATS_WRITTEN, WRONG_RULES, fenced, mask_key, wrong_here
+from decompshard.runtime.guard_table import BATCH_SHARDED_NORM_BACKWARDS, BATCH_SHARDED_NORMS, CACHE_KEY_MISSES, HANDLERS_SKIPPING_REDISTRIBUTION, IN_PLACE_VIEWS_KEEPING_SHAPE, MEAN_OF_MEANS_LOSSES, NEGATIVE_DIMS_UNWRAPPED, OUTPUT_MASK_IGNORED, READ_BY_NAME_ONLY, READS_OF_ONE_RANKS_PART, SHARDS_MUST_LINE_UP, STATS_WRITTEN, WRONG_RULES, fenced, mask_key, wrong_here
 from decompshard.runtime.guard_aligned import aligned_op_strategy, aligned_single_dim
 from decompshard.runtime.guard_cache_keys import widened_keys
 from decompshard.runtime.guard_kwargs import naming_op_strategy, naming_single_dim
+from decompshard.runtime.inplace_views import in_place_view_handler
 from decompshard.runtime.collective_plans import planned_or
 from decompshard.placements import SingleDimRule, format_rule
 from decompshard.runtime.table_patches import Entry, TablePatches, where_none
@@ -134,9 +137,24 @@ def _handler_entries() -> Iterator[Entry]:
                                    written=STATS_WRITTEN.get(name) if name in STATS_WRITTEN and fenced(name) else None))
           for name, t in BATCH_SHARDED_NORMS.items()),
         *((name, lambda op: batch_sharded_backward(dtensor_default_dispatch)) for name in BATCH_SHARDED_NORM_BACKWARDS),
+        *((name, functools.partial(_in_place_view, twin=twin))
+          for name, twin in IN_PLACE_VIEWS_KEEPING_SHAPE.items() if fenced(name)),
     ]
     found = [(op, make) for op, make in ((_resolve(name), make) for name, make in added) if op is not None]
     yield from where_none(handlers, found, lambda op, make: make(op))
+
+
+def _in_place_view(op: torch._ops.OpOverload, twin: str) -> Callable:
+    """enable()'s in-place view handler, with a warning: DTensor would keep self's shape."""
+    run = in_place_view_handler(op, resolve_op(twin))
+
+    def handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
+        _warn_once(f"inplace-view:{op}", (
+            f"decompshard guard: {op}: DTensor's in-place path would keep self's old shape over the "
+            f"changed local tensors; running it as {twin}'s view and setting self's whole spec"))
+        return run(op_call, args, kwargs)
+
+    return handler
 
 
 def _mean_loss(op: torch._ops.OpOverload, wrong: bool) -> Callable:

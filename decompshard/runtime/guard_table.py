@@ -141,6 +141,19 @@ READ_BY_NAME_ONLY: dict[str, tuple[int, str]] = {
 }
 
 
+# In-place view ops with a strategy of their own, which DTensor applies through its
+# in-place path: that path keeps `self`'s old shape when the placements do not change,
+# so `x.squeeze_(-1)` of a [4, 3, 1] DTensor (any placement) stays [4, 3, 1] over [4, 3]
+# locals (every tested release; `enable()`'s in-place view handler takes only the ops
+# without one). op -> its out-of-place twin; the guard gives them that handler
+# (inplace_views.py: the twin's view of each rank's local tensor, its whole spec set).
+IN_PLACE_VIEWS_KEEPING_SHAPE: dict[str, str] = {
+    "aten.squeeze_.default": "aten.squeeze.default",
+    "aten.squeeze_.dim": "aten.squeeze.dim",
+    "aten.squeeze_.dims": "aten.squeeze.dims",
+}
+
+
 def mask_key(op: str) -> str:
     """The `WRONG_ON` key of an `OUTPUT_MASK_IGNORED` fence (its op has another fence)."""
     return f"{op}/output_mask"
@@ -183,6 +196,10 @@ WRONG_ON: dict[str, tuple[str, ...]] = {
     "aten.gather.default": _ALL,
     # logsumexp's strategy reads keepdim by name only
     "aten.logsumexp.default": _ALL,
+    # squeeze_ keeps self's old shape
+    "aten.squeeze_.default": _ALL,
+    "aten.squeeze_.dim": _ALL,
+    "aten.squeeze_.dims": _ALL,
 }
 
 # Fences the guard keeps where DTensor alone is right, because the fence is also the
