@@ -45,6 +45,21 @@ def _native(op, args, placements, w) -> Callable[[], bool | None]:
     return measure
 
 
+def _after(op, first: tuple, args: tuple, placements, w, kwargs: dict | None = None,
+           first_kwargs: dict | None = None) -> Callable[[], bool | None]:
+    """The call `op(*args, **kwargs)` right after `op(*first, **first_kwargs)` at the same
+    placements, DTensor's cached decisions forgotten before the first: the second is
+    judged (a cache key that leaves out an argument the two differ in reuses the first's)."""
+
+    def measure() -> bool | None:
+        _compat.clear_dtensor_caches()
+        run_on_dtensor(op, first, first_kwargs or {}, placements, w, exact=False)
+        run = run_on_dtensor(op, args, kwargs or {}, placements, w, exact=False)
+        return True if run.ok else (False if run.wrong else None)
+
+    return measure
+
+
 def _log_probs(*shape: int) -> torch.Tensor:
     return torch.randn(*shape, dtype=torch.float64, generator=_gen()).log_softmax(1)
 
@@ -95,6 +110,11 @@ _X35 = torch.randn(5, 5, generator=_gen())
 _CONV1D = (torch.randn(2, 3, 10, generator=_gen()), torch.randn(8, 3, 3, generator=_gen(1)),
            torch.randn(8, generator=_gen(2)), [1], [0], [1], False, [0], 1)
 _GRAD_OUT = torch.randn(2, 8, 8, generator=_gen(3))
+_X431 = torch.randn(4, 3, 1, generator=_gen())  # squeeze_ drops its last dim
+_HIST_IN = torch.rand(5, 5, generator=_gen()) * 10
+_NCHW = torch.randn(4, 3, 5, 5, generator=_gen())
+# an index of 3 rows into an input of 6, both sharded on the rows (gathering along dim 1)
+_GATHER = (torch.randn(6, 4, dtype=torch.float64, generator=_gen()), 1, torch.randint(0, 4, (3, 2), generator=_gen()))
 
 # fence -> a measurement: True right, False wrong, None refused
 CASES: dict[str, Callable[[], bool | None]] = {
@@ -125,6 +145,17 @@ CASES: dict[str, Callable[[], bool | None]] = {
     "aten.logcumsumexp.default": _native(
         aten.logcumsumexp.default, (torch.randn(4, 7, generator=_gen()), -1), (S(1),), 3),
     mask_key("aten.convolution_backward.default"): _first_conv_grad,
+    "aten.histc.default": _after(aten.histc.default, (_HIST_IN, 100, 0, 10), (_HIST_IN, 1, 0, 10), (S(0),), 4),
+    "aten._to_copy.default": _after(aten._to_copy.default, (_NCHW,), (_NCHW,), (S(0),), 2,
+                                    {"dtype": torch.float64, "memory_format": torch.channels_last},
+                                    {"dtype": torch.float64}),
+    "aten.gather.default": _native(aten.gather.default, _GATHER, (S(0), S(0)), 2),
+    # keepdim by position, as the dispatcher passes it: reduce dim 0 of a Shard(1) input
+    "aten.logsumexp.default": _native(aten.logsumexp.default, (torch.randn(8, 4, generator=_gen()), [0], True),
+                                      (S(1),), 2),
+    "aten.squeeze_.default": _native(aten.squeeze_.default, (_X431.clone(),), (R,), 2),
+    "aten.squeeze_.dim": _native(aten.squeeze_.dim, (_X431.clone(), -1), (S(0),), 2),
+    "aten.squeeze_.dims": _native(aten.squeeze_.dims, (_X431.clone(), [2]), (P("sum"),), 2),
 }
 
 

@@ -204,3 +204,40 @@ def test_every_tested_release_has_its_findings_and_the_guard_table_follows_them(
     seen = {op for ops in found.values() for op in ops} - set(STATS_WRITTEN)
     for op in sorted(seen & set(WRONG_ON)):
         assert {r for r in TESTED_RELEASES if op in found[r]} == set(WRONG_ON[op]), op
+
+
+def _script_namespace(script: str) -> dict:
+    ns: dict = {}
+    with contextlib.redirect_stdout(io.StringIO()):
+        exec(compile(script, "<reproducer>", "exec"), ns)  # noqa: S102 - our own generated script
+    return ns
+
+
+def test_a_reproducer_rebuilds_strides_offsets_and_the_conj_bit(world):
+    """The call's own layout: a native strategy reads the global strides, a conj-bit input
+    takes other kernels, so a script that drops either runs another call."""
+    from decompshard.verify.native_repro import reproducer
+
+    base = torch.randn(3, 5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    permuted = base.permute(2, 0, 1)[1:]  # strides (1, 20, 4), storage offset 1
+    expanded = torch.randn(1, 4, dtype=torch.float64).expand(3, 4)  # stride 0: overlapping
+    conj = torch.randn(2, 3, dtype=torch.complex128).conj()
+    for x, pl in ((permuted, S(1)), (expanded, R), (conj, S(0))):
+        ns = _script_namespace(reproducer(aten.neg.default, (x,), {}, (pl,), 2))
+        t = ns["t0"]
+        assert (t.stride(), t.storage_offset(), t.is_conj()) == (x.stride(), x.storage_offset(), x.is_conj())
+        assert torch.equal(t, x) and type(ns["verdict"]) is Verdict
+
+
+def test_a_finding_wrong_only_after_an_earlier_call_carries_it(world):
+    """DTensor keys histc's cached decision from `min` on, not `bins`: histc(bins=1) right
+    after histc(bins=100) on a sharded input claims 100 bins. The audit names that
+    earlier call and the script runs it first (alone, the call is right)."""
+    x = torch.rand(5, 5, 5, generator=torch.Generator().manual_seed(5)) * 10
+    found = audit_native_op(aten.histc.default, [((x, 100, 0, 10), {}), ((x, 1, 0, 10), {})])
+    stale = [w for w in found if w.after]
+    assert stale and all("100" in w.after and w.effect == WRONG_SHAPE for w in stale)
+    assert all(_exec(w.script) for w in stale)
+    _compat.clear_dtensor_caches()
+    alone = run_on_dtensor(aten.histc.default, (x, 1, 0, 10), {}, (S(0),), 4)
+    assert alone.ok

@@ -47,6 +47,14 @@ as the cheaper plan (`KEPT_WHERE_RIGHT`):
 * **Strategies that compare a negative dim unwrapped** (`cumsum`, `cumprod`,
   `logcumsumexp`: `cumsum(-1)` on a Shard of the last dim scanned each rank's part
   alone). The guard hands their strategy the dims wrapped to >= 0 (guard_dims.py).
+* **Rules sharding inputs that do not line up** (`gather`'s S(d), S(d) -> S(d) for an
+  index shorter than its input on d): dropped at those shapes (guard_aligned.py).
+* **Cache keys without an argument the output depends on** (`histc`'s `bins`,
+  `_to_copy`'s `memory_format`): the op's RuntimeSchemaInfo widened (guard_cache_keys.py).
+* **Arguments a strategy reads by name only** (`logsumexp`'s `keepdim`, passed by
+  position): handed to the strategy by name (guard_kwargs.py).
+* **In-place views DTensor leaves at their old shape** (`squeeze_`): enable()'s in-place
+  view handler (inplace_views.py).
 * **Reads of one rank's part** (`_local_scalar_dense`, i.e. `.item()`, which DTensor
   runs on the local tensor without asking its strategy): a handler redistributes a
   partial or sharded input to Replicate first.
@@ -71,7 +79,11 @@ from decompshard.runtime.guard_dims import wrapping_op_strategy, wrapping_single
 from decompshard.runtime.guard_masks import masking_single_dim
 from decompshard.runtime.guard_losses import mean_loss_handler
 from decompshard.runtime.sync_batchnorm import batch_sharded_backward, batch_sharded_forward
-from decompshard.runtime.guard_table import BATCH_SHARDED_NORM_BACKWARDS, BATCH_SHARDED_NORMS, HANDLERS_SKIPPING_REDISTRIBUTION, MEAN_OF_MEANS_LOSSES, NEGATIVE_DIMS_UNWRAPPED, OUTPUT_MASK_IGNORED, READS_OF_ONE_RANKS_PART, STATS_WRITTEN, WRONG_RULES, fenced, mask_key, wrong_here
+from decompshard.runtime.guard_table import BATCH_SHARDED_NORM_BACKWARDS, BATCH_SHARDED_NORMS, CACHE_KEY_MISSES, HANDLERS_SKIPPING_REDISTRIBUTION, IN_PLACE_VIEWS_KEEPING_SHAPE, MEAN_OF_MEANS_LOSSES, NEGATIVE_DIMS_UNWRAPPED, OUTPUT_MASK_IGNORED, READ_BY_NAME_ONLY, READS_OF_ONE_RANKS_PART, SHARDS_MUST_LINE_UP, STATS_WRITTEN, WRONG_RULES, fenced, mask_key, wrong_here
+from decompshard.runtime.guard_aligned import aligned_op_strategy, aligned_single_dim
+from decompshard.runtime.guard_cache_keys import widened_keys
+from decompshard.runtime.guard_kwargs import naming_op_strategy, naming_single_dim
+from decompshard.runtime.inplace_views import in_place_view_handler
 from decompshard.runtime.collective_plans import planned_or
 from decompshard.placements import SingleDimRule, format_rule
 from decompshard.runtime.table_patches import Entry, TablePatches, where_none
@@ -125,9 +137,24 @@ def _handler_entries() -> Iterator[Entry]:
                                    written=STATS_WRITTEN.get(name) if name in STATS_WRITTEN and fenced(name) else None))
           for name, t in BATCH_SHARDED_NORMS.items()),
         *((name, lambda op: batch_sharded_backward(dtensor_default_dispatch)) for name in BATCH_SHARDED_NORM_BACKWARDS),
+        *((name, functools.partial(_in_place_view, twin=twin))
+          for name, twin in IN_PLACE_VIEWS_KEEPING_SHAPE.items() if fenced(name)),
     ]
     found = [(op, make) for op, make in ((_resolve(name), make) for name, make in added) if op is not None]
     yield from where_none(handlers, found, lambda op, make: make(op))
+
+
+def _in_place_view(op: torch._ops.OpOverload, twin: str) -> Callable:
+    """enable()'s in-place view handler, with a warning: DTensor would keep self's shape."""
+    run = in_place_view_handler(op, resolve_op(twin))
+
+    def handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
+        _warn_once(f"inplace-view:{op}", (
+            f"decompshard guard: {op}: DTensor's in-place path would keep self's old shape over the "
+            f"changed local tensors; running it as {twin}'s view and setting self's whole spec"))
+        return run(op_call, args, kwargs)
+
+    return handler
 
 
 def _mean_loss(op: torch._ops.OpOverload, wrong: bool) -> Callable:
@@ -163,6 +190,20 @@ def _strategy_entries() -> Iterator[Entry]:
             yield single, op, dataclasses.replace(single[op], func=wrapping_single_dim(op, single[op].func, _warn_once))
         elif op in full:
             yield full, op, wrapping_op_strategy(op, full[op], _warn_once)
+    for name in filter(fenced, SHARDS_MUST_LINE_UP):
+        op = _resolve(name)
+        if op in single:
+            yield single, op, dataclasses.replace(single[op], func=aligned_single_dim(op, single[op].func, _warn_once))
+        elif op in full:
+            yield full, op, aligned_op_strategy(op, full[op], _warn_once)
+    for name, (index, kw) in READ_BY_NAME_ONLY.items():
+        op = _resolve(name) if fenced(name) else None
+        if op in single:
+            yield single, op, dataclasses.replace(
+                single[op], func=naming_single_dim(op, single[op].func, index, kw, _warn_once))
+        elif op in full:
+            yield full, op, naming_op_strategy(op, full[op], index, kw, _warn_once)
+    yield from widened_keys({k: v for k, v in CACHE_KEY_MISSES.items() if fenced(k)}, _resolve)
     for name, mask_index in OUTPUT_MASK_IGNORED.items():
         op = _resolve(name) if fenced(mask_key(name)) else None
         if op in single:

@@ -107,6 +107,53 @@ OUTPUT_MASK_IGNORED: dict[str, int] = {
     "aten.convolution_backward.default": 10,
 }
 
+# Strategies whose RuntimeSchemaInfo keys DTensor's sharding cache without an argument
+# their output's shape or layout depends on, so a call differing from an earlier one
+# only there reuses the earlier decision: op -> (the positional index from which, the
+# keyword names) the key must cover. `histc` keys from `min` on, not `bins` (a sharded
+# histc(bins=1) after bins=100 claims 100 bins, every rank holding 1); `_to_copy` keys on
+# `dtype` only (`.to(memory_format=channels_last)` after a plain `.to` claims contiguous
+# strides). Found by the audit as runs wrong only after an earlier call (its `after`);
+# the guard widens the key (guard_cache_keys.py).
+CACHE_KEY_MISSES: dict[str, tuple[int | None, tuple[str, ...]]] = {
+    "aten.histc.default": (1, ()),
+    "aten._to_copy.default": (None, ("memory_format",)),
+}
+
+# Strategies whose rules shard two inputs along one dim whatever their sizes there:
+# torch.chunk cuts each at its own size, so the ranks' pieces line up only where the
+# sizes agree. `gather` offers S(d), S(d) -> S(d) off the gathered dim although its index
+# may be shorter than its input there (silently wrong values; the audit's OpInfo samples
+# never shard such a pair, tests/test_guard_releases.py measures it). The guard drops
+# those rules at shapes where the sizes differ (guard_aligned.py).
+SHARDS_MUST_LINE_UP: tuple[str, ...] = (
+    "aten.gather.default",
+)
+
+
+# Strategies that read an argument from the keyword arguments only, while the dispatcher
+# passes it by position: op -> (its position, its name). `logsumexp`'s strategy reads
+# `keepdim` by name, so `torch.logsumexp(x, 0, keepdim=True)` on a Shard(1) input claims
+# Shard(0) (silently wrong shape and values; every tested release). The guard hands the
+# strategy the argument by name (guard_kwargs.py).
+READ_BY_NAME_ONLY: dict[str, tuple[int, str]] = {
+    "aten.logsumexp.default": (2, "keepdim"),
+}
+
+
+# In-place view ops with a strategy of their own, which DTensor applies through its
+# in-place path: that path keeps `self`'s old shape when the placements do not change,
+# so `x.squeeze_(-1)` of a [4, 3, 1] DTensor (any placement) stays [4, 3, 1] over [4, 3]
+# locals (every tested release; `enable()`'s in-place view handler takes only the ops
+# without one). op -> its out-of-place twin; the guard gives them that handler
+# (inplace_views.py: the twin's view of each rank's local tensor, its whole spec set).
+IN_PLACE_VIEWS_KEEPING_SHAPE: dict[str, str] = {
+    "aten.squeeze_.default": "aten.squeeze.default",
+    "aten.squeeze_.dim": "aten.squeeze.dim",
+    "aten.squeeze_.dims": "aten.squeeze.dims",
+}
+
+
 def mask_key(op: str) -> str:
     """The `WRONG_ON` key of an `OUTPUT_MASK_IGNORED` fence (its op has another fence)."""
     return f"{op}/output_mask"
@@ -142,6 +189,17 @@ WRONG_ON: dict[str, tuple[str, ...]] = {
     "aten.logcumsumexp.default": ("2.13.0",),
     # a single-dim strategy from 2.14 on; 2.13's op strategy has no such rule
     mask_key("aten.convolution_backward.default"): ("2.14.1", "2.15.0"),
+    # cache keys without histc's `bins` and `_to_copy`'s `memory_format`
+    "aten.histc.default": _ALL,
+    "aten._to_copy.default": _ALL,
+    # gather's S(d), S(d) -> S(d) for an index shorter than its input on d
+    "aten.gather.default": _ALL,
+    # logsumexp's strategy reads keepdim by name only
+    "aten.logsumexp.default": _ALL,
+    # squeeze_ keeps self's old shape
+    "aten.squeeze_.default": _ALL,
+    "aten.squeeze_.dim": _ALL,
+    "aten.squeeze_.dims": _ALL,
 }
 
 # Fences the guard keeps where DTensor alone is right, because the fence is also the

@@ -41,7 +41,7 @@ from decompshard._compat import (
 )
 from decompshard.runtime.table_patches import Entry, WarnOnce, where_none
 
-__all__ = ["entries", "in_place_view_ops"]
+__all__ = ["entries", "in_place_view_handler", "in_place_view_ops"]
 
 
 def _arguments(op: torch._ops.OpOverload) -> list[tuple[str, str]]:
@@ -70,10 +70,14 @@ def in_place_view_ops() -> tuple[tuple[torch._ops.OpOverload, torch._ops.OpOverl
 
 def entries(warn_once: WarnOnce) -> Iterator[Entry]:
     """The handler for each in-place view op (`enable()` installs them)."""
-    return where_none(custom_op_handlers(), in_place_view_ops(), _in_place_view_handler)
+    return where_none(custom_op_handlers(), in_place_view_ops(), in_place_view_handler)
 
 
-def _in_place_view_handler(op: torch._ops.OpOverload, twin: torch._ops.OpOverload) -> Callable:
+def in_place_view_handler(op: torch._ops.OpOverload, twin: torch._ops.OpOverload) -> Callable:
+    """A handler running `op` as `twin`'s view of each rank's local tensor, `self` given
+    the twin's whole output spec (the native guard also gives it to squeeze_, whose own
+    strategy DTensor's in-place path applies without changing `self`'s shape)."""
+
     def handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
         target = args[0]
         spec, moves, local_op, rest, local_kwargs = dtensor_output_sharding(twin, args, kwargs)

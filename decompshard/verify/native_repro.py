@@ -28,11 +28,43 @@ MAX_EMBEDDED = 1024  # elements per tensor written out exactly; larger ones are 
 def _literal(t: torch.Tensor, name: str, seed: int) -> str:
     dt = str(t.dtype)
     if t.numel() <= MAX_EMBEDDED:
-        return f"{name} = torch.tensor({t.reshape(-1).tolist()!r}, dtype={dt}).reshape({list(t.shape)})"
-    if t.dtype.is_floating_point:
-        return (f"{name} = torch.randn({list(t.shape)}, dtype={dt}, "
+        line = f"{name} = torch.tensor({t.reshape(-1).tolist()!r}, dtype={dt}).reshape({list(t.shape)})"
+    elif t.dtype.is_floating_point or t.dtype.is_complex:
+        line = (f"{name} = torch.randn({list(t.shape)}, dtype={dt}, "
                 f"generator=torch.Generator().manual_seed({seed}))  # large: random values")
-    return f"{name} = torch.zeros({list(t.shape)}, dtype={dt})  # large: values not embedded"
+    else:
+        line = f"{name} = torch.zeros({list(t.shape)}, dtype={dt})  # large: values not embedded"
+    return "\n".join([line, *_layout_code(t, name)])
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(int(size), 1)
+    return tuple(reversed(strides))
+
+
+def _layout_code(t: torch.Tensor, name: str) -> list[str]:
+    """Lines giving `name` (the values, contiguous) `t`'s strides, storage offset and
+    conjugate bit. A native strategy reads the global strides (a stride finding is a
+    disagreement with them) and a conj-bit input takes other kernels, so a reproducer
+    that drops either rebuilds another call. Every storage element is written through
+    the linear index of each tensor element (right for overlapping and gapped layouts)."""
+    stride, offset, conj = tuple(t.stride()), t.storage_offset(), t.is_conj()
+    if stride == _contiguous_strides(t.shape) and offset == 0 and not conj:
+        return []
+    extent = offset + 1 + sum((int(n) - 1) * s for n, s in zip(t.shape, stride)) if t.numel() else offset
+    where = f"{list(t.shape)}, {list(stride)}, {offset}"
+    lines = [f"# {name}'s layout: strides {list(stride)}, storage offset {offset}"
+             f"{', conjugate bit set' if conj else ''} (the call's own)",
+             f"_storage = torch.zeros({extent}, dtype={t.dtype})"]
+    if t.numel():
+        lines.append(f"_storage[torch.arange({extent}).as_strided({where}).reshape(-1)] = {name}.reshape(-1)")
+    if conj:  # stored conjugated, viewed through the conj bit: the same values
+        lines.append("_storage = _storage.conj_physical()")
+    lines.append(f"{name} = _storage.as_strided({where}){'.conj()' if conj else ''}")
+    return lines
 
 
 def _placement_code(p: MaybePlacement) -> str:
@@ -77,63 +109,92 @@ _IMPORTS = (
     "",
 )
 
-# The script's second half: run the op on the DTensors built from `pieces` and judge
-# the outputs against `expected` (the one-device result), or the exception it raised.
-_RUN_AND_JUDGE = (
+# The script's second half: run the op on the DTensors built from each rank's pieces
+# (after the warm-up call, if any) and judge the outputs against `expected` (the one-device
+# result), or the exception it raised.
+_ON_DTENSOR = (
+    "",
+    "def on_dtensor(args, kwargs, pieces, placements):",
+    "    \"\"\"The call on DTensors made of each rank's pieces (under LocalTensorMode).\"\"\"",
+    "    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]",
+    "    swap = {}",
+    "    for t, ps, pl in zip(tensors, pieces, placements):",
+    "        if isinstance(pl, Shard) and len(ps) < W:  # torch.chunk gave fewer pieces: empty shards",
+    "            ps = ps + [ps[0].narrow(pl.dim, 0, 0)] * (W - len(ps))",
+    "        lt = LocalTensor({r: ps[r].clone() for r in range(W)})",
+    "        swap[id(t)] = DTensor.from_local(lt, mesh, [pl], run_check=False, shape=t.shape, stride=t.stride())",
+    "    def put(x):",
+    "        if isinstance(x, (list, tuple)):",
+    "            return type(x)(put(v) for v in x)",
+    "        if isinstance(x, dict):",
+    "            return {k: put(v) for k, v in x.items()}",
+    "        return swap.get(id(x), x)",
+    "    return tree_flatten(op(*put(args), **put(kwargs)))[0]",
     "",
     "expected = tree_flatten(op(*[x.clone() if isinstance(x, torch.Tensor) else x for x in args], **kwargs))[0]",
     "",
     "# decompshard's one judge: values at their dtype's tolerance, shapes, local shapes and",
     "# layouts on every rank; a run that raised counts when DTensor had accepted the placements",
     "from decompshard.verify.judge import judge, judge_raised",
+    "from decompshard._compat import clear_dtensor_caches",
     "",
+    "clear_dtensor_caches()  # DTensor's cached sharding decisions: only this script's calls count",
     "try:",
     "    with LocalTensorMode(frozenset(range(W))):",
-    "        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]",
-    "        swap = {}",
-    "        for t, ps, pl in zip(tensors, pieces, placements):",
-    "            if isinstance(pl, Shard) and len(ps) < W:  # torch.chunk gave fewer pieces: empty shards",
-    "                ps = ps + [ps[0].narrow(pl.dim, 0, 0)] * (W - len(ps))",
-    "            lt = LocalTensor({r: ps[r].clone() for r in range(W)})",
-    "            swap[id(t)] = DTensor.from_local(lt, mesh, [pl], run_check=False, shape=t.shape, stride=t.stride())",
-    "        def put(x):",
-    "            if isinstance(x, (list, tuple)):",
-    "                return type(x)(put(v) for v in x)",
-    "            if isinstance(x, dict):",
-    "                return {k: put(v) for k, v in x.items()}",
-    "            return swap.get(id(x), x)",
-    "        out = tree_flatten(op(*put(args), **put(kwargs)))[0]",
+)
+_JUDGE = (
+    "        out = on_dtensor(args, kwargs, pieces, placements)",
     "        verdict = judge(out, expected, plain='per-rank', values=VALUES, mesh=mesh)",
     "except Exception as e:",
     "    verdict = judge_raised(e)",
     "reproduced = verdict.wrong",
     "print('REPRODUCED' if reproduced else 'NOT REPRODUCED', verdict.kind or 'ok', verdict.detail, sep='\\n  ')",
 )
+_WARM_UP = (
+    "        # first the warm-up call: DTensor caches its decision for it under a key that",
+    "        # leaves out an argument the judged call changes, and reuses it there",
+    "        on_dtensor(warm_args, warm_kwargs, warm_pieces, warm_placements)",
+)
+
+Call = tuple[Sequence[Any], dict[str, Any], Sequence[MaybePlacement]]
 
 
 def reproducer(op: Any, args: Sequence[Any], kwargs: dict[str, Any] | None,
-               placements: Sequence[MaybePlacement], world_size: int, *, seed: int = 0, values: bool = True) -> str:
+               placements: Sequence[MaybePlacement], world_size: int, *, seed: int = 0, values: bool = True,
+               after: Call | None = None) -> str:
     """Python source that reruns `op(*args, **kwargs)` through DTensor with the tensor
     inputs laid out as `placements` on `world_size` simulated ranks and judges it;
-    `values=False` judges shapes and layouts only (an op returning uninitialized memory)."""
+    `values=False` judges shapes and layouts only (an op returning uninitialized memory).
+    `after`: (args, kwargs, placements) of a call of the same op run first, unjudged,
+    where DTensor is wrong only after it (its cached decision for that call is reused)."""
+    calls = [("t", "", args, kwargs, placements)]
+    if after is not None:
+        calls.insert(0, ("w", "warm_", *after))
+    lines = _header(op, placements, world_size)
+    lines.append(f"op = torch.ops.{op.namespace}.{op._opname}.{op._overloadname}")
+    for prefix, name, a, kw, pls in calls:
+        lines += _call_code(prefix, name, a, kw, pls, world_size, seed)
+    lines.append(f"VALUES = {values!r}  # False: uninitialized memory, shapes and layouts only")
+    lines += _ON_DTENSOR
+    lines += _WARM_UP if after is not None else ()
+    lines += _JUDGE
+    return "\n".join(lines) + "\n"
+
+
+def _call_code(prefix: str, name: str, args: Sequence[Any], kwargs: dict[str, Any] | None,
+               placements: Sequence[MaybePlacement], world_size: int, seed: int) -> list[str]:
+    """`{name}args`, `{name}kwargs`, `{name}pieces`, `{name}placements` of one call,
+    its tensors written out as `{prefix}0`, `{prefix}1`, ..."""
     leaves, spec = tree_flatten((tuple(args), dict(kwargs or {})))
     leaves = [promote(v) if isinstance(v, torch.Tensor) else v for v in leaves]
     pos = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
-    names = {id(leaves[i]): f"t{k}" for k, i in enumerate(pos)}
+    names = {id(leaves[i]): f"{prefix}{k}" for k, i in enumerate(pos)}
     a, kw = tree_unflatten(leaves, spec)
-    lines = _header(op, placements, world_size)
-    lines += [_literal(leaves[i], f"t{k}", seed + k) for k, i in enumerate(pos)]
-    lines += [
-        "",
-        f"op = torch.ops.{op.namespace}.{op._opname}.{op._overloadname}",
-        f"args = {_value_code(a, names)}",
-        f"kwargs = {_value_code(kw, names)}",
-        "",
-    ]
-    lines += _pieces([leaves[i] for i in pos], placements, world_size, seed)
-    lines.append(f"VALUES = {values!r}  # False: uninitialized memory, shapes and layouts only")
-    lines += _RUN_AND_JUDGE
-    return "\n".join(lines) + "\n"
+    lines = ["", "# the warm-up call (not judged)" if name else "# the judged call"]
+    lines += [_literal(leaves[i], f"{prefix}{k}", seed + k) for k, i in enumerate(pos)]
+    lines += [f"{name}args = {_value_code(a, names)}", f"{name}kwargs = {_value_code(kw, names)}", ""]
+    lines += _pieces([leaves[i] for i in pos], placements, world_size, seed, prefix, name)
+    return lines
 
 
 def _header(op: Any, placements: Sequence[MaybePlacement], world_size: int) -> list[str]:
@@ -152,7 +213,7 @@ def _header(op: Any, placements: Sequence[MaybePlacement], world_size: int) -> l
 
 
 def _pieces(tensors: list[torch.Tensor], placements: Sequence[MaybePlacement], world_size: int,
-            seed: int) -> list[str]:
+            seed: int, prefix: str = "t", name: str = "") -> list[str]:
     """`pieces` (each rank's piece of each tensor input `t{k}`) and `placements`. A
     Partial input's parts are written out (drawn so that they reduce to the input); a
     shard is cut by torch.chunk in the script; a replicated input is the whole tensor."""
@@ -162,12 +223,14 @@ def _pieces(tensors: list[torch.Tensor], placements: Sequence[MaybePlacement], w
         if isinstance(p, Partial):
             parts = make_local(t, p, world_size, (seed, False), salt=k)
             for r, q in enumerate(parts):
-                lines.append(_literal(q, f"t{k}_rank{r}", seed + 100 * k + r))
-            part_names.append(f"[{', '.join(f't{k}_rank{r}' for r in range(world_size))}]")
+                lines.append(_literal(q, f"{prefix}{k}_rank{r}", seed + 100 * k + r))
+            part_names.append(f"[{', '.join(f'{prefix}{k}_rank{r}' for r in range(world_size))}]")
         elif isinstance(p, ShardPlaceholder):
-            part_names.append(f"list(torch.chunk(t{k}, W, dim={p.dim}))")
+            # contiguous pieces, as the audit's ranks hold them (rank_sim.make_local)
+            part_names.append(f"[q.clone(memory_format=torch.contiguous_format) "
+                              f"for q in torch.chunk({prefix}{k}, W, dim={p.dim})]")
         else:
-            part_names.append(f"[t{k}] * W")
-    lines.append(f"pieces = [{', '.join(part_names)}]")
-    lines.append(f"placements = [{', '.join(_placement_code(p) for p in placements)}]")
+            part_names.append(f"[{prefix}{k}] * W")
+    lines.append(f"{name}pieces = [{', '.join(part_names)}]")
+    lines.append(f"{name}placements = [{', '.join(_placement_code(p) for p in placements)}]")
     return lines
