@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -26,7 +26,7 @@ __all__ = [
     "redistribute_local_tensor", "return_and_correct_aliasing", "kwarg_routing_entries", "set_dtensor_layout",
     "sharding_propagator",
     "single_dim_strategy_info", "strategy_reused_from", "slab_index", "stage_kwarg_targets", "to_torch_placement", "torch_decomposition_table",
-    "inferred_schema_info", "unsharded_dtensor", "view_family_ops", "view_shape_arg_index",
+    "inferred_schema_info", "schema_info_slot", "unsharded_dtensor", "widened_schema_info", "view_family_ops", "view_shape_arg_index",
 ]
 
 TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
@@ -103,6 +103,29 @@ def clear_dtensor_caches() -> None:
     clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
     if clear is not None:
         clear()
+
+
+def schema_info_slot(op: torch._ops.OpOverload) -> tuple[dict, Any] | None:
+    """(the table, the RuntimeSchemaInfo) DTensor reads for `op`'s cache key and pytree
+    use, or None: the op-strategy table's first, then the single-dim one's, as DTensor's
+    dispatch looks them up (the same two tables in 2.13, 2.14 and 2.15)."""
+    sp = sharding_propagator()
+    for name in ("op_to_schema_info", "op_to_schema_info_for_single_dim_strategy"):
+        table = getattr(sp, name, None)
+        if table is not None and op in table:
+            return table, table[op]
+    return None
+
+
+def widened_schema_info(info: Any, argnum: int | None, kwargs: Sequence[str]) -> Any:
+    """`info` keying DTensor's sharding cache also on the positional arguments from
+    `argnum` on and on the keyword arguments `kwargs`."""
+    import dataclasses
+
+    keys = list(info.static_kwargkey or [])
+    keys += [k for k in kwargs if k not in keys]
+    start = info.static_argnum if argnum is None else min(info.static_argnum, argnum)
+    return dataclasses.replace(info, static_argnum=start, static_kwargkey=keys or None)
 
 
 def inferred_schema_info(op: torch._ops.OpOverload) -> Any:
