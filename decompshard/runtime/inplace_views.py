@@ -17,13 +17,13 @@ the twin's strategy would move `self` (a view that cannot follow the sharding).
 
 The ops are found by property, not by name: tagged `inplace_view`, no strategy or
 handler of their own, and an out-of-place twin (same name without the trailing
-underscore, the same arguments) with a native strategy. An op's own native
-strategy does not count either: it is the wrong registration above wherever the view
-changes the shape. torch registers `squeeze`'s strategy for `squeeze_` (2.13 to 2.15:
-a [4, 1, 6] `squeeze_()` on any placement left a DTensor of shape [4, 1, 6] over
-[4, 6] locals, silently, with or without decompshard) and from 2.14 `t`'s for `t_` (a
-replicated [5, 4] `t_()` left [5, 4] over [4, 5] locals; a sharded one refused), so
-the handler takes those too (`detach_` as well, where it changes nothing). `resize_`, `set_` and
+underscore, the same arguments) with a native strategy. A strategy torch copied from
+the twin does not count as the op's own: from 2.14 torch registers `t`'s for `t_`,
+which is the wrong registration above (a replicated [5, 4] `t_()` left a DTensor of
+shape [5, 4] over [4, 5] locals; a sharded one refused), so the handler takes `t_` too.
+`squeeze_` has a strategy of its own, as wrong (a [4, 1, 6] `squeeze_()` left [4, 1, 6]
+over [4, 6] locals on 2.13 to 2.15): the native guard gives it this handler, measured
+per release (guard_table.IN_PLACE_VIEWS_KEEPING_SHAPE). `resize_`, `set_` and
 `as_strided_` have no such twin (`as_strided_` has its own module). `disable()`
 removes the handlers.
 """
@@ -37,7 +37,7 @@ import torch
 
 from decompshard._compat import (
     aten_ops_tagged, custom_op_handlers, dtensor_output_sharding, has_native_strategy, local_tensor, rebind_dtensor,
-    return_and_correct_aliasing,
+    return_and_correct_aliasing, strategy_reused_from,
 )
 from decompshard.runtime.table_patches import Entry, WarnOnce, where_none
 
@@ -56,7 +56,8 @@ def in_place_view_ops() -> tuple[tuple[torch._ops.OpOverload, torch._ops.OpOverl
     handlers = custom_op_handlers()
     found = []
     for op in aten_ops_tagged(torch.Tag.inplace_view):
-        if op in handlers or not op._opname.endswith("_"):
+        own_strategy = has_native_strategy(op) and strategy_reused_from(op) is None
+        if own_strategy or op in handlers or not op._opname.endswith("_"):
             continue
         packet = getattr(torch.ops.aten, op._opname[:-1], None)
         if packet is None:
