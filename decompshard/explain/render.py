@@ -111,7 +111,7 @@ def plan_lines(ex: Analysis) -> list[str]:
         out += _wrap(f"    {k + 1}. {step.what}: " + _step_numbers(step), 7)
     collectives = [c for s in p.steps for c in s.cost.collectives]
     numbers = sum(int(c.bytes // s.itemsize) for s in p.steps for c in s.cost.collectives)
-    out.append(f"  the plan moves:           {_moved(p.cost)}" + (f"; {numbers} numbers in its collectives"
+    out.append(f"  the plan moves:           {_moved(p.cost)}" + (f"; {_numbers(numbers)} in its collectives"
                                                                     if collectives else ""))
     out.append(f"  DTensor's strategy moves: {native}")
     out += _native_lines(r.dtensor)
@@ -129,8 +129,12 @@ def _step_numbers(step: Any) -> str:
     for c in step.cost.collectives:
         kind = c.kind.replace("_", "-")
         parts.append(("" if step.what.startswith(kind) else kind + " of ")
-                     + f"{int(c.bytes // step.itemsize)} numbers " + _collective_where(c))
+                     + _numbers(int(c.bytes // step.itemsize)) + " " + _collective_where(c))
     return "; ".join(parts)
+
+
+def _numbers(n: int) -> str:
+    return f"{n} number{'s' if n != 1 else ''}"
 
 
 def _collective_where(c: Any) -> str:
