@@ -5,11 +5,14 @@
               the nearest rules there and the cheapest redistribution that passes
     render    draws it as text (and builds the rows the HTML view shares)
     notebook  draws it as HTML (`_repr_html_`): tables, verdict, the blocking node marked
+    plans     an op's collective plan (runtime/plan_prices.py) priced for the call: its
+              collectives, DTensor's strategy's bytes beside them, which one enable() runs
     api       the printable `Explanation` and `explain()`
     command   `decompshard explain` and its REPL
 
-Imports flow one way: command -> api -> notebook -> render -> analysis. Names here are imported on first
-use, so the CLI can build its parser (`decompshard explain --help`) without torch.
+Imports flow one way: command -> api -> notebook -> render -> analysis -> plans. Names
+here are imported on first use, so the CLI can build its parser (`decompshard explain
+--help`) without torch.
 """
 
 from __future__ import annotations

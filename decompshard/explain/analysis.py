@@ -36,6 +36,7 @@ from decompshard.solve.propagate import Propagation, Survivor, input_alphabet, p
 from decompshard.rules import rules_for
 from decompshard._compat import to_torch_placement
 from decompshard.mesh.lift import rank_strategies
+from decompshard.explain.plans import PlanReport, plan_report
 
 __all__ = ["Analysis", "MeshReport", "Suggestion", "parse_candidate", "redistribution", "suggestions"]
 
@@ -145,6 +146,8 @@ class Analysis:
     # DTensor's own rules when the op has a native strategy (derive.native_rules); None
     # when it has none, or one decompshard cannot read
     native_rules: list[SingleDimRule] | None = None
+    # the op's plan with collectives inside (explain/plans.py), priced where a mesh is given
+    plan: PlanReport | None = None
 
     # ---------------------------------------------------------------- verdict
 
@@ -238,6 +241,7 @@ class Analysis:
             _follow(ex)
         if mesh is not None:
             ex.mesh = mesh_report(op, args, kwargs, mesh, mesh_placements, metas, names)
+        ex.plan = plan_report(op, args, kwargs, *((ex.mesh.mesh_shape, ex.mesh.current) if ex.mesh else (None, None)))
         return ex
 
 

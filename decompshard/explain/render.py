@@ -28,7 +28,7 @@ from decompshard.rules.registry import source_of
 from decompshard.mesh.cost import MeshShape, redistribute_cost
 
 __all__ = ["DEFAULT_WIDTH", "came_from", "decomposition_heading", "decomposition_lines", "display_env",
-           "display_path", "input_rows", "node_rows", "render_lines", "verdict_line"]
+           "display_path", "input_rows", "node_rows", "plan_lines", "render_lines", "verdict_line"]
 
 DEFAULT_WIDTH = 120  # str(explanation); the CLI passes the terminal's width
 CALL_WIDTH = 58  # a primitive call in a one-line mention is cut here
@@ -80,7 +80,87 @@ def _render_lines(ex: Analysis) -> list[str]:
         out += _all_section(ex)
     if ex.mesh is not None:
         out += _mesh_section(ex, tabulate)
+    if ex.plan is not None:
+        out += plan_lines(ex)
     return out
+
+
+def plan_lines(ex: Analysis) -> list[str]:
+    """The op's collective plan (explain/plans.py): its collectives for this call, their
+    bytes next to DTensor's strategy's, and which one enable() runs."""
+    r = ex.plan
+    where = f"{r.info.module}" + ("; with the native guard, which enable() installs by default" if r.info.guard else "")
+    out = _wrap(f"collective plan: {r.info.what} ({where})", 2)
+    if r.mesh_shape is None:
+        return out + _wrap("  not priced: its collectives depend on the mesh; give --mesh and --mesh-placements "
+                           "(e.g. --mesh 4 --mesh-placements \"S(0);R;...\"; from Python mesh=, mesh_placements=)",
+                           4) + [""]
+    if r.error:
+        return out + _wrap(f"  not priced: {r.error}", 4) + [""]
+    size = "x".join(map(str, r.mesh_shape))
+    native = "no strategy (DTensor would raise)" if r.dtensor is None else _moved(r.dtensor)
+    if r.priced is None:
+        out += _wrap(f"  the plan does not apply to these placements on mesh {size} (it takes: {r.info.applies})", 4)
+        out += _wrap(f"  DTensor's strategy moves: {native}", 4)
+        out += _native_lines(r.dtensor)
+        out += ["  enable() runs: DTensor's strategy" + ("" if r.needed else " (it moves nothing: no plan needed)"), ""]
+        return out
+    p = r.priced
+    out.append(f"  on mesh {size}, the plan's steps:" if p.steps else f"  on mesh {size}, the plan moves nothing")
+    for k, step in enumerate(p.steps):
+        out += _wrap(f"    {k + 1}. {step.what}: " + _step_numbers(step), 7)
+    collectives = [c for s in p.steps for c in s.cost.collectives]
+    numbers = sum(int(c.bytes // s.itemsize) for s in p.steps for c in s.cost.collectives)
+    out.append(f"  the plan moves:           {_moved(p.cost)}" + (f"; {_numbers(numbers)} in its collectives"
+                                                                    if collectives else ""))
+    out.append(f"  DTensor's strategy moves: {native}")
+    out += _native_lines(r.dtensor)
+    choice = "the plan" if r.taken else "DTensor's strategy"
+    out += _wrap(f"  enable() runs: {choice} (it decides by {p.rule})", 4)
+    return out + [""]
+
+
+def _step_numbers(step: Any) -> str:
+    """A step's collectives: numbers in the message (its kind where the step's words do
+    not start with it), group, bytes each rank sends."""
+    if not step.cost.collectives:
+        return "local work only, " + _bytes(step.cost.local_bytes) if step.cost.local_bytes else "nothing moves"
+    parts = []
+    for c in step.cost.collectives:
+        kind = c.kind.replace("_", "-")
+        parts.append(("" if step.what.startswith(kind) else kind + " of ")
+                     + _numbers(int(c.bytes // step.itemsize)) + " " + _collective_where(c))
+    return "; ".join(parts)
+
+
+def _numbers(n: int) -> str:
+    return f"{n} number{'s' if n != 1 else ''}"
+
+
+def _collective_where(c: Any) -> str:
+    return f"over {c.label or f'mesh dims {c.mesh_dims}'} ({c.group_size} ranks), {_bytes(c.wire_bytes)} sent per rank"
+
+
+def _native_lines(cost: Any) -> list[str]:
+    """DTensor's strategy's collectives (message size: the gathered / reduced tensor, the
+    largest shard's) and local copies."""
+    if cost is None:
+        return []
+    out = [f"    - {c.kind.replace('_', '-')} of {_bytes(c.bytes)} {_collective_where(c)}" for c in cost.collectives]
+    return out + [f"    - local {w.what} on mesh dim {w.mesh_dim}: {_bytes(w.bytes)} read+write" for w in cost.local_work]
+
+
+def _moved(cost: Any) -> str:
+    """The bytes a plan is compared on (the cost model's: sent per rank plus local copies)."""
+    n = len(cost.collectives)
+    return f"{_bytes(cost.bytes_moved)} ({n} collective{'s' if n != 1 else ''}" + (
+        f", {_bytes(cost.local_bytes)} of it local copies)" if cost.local_bytes else ")")
+
+
+def _bytes(n: float) -> str:
+    if n >= 1 << 20:
+        return f"{n / (1 << 20):.2f} MiB"
+    return f"{n / 1024:.1f} KiB" if n >= 1024 else f"{n:.0f} B"
 
 
 def decomposition_heading(op: Any, graph: PrimGraph) -> str:
@@ -107,7 +187,8 @@ def decomposition_lines(graph: PrimGraph, op: Any = None) -> list[str]:
 
 def _native_line(ex: Analysis) -> str:
     head = (f"DTensor has its own strategy for this op ({ex.native}) and uses it; decompshard.enable() "
-            f"never replaces it.")
+            + ("never replaces it." if ex.plan is None else
+               "replaces it only with the collective plan at the end, where that moves less."))
     tail = " Below, for comparison only: what decompshard derives from the op's decomposition."
     if ex.native_rules is None:
         return head + " (decompshard cannot read that strategy.)" + tail

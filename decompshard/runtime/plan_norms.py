@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from decompshard._compat import DTensor, TorchPartial, TorchReplicate, TorchShard, local_tensor, placed_dtensor
-from decompshard.runtime.row_reduce import Stat, cheaper_than_dtensor, moves_cost, sharding_dims
+from decompshard.runtime.row_reduce import Priced, Step, Stat, moves_cost, sharding_dims
 
-__all__ = ["PLANS"]
+__all__ = ["PLANS", "PRICES"]
 
 
 class _Norm:
@@ -70,14 +70,42 @@ def _params_ok(norm: _Norm, *params: Any) -> bool:
                              and sharding_dims(p.placements, []) is not None) for p in params)
 
 
-def _forward(op_call: Any, args: tuple, kwargs: dict) -> Any:
-    x, normalized_shape, weight, bias, eps = args[:5]
+def _forward_price(op_call: Any, args: tuple, kwargs: dict) -> Priced | None:
+    """Two all-reduces of one number per row, and the weight and bias moved to the input's
+    hidden slab (None: the plan does not apply)."""
+    x, normalized_shape, weight, bias = args[:4]
     norm = _Norm(x, normalized_shape)
     if not norm.ok or not _params_ok(norm, weight, bias):
         return None
-    cost = norm.stat.cost(["sum", "sum"], x.dtype.itemsize) + moves_cost(norm.moves(weight, bias))
-    if not cheaper_than_dtensor(cost, op_call, args, kwargs):
+    item = x.dtype.itemsize
+    return Priced((Step("all-reduce(sum) of each row's sum", norm.stat.cost(["sum"], item), item),
+                   Step("all-reduce(sum) of each row's sum of squared deviations", norm.stat.cost(["sum"], item), item),
+                   Step("weight and bias to the input's hidden slab", moves_cost(norm.moves(weight, bias)), item)),
+                  norm)
+
+
+def _backward_price(op_call: Any, args: tuple, kwargs: dict) -> Priced | None:
+    """One all-reduce of two numbers per row, and grad, mean, rstd and weight moved to the
+    plan's placements (None: the plan does not apply)."""
+    grad, x, normalized_shape, mean, rstd, weight, bias = args[:7]
+    norm = _Norm(x, normalized_shape)
+    if not norm.ok or not _params_ok(norm, weight, bias, grad, mean, rstd):
         return None
+    stats = [(grad, tuple(x.placements)), (mean, norm.stat.placements), (rstd, norm.stat.placements)]
+    item = x.dtype.itemsize
+    return Priced((Step("all-reduce(sum) of each row's sums of grad*w and grad*w*xhat (stacked)",
+                        norm.stat.cost(["sum"], item, width=2), item),
+                   Step("weight, grad_out, mean and rstd to the plan's placements",
+                        moves_cost(norm.moves(weight) + stats), item)),
+                  (norm, stats))
+
+
+def _forward(op_call: Any, args: tuple, kwargs: dict) -> Any:
+    x, normalized_shape, weight, bias, eps = args[:5]
+    priced = _forward_price(op_call, args, kwargs)
+    if priced is None or not priced.taken(op_call, args, kwargs):
+        return None
+    norm = priced.context
     xl = local_tensor(x)
     mean = norm.stat.reduce(xl.sum(norm.reduced, keepdim=True), "sum") / norm.count
     centered = xl - mean
@@ -95,13 +123,10 @@ def _forward(op_call: Any, args: tuple, kwargs: dict) -> Any:
 
 def _backward(op_call: Any, args: tuple, kwargs: dict) -> Any:
     grad, x, normalized_shape, mean, rstd, weight, bias, mask = args[:8]
-    norm = _Norm(x, normalized_shape)
-    if not norm.ok or not _params_ok(norm, weight, bias, grad, mean, rstd):
+    priced = _backward_price(op_call, args, kwargs)
+    if priced is None or not priced.taken(op_call, args, kwargs):
         return None
-    stats = [(grad, tuple(x.placements)), (mean, norm.stat.placements), (rstd, norm.stat.placements)]
-    cost = norm.stat.cost(["sum"], x.dtype.itemsize, width=2) + moves_cost(norm.moves(weight) + stats)
-    if not cheaper_than_dtensor(cost, op_call, args, kwargs):
-        return None
+    norm, stats = priced.context
     g, m, r = (local_tensor(t if tuple(t.placements) == pl else t.redistribute(norm.mesh, pl)) for t, pl in stats)
     xhat = (local_tensor(x) - m) * r
     w = norm.param(weight)
@@ -125,4 +150,8 @@ def _backward(op_call: Any, args: tuple, kwargs: dict) -> Any:
 PLANS = {
     "aten.native_layer_norm.default": _forward,
     "aten.native_layer_norm_backward.default": _backward,
+}
+PRICES = {
+    "aten.native_layer_norm.default": _forward_price,
+    "aten.native_layer_norm_backward.default": _backward_price,
 }

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from decompshard._compat import DTensor, local_tensor, placed_dtensor
-from decompshard.runtime.row_reduce import Stat, cheaper_than_dtensor, moves_cost, sharding_dims
+from decompshard.runtime.row_reduce import Priced, Stat, Step, moves_cost, sharding_dims
 
-__all__ = ["PLANS"]
+__all__ = ["PLANS", "PRICES"]
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -38,16 +38,46 @@ def _itemsize(dtype: torch.dtype) -> int:
     return 4 if dtype in _LOW else dtype.itemsize
 
 
+def _forward_args(args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
+    return tuple((list(args) + [kwargs.get("dim"), kwargs.get("half_to_float", False)])[:3])
+
+
+def _forward_price(op_call: Any, args: tuple, kwargs: dict) -> Priced | None:
+    """Two all-reduces of one number per row (None: the plan does not apply)."""
+    x, dim, _ = _forward_args(args, kwargs)
+    found = _row_dim(x, dim)
+    if found is None:
+        return None
+    d, _ = found
+    stat, item = Stat(x.device_mesh, x.placements, x.shape, [d]), _itemsize(x.dtype)
+    return Priced((Step("all-reduce(max) of each row's local log-sum-exp", stat.cost(["max"], item), item),
+                   Step("all-reduce(sum) of each row's exp(local lse - max)", stat.cost(["sum"], item), item)),
+                  (d, stat))
+
+
+def _backward_price(op_call: Any, args: tuple, kwargs: dict) -> Priced | None:
+    """One all-reduce of one number per row, and the gradient moved to the output's
+    placements (None: the plan does not apply)."""
+    grad, out, dim = args[:3]
+    found = _row_dim(out, dim)
+    if found is None or not isinstance(grad, DTensor) or grad.device_mesh != out.device_mesh:
+        return None
+    if sharding_dims(grad.placements, []) is None:  # a Partial gradient: DTensor's business
+        return None
+    d, _ = found
+    stat, item = Stat(out.device_mesh, out.placements, out.shape, [d]), _itemsize(grad.dtype)
+    return Priced((Step("all-reduce(sum) of each row's sum of grad (x output)", stat.cost(["sum"], item), item),
+                   Step("grad_output to the output's placements", moves_cost([(grad, tuple(out.placements))]),
+                        grad.dtype.itemsize)), (d, stat))
+
+
 def _forward(log: bool):
     def plan(op_call: Any, args: tuple, kwargs: dict) -> Any:
-        x, dim, half_to_float = (list(args) + [kwargs.get("dim"), kwargs.get("half_to_float", False)])[:3]
-        found = _row_dim(x, dim)
-        if found is None:
+        x, _, half_to_float = _forward_args(args, kwargs)
+        priced = _forward_price(op_call, args, kwargs)
+        if priced is None or not priced.taken(op_call, args, kwargs):
             return None
-        d, _ = found
-        stat = Stat(x.device_mesh, x.placements, x.shape, [d])
-        if not cheaper_than_dtensor(stat.cost(["max", "sum"], _itemsize(x.dtype)), op_call, args, kwargs):
-            return None
+        d, stat = priced.context
         local = local_tensor(x)
         comp = local.float() if local.dtype in _LOW else local
         part = torch.logsumexp(comp, d, keepdim=True)  # -inf on an empty shard
@@ -61,17 +91,11 @@ def _forward(log: bool):
 
 def _backward(log: bool):
     def plan(op_call: Any, args: tuple, kwargs: dict) -> Any:
-        grad, out, dim, input_dtype = args[:4]
-        found = _row_dim(out, dim)
-        if found is None or not isinstance(grad, DTensor) or grad.device_mesh != out.device_mesh:
+        grad, out, _, input_dtype = args[:4]
+        priced = _backward_price(op_call, args, kwargs)
+        if priced is None or not priced.taken(op_call, args, kwargs):
             return None
-        if sharding_dims(grad.placements, []) is None:  # a Partial gradient: DTensor's business
-            return None
-        d, _ = found
-        stat = Stat(out.device_mesh, out.placements, out.shape, [d])
-        cost = stat.cost(["sum"], _itemsize(grad.dtype)) + moves_cost([(grad, tuple(out.placements))])
-        if not cheaper_than_dtensor(cost, op_call, args, kwargs):
-            return None
+        d, stat = priced.context
         if tuple(grad.placements) != tuple(out.placements):
             grad = grad.redistribute(out.device_mesh, out.placements)
         g, o = local_tensor(grad), local_tensor(out)
@@ -89,4 +113,10 @@ PLANS = {
     "aten._log_softmax.default": _forward(log=True),
     "aten._softmax_backward_data.default": _backward(log=False),
     "aten._log_softmax_backward_data.default": _backward(log=True),
+}
+PRICES = {
+    "aten._softmax.default": _forward_price,
+    "aten._log_softmax.default": _forward_price,
+    "aten._softmax_backward_data.default": _backward_price,
+    "aten._log_softmax_backward_data.default": _backward_price,
 }

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from decompshard._compat import DTensor, TorchReplicate, TorchShard, local_tensor, placed_dtensor, slab_index
-from decompshard.runtime.row_reduce import Stat, cheaper_than_dtensor, moves_cost, reduce_scalars, scalars_cost, sharding_dims
+from decompshard.runtime.row_reduce import Priced, Stat, Step, moves_cost, reduce_scalars, scalars_cost, sharding_dims
 
-__all__ = ["PLANS"]
+__all__ = ["PLANS", "PRICES"]
 
 NONE, MEAN, SUM = 0, 1, 2  # at::Reduction
 
@@ -81,19 +81,47 @@ def _every_rank_holds_classes(size: int, n: int) -> bool:
     return -(-size // chunk) == n
 
 
-def _forward(op_call: Any, args: tuple, kwargs: dict) -> Any:
-    x, target, weight, reduction, ignore_index = args[:5]
+def _forward_price(op_call: Any, args: tuple, kwargs: dict) -> Priced | None:
+    """The loss all-reduced over the class slabs (one number per row for `none`, else a
+    scalar, then loss and total weight over the batch's mesh dims), and the target (and
+    class weights) moved to the plan's placements (None: the plan does not apply)."""
+    x, target, weight, reduction = args[:4]
     lay = _Layout(x, target, weight)
     if not lay.ok:
         return None
     item = x.dtype.itemsize
+    rows = None
     if reduction == NONE:
         rows = Stat(lay.mesh, x.placements, x.shape, [lay.c])
-        cost = rows.cost(["sum"], item)
+        steps = [Step("all-reduce(sum) of each row's picked log-probability over the class slabs",
+                      rows.cost(["sum"], item), item)]
     else:
-        cost = scalars_cost(lay.mesh, (lay.m,), item) + scalars_cost(lay.mesh, lay.batch_dims, item, (2,))
-    if not cheaper_than_dtensor(cost + moves_cost(lay.moves), op_call, args, kwargs):
+        steps = [Step("all-reduce(sum) of the loss over the class slabs", scalars_cost(lay.mesh, (lay.m,), item), item),
+                 Step("all-reduce(sum) of (loss, total weight) over the batch's mesh dims",
+                      scalars_cost(lay.mesh, lay.batch_dims, item, (2,)), item)]
+    steps.append(Step("target (and class weights) to the plan's placements", moves_cost(lay.moves), item))
+    return Priced(tuple(steps), (lay, rows))
+
+
+def _backward_price(op_call: Any, args: tuple, kwargs: dict) -> Priced | None:
+    """No collective: target, weights, grad and total weight moved to the plan's
+    placements (None: the plan does not apply)."""
+    grad, x, target, weight, reduction, _, total_weight = args[:7]
+    lay = _Layout(x, target, weight)
+    if not lay.ok or not isinstance(grad, DTensor) or not isinstance(total_weight, DTensor):
         return None
+    grad_placements = lay.target_placements if reduction == NONE and x.dim() > 1 else lay.rep
+    moves = lay.moves + [(grad, grad_placements), (total_weight, lay.rep)]
+    return Priced((Step("target, weights, grad and total weight to the plan's placements", moves_cost(moves),
+                        x.dtype.itemsize),), (lay, grad_placements))
+
+
+def _forward(op_call: Any, args: tuple, kwargs: dict) -> Any:
+    x, target, weight, reduction, ignore_index = args[:5]
+    priced = _forward_price(op_call, args, kwargs)
+    if priced is None or not priced.taken(op_call, args, kwargs):
+        return None
+    lay, rows = priced.context
     idx, here, w = lay.picks(target, weight, ignore_index)
     picked = torch.gather(local_tensor(x), lay.c, idx.unsqueeze(lay.c)).squeeze(lay.c)
     part = torch.where(here, -picked * w, 0.0)
@@ -113,13 +141,10 @@ def _forward(op_call: Any, args: tuple, kwargs: dict) -> Any:
 
 def _backward(op_call: Any, args: tuple, kwargs: dict) -> Any:
     grad, x, target, weight, reduction, ignore_index, total_weight = args[:7]
-    lay = _Layout(x, target, weight)
-    if not lay.ok or not isinstance(grad, DTensor) or not isinstance(total_weight, DTensor):
+    priced = _backward_price(op_call, args, kwargs)
+    if priced is None or not priced.taken(op_call, args, kwargs):
         return None
-    grad_placements = lay.target_placements if reduction == NONE and x.dim() > 1 else lay.rep
-    moves = lay.moves + [(grad, grad_placements), (total_weight, lay.rep)]
-    if not cheaper_than_dtensor(moves_cost(moves), op_call, args, kwargs):
-        return None
+    lay, grad_placements = priced.context
     idx, here, w = lay.picks(target, weight, ignore_index)
     g = lay.place(grad, grad_placements)
     if reduction == MEAN:
@@ -135,4 +160,10 @@ PLANS = {
     "aten.nll_loss2d_forward.default": _forward,
     "aten.nll_loss_backward.default": _backward,
     "aten.nll_loss2d_backward.default": _backward,
+}
+PRICES = {
+    "aten.nll_loss_forward.default": _forward_price,
+    "aten.nll_loss2d_forward.default": _forward_price,
+    "aten.nll_loss_backward.default": _backward_price,
+    "aten.nll_loss2d_backward.default": _backward_price,
 }

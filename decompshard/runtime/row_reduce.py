@@ -18,6 +18,7 @@ plan's statistics and its own (small) input moves.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -25,7 +26,8 @@ import torch
 from decompshard._compat import TorchPartial, TorchReplicate, TorchShard, dtensor_planned_moves, placed_dtensor
 from decompshard.mesh.cost import Cost, bytes_key, redistribute_cost
 
-__all__ = ["Stat", "cheaper_than_dtensor", "moves_cost", "reduce_scalars", "row_placements", "scalars_cost", "sharding_dims"]
+__all__ = ["Priced", "Stat", "Step", "cheaper_than_dtensor", "dtensor_cost", "moves_cost", "reduce_scalars",
+           "row_placements", "scalars_cost", "sharding_dims"]
 
 
 def sharding_dims(placements: Sequence[Any], dims: Iterable[int]) -> tuple[int, ...] | None:
@@ -116,6 +118,15 @@ def moves_cost(moves: Iterable[tuple[Any, Sequence[Any]]]) -> Cost:
     return total
 
 
+def dtensor_cost(op_call: Any, args: tuple, kwargs: dict) -> Cost | None:
+    """What DTensor's own strategy for this call moves (its input redistributions, priced
+    by the project's cost model); None where DTensor has no strategy at all."""
+    planned = dtensor_planned_moves(op_call, args, kwargs)
+    if planned is None:
+        return None
+    return moves_cost((src, tuple(dst.placements)) for src, dst in planned if dst is not None)
+
+
 def cheaper_than_dtensor(plan: Cost, op_call: Any, args: tuple, kwargs: dict) -> bool:
     """The plan moves fewer bytes than DTensor's own strategy for this call (its input
     moves, priced by the same cost model); True where DTensor has no strategy at all.
@@ -124,8 +135,43 @@ def cheaper_than_dtensor(plan: Cost, op_call: Any, args: tuple, kwargs: dict) ->
     all-reduces' in time although it moves the whole row; the bytes are what grows with
     the activation (and what a gathered copy costs in memory), and what the issue's
     measure compares with the expert's plan. A tie goes to DTensor."""
-    planned = dtensor_planned_moves(op_call, args, kwargs)
-    if planned is None:
+    native = dtensor_cost(op_call, args, kwargs)
+    if native is None:
         return True
-    native = moves_cost((src, tuple(dst.placements)) for src, dst in planned if dst is not None)
     return bytes_key(plan.bytes_moved) < bytes_key(native.bytes_moved)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One thing a plan moves, in words, with its price (`explain` prints these)."""
+
+    what: str
+    cost: Cost
+    itemsize: int
+
+
+@dataclass(frozen=True)
+class Priced:
+    """A plan's price for one call, computed before it runs: the steps that move
+    something, and what the plan computed to price them (`context`, reused to run it).
+    `verdict`: the plan's own decision where it does not compare bytes with DTensor's
+    (None: it takes the call when it moves fewer bytes, `cheaper_than_dtensor`); `rule`
+    says how it decides, for `explain`."""
+
+    steps: tuple[Step, ...]
+    context: Any = None
+    verdict: bool | None = None
+    rule: str = "fewer bytes than DTensor's strategy (the cost model's bytes; a tie goes to DTensor)"
+
+    @property
+    def cost(self) -> Cost:
+        total = Cost()
+        for s in self.steps:
+            total = total + s.cost
+        return total
+
+    def taken(self, op_call: Any, args: tuple, kwargs: dict) -> bool:
+        """Whether the plan runs this call (else DTensor's path, or the guard's, does)."""
+        if self.verdict is not None:
+            return self.verdict
+        return cheaper_than_dtensor(self.cost, op_call, args, kwargs)

@@ -44,8 +44,13 @@ from typing import Any, Callable
 import torch
 
 from decompshard._compat import DTensor, TorchPartial, TorchReplicate, TorchShard, contiguous_spec, redistribute_local_tensor
+from decompshard.mesh.cost import Cost, redistribute_cost
+from decompshard.runtime.row_reduce import Priced, Step
 
-__all__ = ["Layout", "batch_sharded_backward", "batch_sharded_forward", "layout_of", "pays"]
+__all__ = ["Layout", "backward_price", "batch_sharded_backward", "batch_sharded_forward", "forward_price", "layout_of",
+           "pays"]
+
+PAYS_RULE = "2 x C x R <= numel (R: the ranks the batch is split over), SyncBatchNorm's test; evaluation always"
 
 # schema names that differ between the overloads, mapped to one name
 _ALIASES = {"save_var": "save_invstd", "update": "train", "training": "train"}
@@ -197,6 +202,56 @@ def _update_running(bufs: list[Any], values: list[torch.Tensor], momentum: float
             buf._local_tensor.mul_(1 - momentum).add_((value * momentum).to(buf.dtype))
 
 
+def _all_reduce_cost(layout: Layout, shape: tuple, dtype: torch.dtype) -> Cost:
+    """The price of `_all_reduced` on per-channel sums of global `shape`."""
+    dim = len(shape) - 1
+    return redistribute_cost(shape, _opmath(dtype).itemsize, layout.per_channel(dim, partial=True),
+                             layout.per_channel(dim), tuple(layout.mesh.shape))
+
+
+def forward_price(op_call: Any, args: tuple, kwargs: dict, training_default: bool | None = None) -> Priced | None:
+    """The batch-sharded forward's collectives and its decision (`pays`; evaluation moves
+    nothing and always runs), or None where the plan does not apply to the call."""
+    a = _named(op_call, args, kwargs)
+    x = a["input"]
+    train = bool(a.get("train", training_default))
+    rm, rv = a.get("running_mean"), a.get("running_var")
+    layout = layout_of(x, [a["weight"], a["bias"], rm, rv])
+    if layout is None or not x.dtype.is_floating_point or (not train and (rm is None or rv is None)):
+        return None
+    steps = []
+    if train:
+        c, item = x.shape[1], _opmath(x.dtype).itemsize
+        steps = [Step("all-reduce(sum) of the per-channel sums", _all_reduce_cost(layout, (c,), x.dtype), item),
+                 Step("all-reduce(sum) of the per-channel centred sums of squares",
+                      _all_reduce_cost(layout, (c,), x.dtype), item)]
+        if rm is not None and rv is not None and any(tuple(b.placements) != layout.per_channel() for b in (rm, rv)):
+            rep = (TorchReplicate(),) * layout.mesh.ndim
+            steps.append(Step("all-gather of the running statistics' update (channel-sharded)",
+                              redistribute_cost((2, c), item, layout.per_channel(1), rep, tuple(layout.mesh.shape)),
+                              item))
+    return Priced(tuple(steps), (a, layout, train), verdict=pays(x, layout) if train else True, rule=PAYS_RULE)
+
+
+def backward_price(op_call: Any, args: tuple, kwargs: dict) -> Priced | None:
+    """The batch-sharded backward's collective (training: one all-reduce of 2 x C sums;
+    evaluation: none, the parameter gradients stay partial sums) and its decision, or
+    None where the plan does not apply."""
+    a = _named(op_call, args, kwargs)
+    x, dy = a["input"], a["grad_out"]
+    train = bool(a["train"])
+    stats = ("save_mean", "save_invstd") if train else ("running_mean", "running_var")
+    per_channel = [a["weight"], *(a[s] for s in stats)]
+    layout = layout_of(x, per_channel)
+    if layout is None or not isinstance(dy, DTensor) or tuple(dy.placements) != tuple(x.placements) \
+            or dy.shape != x.shape or not x.dtype.is_floating_point \
+            or any(t is None or t.numel() != x.shape[1] for t in per_channel[1:]):
+        return None
+    steps = (Step("all-reduce(sum) of the per-channel sums of grad_out and grad_out * xhat (stacked)",
+                  _all_reduce_cost(layout, (2, x.shape[1]), x.dtype), _opmath(x.dtype).itemsize),) if train else ()
+    return Priced(steps, (a, layout, train, per_channel), verdict=pays(x, layout) if train else True, rule=PAYS_RULE)
+
+
 def batch_sharded_forward(fallback: Callable, training_default: bool | None = None) -> Callable:
     """A DTensor custom handler for a batch-norm forward overload (native_batch_norm,
     `_native_batch_norm_legit`, `_batch_norm_with_update`, ...): the batch-sharded plan
@@ -204,14 +259,11 @@ def batch_sharded_forward(fallback: Callable, training_default: bool | None = No
     `training_default`: the mode of an overload whose schema has no training flag."""
 
     def handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
-        a = _named(op_call, args, kwargs)
-        x = a["input"]
-        train = bool(a.get("train", training_default))
-        rm, rv = a.get("running_mean"), a.get("running_var")
-        layout = layout_of(x, [a["weight"], a["bias"], rm, rv])
-        if layout is None or not x.dtype.is_floating_point or (train and not pays(x, layout)) or \
-                (not train and (rm is None or rv is None)):
+        priced = forward_price(op_call, args, kwargs, training_default)
+        if priced is None or not priced.taken(op_call, args, kwargs):
             return fallback(op_call, args, kwargs)
+        a, layout, train = priced.context
+        x, rm, rv = a["input"], a.get("running_mean"), a.get("running_var")
         eps, local = a["eps"], x._local_tensor
         w, b = _channel_local(a["weight"], layout), _channel_local(a["bias"], layout)
         if not train:
@@ -250,16 +302,11 @@ def batch_sharded_backward(fallback: Callable) -> Callable:
     batch-sharded plan) and it pays; `fallback` otherwise."""
 
     def handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
-        a = _named(op_call, args, kwargs)
-        x, dy = a["input"], a["grad_out"]
-        train = bool(a["train"])
-        stats = ("save_mean", "save_invstd") if train else ("running_mean", "running_var")
-        per_channel = [a["weight"], *(a[s] for s in stats)]
-        layout = layout_of(x, per_channel)
-        if layout is None or not isinstance(dy, DTensor) or tuple(dy.placements) != tuple(x.placements) \
-                or dy.shape != x.shape or not x.dtype.is_floating_point or (train and not pays(x, layout)) \
-                or any(t is None or t.numel() != x.shape[1] for t in per_channel[1:]):
+        priced = backward_price(op_call, args, kwargs)
+        if priced is None or not priced.taken(op_call, args, kwargs):
             return fallback(op_call, args, kwargs)
+        a, layout, train, per_channel = priced.context
+        x, dy = a["input"], a["grad_out"]
         mask = list(a["output_mask"])
         w, mean, stat = (_channel_local(t, layout) for t in per_channel)
         if not train:  # running statistics: everything local, the parameter gradients partial sums
