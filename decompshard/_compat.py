@@ -517,6 +517,7 @@ def strategy_cost_slots() -> list[tuple[Any, str, str]]:
     return found
 
 
+@functools.lru_cache(maxsize=None)
 def collective_cost_model() -> Any:
     """DTensor's own pricing of one collective on one mesh dim (`_collective_utils`):
     a namespace with `allreduce_cost(gb, mesh_topo, mesh_dim)`, `reduce_scatter_cost`,

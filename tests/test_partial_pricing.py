@@ -7,7 +7,8 @@ loss and every gradient on every rank against one device, and the collectives co
 With `enable()` the forward all-reduces each row-parallel output once, where it is made,
 and nothing else (Megatron's plan); torch alone (the same case with `disable()`) keeps
 the residual Partial, reduce-scatters it onto the batch dim and gathers weights, and
-moves more. `disable()` puts torch's pricing functions back.
+moves more. `disable()` puts torch's pricing functions back. `CommBytes.top()` names
+the op that issued each collective.
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ def test_two_d_blocks_reduce_each_row_parallel_output_once_where_it_is_made():
     # Megatron's forward: one all-reduce of the row-parallel output per block, over tp,
     # at the local batch's size (2 x 6 x 16 float64)
     assert fwd.bytes_by_kind == {"all_reduce": 2 * 2 * 6 * 16 * 8}, fwd.bytes_by_kind
+    # ... issued where the Partial is made: the residual add, its Partial input reduced
+    assert [(t["op"], t["collective"], t["count"]) for t in fwd.top()] == [
+        ("aten.add.Tensor(S(0),R [4, 6, 16]; S(0),P(sum) [4, 6, 16])", "all_reduce", 2)]
     assert set(bwd.bytes_by_kind) <= {"all_reduce"}, bwd.bytes_by_kind  # nothing gathered or scattered
     _, _, t_fwd, t_bwd, _ = _run(False)
     assert t_fwd.bytes + t_bwd.bytes > fwd.bytes + bwd.bytes  # what torch alone picks moves more

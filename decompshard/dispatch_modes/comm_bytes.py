@@ -34,11 +34,17 @@ class CommBytes(TorchDispatchMode):
         self.registry = set(CommDebugMode().comm_registry) | set(c10d_collective_ops)
         self.count = self.bytes = 0
         self.bytes_by_kind: dict[str, int] = {}  # collective name -> bytes
+        # what moved and why: (the DTensor op whose dispatch issued it, with its inputs'
+        # placements and shapes; collective) -> [count, bytes]. A caller relabels
+        # collectives it issues itself (`label`: the zoo's gradient redistribution)
+        self.label = ""
+        self.by_op: dict[tuple[str, str], list[int]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.distributed.tensor import DTensor
 
         if any(issubclass(t, DTensor) for t in types):
+            self.label = _op_text(func, args)
             return NotImplemented  # let DTensor turn the op into local ops and collectives
         out = func(*args, **(kwargs or {}))
         if getattr(func, "_overloadpacket", None) in self.registry:
@@ -47,11 +53,29 @@ class CommBytes(TorchDispatchMode):
             self.bytes += nbytes
             name = func._overloadpacket.__name__
             self.bytes_by_kind[name] = self.bytes_by_kind.get(name, 0) + nbytes
+            row = self.by_op.setdefault((self.label, name), [0, 0])
+            row[0] += 1
+            row[1] += nbytes
         return out
+
+    def top(self, n: int = 12) -> list[dict[str, Any]]:
+        """The `n` (op, collective) pairs that moved the most bytes, most first: where to
+        look when a plan moves more than it should."""
+        rows = sorted(self.by_op.items(), key=lambda kv: -kv[1][1])[:n]
+        return [{"op": op, "collective": c, "count": k, "bytes": b} for (op, c), (k, b) in rows]
 
     def get_total_counts(self) -> int:
         """The number of collectives counted (CommDebugMode's name for it)."""
         return self.count
+
+
+def _op_text(func: Any, args: Sequence[Any]) -> str:
+    """`aten.mm.default(S(0),P(sum) [64, 32]; R,S(1) [32, 64])`: the op and each DTensor
+    input's placements and global shape."""
+    from torch.distributed.tensor import DTensor
+
+    ins = [f"{','.join(map(str, a.placements))} {list(a.shape)}" for a in tree_leaves(args) if isinstance(a, DTensor)]
+    return f"{func}({'; '.join(ins)})"
 
 
 def _arg_bytes(args: Sequence[Any]) -> int:
