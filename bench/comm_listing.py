@@ -1,6 +1,6 @@
 """What one zoo case moves, collective by collective: the counted step of
 `decompshard check --model NAME --sharding S` (bench/zoo.py's bytes column) with
-`CommBytes(listing=True)`, grouped by (DTensor op in flight, its operands, collective,
+`CommBytes.listing`, grouped by (DTensor op in flight, its operands, collective,
 local shape), largest bytes first. The way to read a bytes-to-expert ratio: which ops
 move activations, and from which placements.
 
@@ -35,10 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     made: list[CommBytes] = []
 
     def listing_comm() -> CommBytes:
-        made.append(CommBytes(listing=True))
+        made.append(CommBytes())
         return made[-1]
 
-    model.CommBytes = listing_comm  # the zoo step's counter, listing on (this process only)
+    model.CommBytes = listing_comm  # keep the zoo step's counter (this process only)
     row = zoo_case(args.model, args.sharding, not args.torch_alone)
     print(f"{args.model} {args.sharding}: {row['verdict']}, {row['collectives']} collectives, "
           f"{(row['bytes'] or 0) / 1024:.1f} KiB; expert {(row['expert_bytes'] or 0) / 1024:.1f} KiB "
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     if not made:
         return 1
     groups: dict[tuple, list[int]] = collections.defaultdict(lambda: [0, 0])
-    for c in made[-1].listing or []:
+    for c in made[-1].listing:
         g = groups[(c.collective, c.op, c.operands, c.local_shape)]
         g[0] += 1
         g[1] += c.bytes

@@ -25,8 +25,8 @@ __all__ = [
     "kwarg_routing_active", "local_tensor", "op_strategy_func", "contiguous_spec", "placed_dtensor", "rebind_dtensor", "redistribute_cost",
     "redistribute_local_tensor", "return_and_correct_aliasing", "kwarg_routing_entries", "set_dtensor_layout",
     "sharding_propagator",
-    "single_dim_strategy_info", "strategy_reused_from", "slab_index", "stage_kwarg_targets", "to_torch_placement", "torch_decomposition_table",
-    "inferred_schema_info", "schema_info_slot", "unsharded_dtensor", "widened_schema_info", "view_family_ops", "view_shape_arg_index",
+    "single_dim_strategy_info", "strategy_cost_slots", "strategy_reused_from", "slab_index", "stage_kwarg_targets", "to_torch_placement", "torch_decomposition_table",
+    "collective_cost_model", "inferred_schema_info", "schema_info_slot", "unsharded_dtensor", "widened_schema_info", "view_family_ops", "view_shape_arg_index",
 ]
 
 TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
@@ -526,6 +526,41 @@ def _with_kwarg_moves(op_schema: Any, sharding: Any, targets: dict[str, Any]) ->
     sharding.redistribute_schema = schema
     sharding.needs_redistribute = True
     return sharding
+
+
+def strategy_cost_slots() -> list[tuple[Any, str, str]]:
+    """Where DTensor prices the candidate strategies of a native op, and only there (not
+    where it plans a redistribution it has chosen): `(module, attribute, kind)`.
+    kind "spec": `redistribute_cost(current_spec, target_spec) -> cost`, as
+    `_ops.utils` holds it for `generate_redistribute_costs` (op-strategy functions and
+    their full-mesh expansion); kind "step": `_compute_placement_transition_cost(cur,
+    tgt, mesh_topo, mesh_dim, comm_bytes_gb) -> (cost, comm_bytes_gb after)`, as
+    `_ops.single_dim_strategy` holds it for its search over input placements. Feature
+    detection: a slot this torch lacks is left out."""
+    import importlib
+
+    found = []
+    for module_name, attribute, kind in (("torch.distributed.tensor._ops.utils", "redistribute_cost", "spec"),
+                                         ("torch.distributed.tensor._ops.single_dim_strategy",
+                                          "_compute_placement_transition_cost", "step")):
+        module = importlib.import_module(module_name)
+        if callable(vars(module).get(attribute)):
+            found.append((module, attribute, kind))
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def collective_cost_model() -> Any:
+    """DTensor's own pricing of one collective on one mesh dim (`_collective_utils`):
+    a namespace with `allreduce_cost(gb, mesh_topo, mesh_dim)`, `reduce_scatter_cost`,
+    `MeshTopoInfo.build_from_mesh(mesh)` and `spec_to_bytes(spec)`, so that a surcharge
+    on its strategy choice is in its units."""
+    import types
+
+    import torch.distributed.tensor._collective_utils as cu
+
+    return types.SimpleNamespace(allreduce_cost=cu.allreduce_cost, reduce_scatter_cost=cu.reduce_scatter_cost,
+                                 MeshTopoInfo=cu.MeshTopoInfo, spec_to_bytes=cu.spec_to_bytes)
 
 
 def kwarg_routing_entries() -> Iterator[tuple[Any, str, Any]]:

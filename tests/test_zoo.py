@@ -198,3 +198,24 @@ def test_cli_prints_the_zoo_table():
     assert p.returncode == 0, p.stderr[-2000:]
     row = next(line for line in p.stdout.splitlines() if line.startswith("| vit-hf"))
     assert [c.strip() for c in row.split("|")[1:4]] == ["vit-hf", "tp", "OK"], row
+
+
+def test_cli_verbose_names_what_moved_the_bytes():
+    """`-v`: under the table, each case's largest collectives (CommBytes.top()), each
+    line naming the collective and the aten op (or the gradient redistribution) that
+    issued it."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p = subprocess.run([sys.executable, "-m", "decompshard", "check", "--model", "vit-hf", "--sharding", "tp",
+                        "--no-torch", "-j", "0", "-v", "--format", "text"], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = p.stdout.splitlines()
+    at = lines.index("vit-hf tp, the most bytes first:")
+    listed = [ln for ln in lines[at + 1:] if ln.startswith("  ")]
+    assert listed and all(re.search(r"\d+x (all_reduce|all_gather\w*|reduce_scatter\w*|\w*all_to_all\w*) +(aten\.|gradients)",
+                                    ln) for ln in listed), listed

@@ -116,7 +116,7 @@ def _zoo(args: argparse.Namespace) -> int:
     process with --timeout seconds), failures listed under it."""
     from decompshard.check.model import SHARDINGS
     from decompshard.check.zoo import get_entry
-    from decompshard.check.zoo_run import against_us, expand_names, render, run_zoo
+    from decompshard.check.zoo_run import against_us, comm_lines, expand_names, render, run_zoo
 
     names = expand_names(args.model)
     for n in names:
@@ -132,7 +132,10 @@ def _zoo(args: argparse.Namespace) -> int:
 
     rows = run_zoo(names, shardings, jobs=args.jobs, timeout=args.timeout, seed=args.seed,
                    with_torch=not args.no_torch, on_row=progress)
-    _emit(json.dumps(rows, indent=1) if args.format == "json" else render(rows), args.output)
+    text = render(rows)
+    if getattr(args, "verbosity", 0) > 0:  # -v: where each case's bytes went
+        text += "\n\n" + "\n".join(comm_lines(rows))
+    _emit(json.dumps(rows, indent=1) if args.format == "json" else text, args.output)
     return EXIT_FAILURES if against_us(rows) else 0
 
 

@@ -259,6 +259,7 @@ class StepRun:
     first_s: float | None = None
     warm_s: float | None = None
     fallbacks: list[dict] = field(default_factory=list)  # ops run replicated under enable() (fallbacks.Fallback)
+    comm_top: list[dict] = field(default_factory=list)  # CommBytes.top(): what moved the most, by op
 
 
 def run_training_step(built: Any, sharding: str, enable: bool, measure: bool = True) -> StepRun:
@@ -330,8 +331,8 @@ def _sharded_step(built: Any, dmodel: torch.nn.Module, ref: _RefStep, mesh: Any,
             run.warm_s = min(_timed_step(dmodel, built.loss, din, implicit) for _ in range(2))
             _zero_grads(dmodel)
             with CommBytes() as comm:
-                _dtensor_step(dmodel, built.loss, din, not sh.local_output)
-            run.collectives, run.bytes = comm.get_total_counts(), comm.bytes
+                _dtensor_step(dmodel, built.loss, din, not sh.local_output, comm)
+            run.collectives, run.bytes, run.comm_top = comm.get_total_counts(), comm.bytes, comm.top()
         except Exception as e:  # the first step's verdict stands; say why there are no numbers
             run.detail = (run.detail + "; " if run.detail else "") + f"a later step raised: {one_line(e, 300)}"
     return run
@@ -359,7 +360,8 @@ def _reference_step(built: Any) -> _RefStep:
                     {n: b.detach().clone() for n, b in model.named_buffers()})
 
 
-def _dtensor_step(model: torch.nn.Module, loss_fn: Any, inputs: dict, implicit: bool = True) -> Any:
+def _dtensor_step(model: torch.nn.Module, loss_fn: Any, inputs: dict, implicit: bool = True,
+                  comm: CommBytes | None = None) -> Any:
     """Forward, loss, backward; each gradient redistributed to its parameter's placements
     (what an optimizer step needs: DDP's all-reduce of a Partial gradient, for one).
     Plain tensors the model makes on the way (masks and position buckets from `arange`,
@@ -374,6 +376,8 @@ def _dtensor_step(model: torch.nn.Module, loss_fn: Any, inputs: dict, implicit: 
     with implicit_replication() if implicit else contextlib.nullcontext():
         loss = loss_fn(model, inputs)
         loss.backward()
+    if comm is not None:
+        comm.in_flight = ("gradients redistributed to their parameters' placements", "")
     for p in model.parameters():
         if isinstance(p, DTensor) and p.grad is not None and tuple(p.grad.placements) != tuple(p.placements):
             p.grad = p.grad.redistribute(p.device_mesh, p.placements)

@@ -163,6 +163,18 @@ def replicated_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def comm_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Per case with enable(), what moved the most bytes: the DTensor op whose dispatch
+    issued each collective (its inputs' placements and shapes), how often, how much."""
+    lines = []
+    for row in rows:
+        top = (row.get("enable") or {}).get("comm_top") or []
+        if top:
+            lines.append(f"{row['model']} {row['sharding']}, the most bytes first:")
+            lines += [f"  {_kib(t['bytes']):>8} {t['count']:3d}x {t['collective']:24s} {t['op']}" for t in top]
+    return lines
+
+
 def _secs(r: dict[str, Any] | None, key: str) -> str:
     v = r.get(key) if r else None
     return f"{v:.2f}" if v is not None else "-"

@@ -7,7 +7,7 @@ and only those collectives reach this mode. Not torch's `CommDebugMode` itself: 
 module tracker raises on models whose hooks return early (transformers' output
 capturing); the collectives counted are the ones CommDebugMode's registry names.
 
-`CommBytes(listing=True)` also keeps one `Collective` per collective, named by the
+`CommBytes.listing` keeps one `Collective` per collective, named by the
 DTensor op that issued it (the last op DTensor dispatched: an op's own input moves, or
 a `redistribute()` after it), so that a byte count can be read as what moved and why
 (bench/comm_listing.py prints it).
@@ -45,7 +45,7 @@ class CommBytes(TorchDispatchMode):
     size, the largest rank's where ranks differ). Not CommDebugMode itself: its module
     tracker raises on models whose hooks return early (transformers' output capturing)."""
 
-    def __init__(self, listing: bool = False) -> None:
+    def __init__(self) -> None:
         from torch.distributed.tensor.debug import CommDebugMode
         from decompshard._compat import c10d_collective_ops
 
@@ -53,15 +53,16 @@ class CommBytes(TorchDispatchMode):
         self.registry = set(CommDebugMode().comm_registry) | set(c10d_collective_ops)
         self.count = self.bytes = 0
         self.bytes_by_kind: dict[str, int] = {}  # collective name -> bytes
-        self.listing: list[Collective] | None = [] if listing else None
-        self._in_flight = ("(before any DTensor op)", "")
+        self.listing: list[Collective] = []  # one record per collective, in order
+        # the DTensor op in flight (its text, its DTensor operands); a caller relabels
+        # collectives it issues itself (the zoo: its gradient redistribution)
+        self.in_flight = ("(before any DTensor op)", "")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.distributed.tensor import DTensor
 
         if any(issubclass(t, DTensor) for t in types):
-            if self.listing is not None:
-                self._in_flight = (str(func), _operands(args, kwargs))
+            self.in_flight = (str(func), _operands(args, kwargs))
             return NotImplemented  # let DTensor turn the op into local ops and collectives
         out = func(*args, **(kwargs or {}))
         if getattr(func, "_overloadpacket", None) in self.registry:
@@ -70,9 +71,19 @@ class CommBytes(TorchDispatchMode):
             self.bytes += nbytes
             name = func._overloadpacket.__name__
             self.bytes_by_kind[name] = self.bytes_by_kind.get(name, 0) + nbytes
-            if self.listing is not None:
-                self.listing.append(Collective(*self._in_flight, name, _arg_shape(args), nbytes))
+            self.listing.append(Collective(*self.in_flight, name, _arg_shape(args), nbytes))
         return out
+
+    def top(self, n: int = 12) -> list[dict[str, Any]]:
+        """The `n` (op with its operands, collective) pairs that moved the most bytes,
+        most first: where to look when a plan moves more than it should."""
+        by_op: dict[tuple[str, str], list[int]] = {}
+        for c in self.listing:
+            row = by_op.setdefault((f"{c.op}({c.operands})", c.collective), [0, 0])
+            row[0] += 1
+            row[1] += c.bytes
+        rows = sorted(by_op.items(), key=lambda kv: -kv[1][1])[:n]
+        return [{"op": op, "collective": c, "count": k, "bytes": b} for (op, c), (k, b) in rows]
 
     def get_total_counts(self) -> int:
         """The number of collectives counted (CommDebugMode's name for it)."""

@@ -1,0 +1,95 @@
+"""DTensor's strategy choice with a Partial priced at the reduction it will cost
+(decompshard/runtime/partial_pricing.py).
+
+Two Megatron blocks (column-parallel then row-parallel matmul, residual add, RMS norm)
+on a 2x2 mesh, batch Shard(0) on the data-parallel dim, float64, simulated ranks: the
+loss and every gradient on every rank against one device, and the collectives counted.
+With `enable()` the forward all-reduces each row-parallel output once, where it is made,
+and nothing else (Megatron's plan); torch alone (the same case with `disable()`) keeps
+the residual Partial, reduce-scatters it onto the batch dim and gathers weights, and
+moves more. `disable()` puts torch's pricing functions back. `CommBytes.top()` names
+the op that issued each collective.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+import decompshard
+from decompshard._compat import strategy_cost_slots
+from decompshard.dispatch_modes.comm_bytes import CommBytes
+from decompshard.verify.dtensor_case import device_mesh, simulation
+
+pytestmark = pytest.mark.usefixtures("world")
+R = Replicate()
+
+
+def _t(*shape, seed):
+    return torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+
+
+def _blocks(x, w1, w2, g):
+    h = x
+    for _ in range(2):
+        h = h + torch.nn.functional.silu(h @ w1.T) @ w2.T  # column- then row-parallel
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * g
+    return h
+
+
+def _run(on: bool):
+    """(loss ok, grads ok, forward CommBytes, backward CommBytes, output placements)."""
+    args = [_t(4, 6, 16, seed=1), _t(32, 16, seed=2), _t(16, 32, seed=3), _t(16, seed=4)]
+    ref = [a.clone().requires_grad_(True) for a in args]
+    cot = _t(4, 6, 16, seed=5)
+    (_blocks(*ref) * cot).sum().backward()
+    want = _blocks(*args)
+    mesh = device_mesh((2, 2))
+    placements = [[Shard(0), R], [R, Shard(0)], [R, Shard(1)], [R, R]]  # x; w1 colwise; w2 rowwise; g
+    (decompshard.enable if on else decompshard.disable)()
+    try:
+        with simulation(4), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            d = [distribute_tensor(a, mesh, pl).requires_grad_(True) for a, pl in zip(args, placements)]
+            dcot = distribute_tensor(cot, mesh, [Shard(0), R])
+            with CommBytes() as fwd:
+                out = _blocks(*d)
+            with CommBytes() as bwd:
+                (out * dcot).sum().backward()
+            out_ok = all(torch.allclose(v, want, rtol=1e-10, atol=1e-12)
+                         for v in out.full_tensor()._local_tensors.values())
+            grads_ok = all(torch.allclose(v, r.grad, rtol=1e-10, atol=1e-12)
+                           for a, r in zip(d, ref) for v in a.grad.full_tensor()._local_tensors.values())
+            return out_ok, grads_ok, fwd, bwd, tuple(out.placements)
+    finally:
+        decompshard.disable()
+
+
+def test_two_d_blocks_reduce_each_row_parallel_output_once_where_it_is_made():
+    out_ok, grads_ok, fwd, bwd, placements = _run(True)
+    assert out_ok and grads_ok
+    assert placements == (Shard(0), R)
+    # Megatron's forward: one all-reduce of the row-parallel output per block, over tp,
+    # at the local batch's size (2 x 6 x 16 float64)
+    assert fwd.bytes_by_kind == {"all_reduce": 2 * 2 * 6 * 16 * 8}, fwd.bytes_by_kind
+    # ... issued where the Partial is made: the residual add, its Partial input reduced
+    assert [(t["op"], t["collective"], t["count"]) for t in fwd.top()] == [
+        ("aten.add.Tensor(S(0),R [4, 6, 16]; S(0),P(sum) [4, 6, 16])", "all_reduce", 2)]
+    assert set(bwd.bytes_by_kind) <= {"all_reduce"}, bwd.bytes_by_kind  # nothing gathered or scattered
+    _, _, t_fwd, t_bwd, _ = _run(False)
+    assert t_fwd.bytes + t_bwd.bytes > fwd.bytes + bwd.bytes  # what torch alone picks moves more
+
+
+def test_disable_puts_torchs_pricing_back():
+    before = [vars(module)[name] for module, name, _ in strategy_cost_slots()]
+    assert before  # every supported torch prices strategies in at least one of these slots
+    decompshard.enable()
+    try:
+        during = [vars(module)[name] for module, name, _ in strategy_cost_slots()]
+        assert all(a is not b and b.__wrapped__ is a for a, b in zip(before, during))
+    finally:
+        decompshard.disable()
+    assert all(a is b for a, b in zip(before, [vars(m)[n] for m, n, _ in strategy_cost_slots()]))
