@@ -184,18 +184,8 @@ def _strategy_entries() -> Iterator[Entry]:
                 single[op], func=_filtered_single_dim(op, single[op].func, frozenset(rules)))
         elif op in full:
             yield full, op, _filtered_op_strategy(op, full[op], frozenset(rules))
-    for name in filter(fenced, NEGATIVE_DIMS_UNWRAPPED):
-        op = _resolve(name)
-        if op in single:
-            yield single, op, dataclasses.replace(single[op], func=wrapping_single_dim(op, single[op].func, _warn_once))
-        elif op in full:
-            yield full, op, wrapping_op_strategy(op, full[op], _warn_once)
-    for name in filter(fenced, SHARDS_MUST_LINE_UP):
-        op = _resolve(name)
-        if op in single:
-            yield single, op, dataclasses.replace(single[op], func=aligned_single_dim(op, single[op].func, _warn_once))
-        elif op in full:
-            yield full, op, aligned_op_strategy(op, full[op], _warn_once)
+    yield from _in_either_table(single, full, NEGATIVE_DIMS_UNWRAPPED, wrapping_single_dim, wrapping_op_strategy)
+    yield from _in_either_table(single, full, SHARDS_MUST_LINE_UP, aligned_single_dim, aligned_op_strategy)
     for name, (index, kw) in READ_BY_NAME_ONLY.items():
         op = _resolve(name) if fenced(name) else None
         if op in single:
@@ -209,6 +199,18 @@ def _strategy_entries() -> Iterator[Entry]:
         if op in single:
             yield single, op, dataclasses.replace(
                 single[op], func=masking_single_dim(single[op].func, mask_index))
+
+
+def _in_either_table(single: dict, full: dict, names: Any, wrap_single: Callable, wrap_full: Callable
+                     ) -> Iterator[Entry]:
+    """Each fenced op's strategy wrapped where torch keeps it: the single-dim table
+    (2.14+ for most ops) or the full-mesh one."""
+    for name in filter(fenced, names):
+        op = _resolve(name)
+        if op in single:
+            yield single, op, dataclasses.replace(single[op], func=wrap_single(op, single[op].func, _warn_once))
+        elif op in full:
+            yield full, op, wrap_full(op, full[op], _warn_once)
 
 
 def _declared() -> Iterator[Entry]:
