@@ -64,7 +64,8 @@ def _entries():
     handlers = DTensor._op_dispatcher._custom_op_handlers
     views = set(view_family_ops())
     ours = (set(data_dependent.data_dependent_ops()) | {op for op, _ in inplace.written_back_ops()}
-            | {as_strided.OP, as_strided.OUT_OF_PLACE} | {op for op, _ in inplace_views.in_place_view_ops()}
+            | {as_strided.OP, as_strided.OUT_OF_PLACE, as_strided.COPY, as_strided.SCATTER}
+            | {op for op, _ in inplace_views.in_place_view_ops()}
             | {op for op, _ in collective_plans.plan_ops()})
     return ({op: handlers[op] for op in handlers if op not in ours},
             {op: sp.op_single_dim_strategy_funcs[op] for op in sp.op_single_dim_strategy_funcs},

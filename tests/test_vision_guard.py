@@ -231,13 +231,17 @@ def test_conv_backward_partial_input_from_a_rowwise_mlp(mesh2x2):
     to redistribute S(0) -> P(sum): "redistributing to Partial is for internal use
     only!". DTensor alone fails too: torch 2.13 raises the same; 2.14 and 2.15 return a
     grad_input whose local tensors do not fit its spec (reading it raises "narrow
-    unexpectedly changed concrete size"). Now: grad_input, grad_weight and grad_bias
+    unexpectedly changed concrete size", or gives wrong values). Now: grad_input, grad_weight and grad_bias
     match one device on every rank."""
     placements = ["SS", "SP", "RR"]  # grad_output, input, weight
     got = _conv_on_mesh(mesh2x2, "backward", 4, placements)
     assert isinstance(got, list) and max(got) < 1e-10, got
     alone = _conv_on_mesh(mesh2x2, "backward", 4, placements, guarded=False)
-    assert isinstance(alone, str) and ("Partial" in alone or "narrow unexpectedly" in alone), alone
+    # torch alone raises (2.13: Partial; 2.14/2.15 where a Partial part is a view into a
+    # shared buffer: "narrow unexpectedly changed") or, on parts with storage of their
+    # own, returns wrong values (2.15: errors of 12 to 947)
+    wrong = isinstance(alone, list) and max(alone) > 1e-6
+    assert wrong or (isinstance(alone, str) and ("Partial" in alone or "narrow unexpectedly" in alone)), alone
 
 
 # Layouts a DP x TP model can hand a conv on 2x2 (S: Shard(0) of the batch, or of the

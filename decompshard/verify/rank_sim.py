@@ -133,7 +133,8 @@ def on_exact_grid(x: torch.Tensor) -> torch.Tensor:
     if not x.dtype.is_floating_point or x.dtype != torch.float64:
         return x
     q = _grid(_finite_abs(x) + 1.0)
-    return torch.where(torch.isfinite(x), torch.round(x / q) * q, x)
+    # + 0.0 turns -0.0 into 0.0: parts summing to zero give +0.0, and a hash tells them apart
+    return torch.where(torch.isfinite(x), torch.round(x / q) * q + 0.0, x)
 
 
 def _noise(shape: tuple, mag: torch.Tensor, g: torch.Generator, complex_: bool) -> torch.Tensor:
