@@ -82,3 +82,24 @@ def test_a_clean_refusal_is_not_wrong():
     except RuntimeError as e:
         v = judge_raised(e)
     assert v.kind == REFUSED and not v.wrong and v.detail == "RuntimeError: Sharding propagation failed"
+
+
+def test_a_sum_of_large_float32_parts_is_judged_at_the_parts_rounding():
+    """linspace's P(sum) rule on a float32 output of parts up to 1000x the value read as
+    WRONG at 40 ulps of the value (2.15 sweep): rounding at the parts' size, as the rule
+    proof allows. A real difference of the value's size stays WRONG, and Replicate gets
+    no such allowance."""
+    from torch.distributed.tensor import Partial
+
+    g = torch.Generator().manual_seed(0)
+    value = torch.rand(7, generator=g) + 0.5
+    big = 1000.0 + torch.rand(7, generator=g)
+    parts = [value + big, -big]  # each rounded to float32 at 1000's ulp
+    assert not torch.equal(parts[0] + parts[1], value)
+    with simulation(2):
+        v = judge([_dtensor(parts, [Partial()], (7,))], [value])
+        off = judge([_dtensor([value + big, -big + 0.25], [Partial()], (7,))], [value])
+        rounded = judge([_dtensor([parts[0] + parts[1]] * 2, [TorchReplicate()], (7,))], [value])
+    assert v.ok, v
+    assert off.kind == VALUES
+    assert rounded.kind == VALUES  # the same error on a replicated result: no parts to excuse it
