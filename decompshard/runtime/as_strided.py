@@ -209,6 +209,9 @@ def as_strided_scatter_handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
     bound = dict(zip(("self", "src", "size", "stride", "storage_offset"), args))
     bound.update(kwargs)
     target, src = bound["self"], bound["src"]
+    if not (isinstance(target, DTensor) and isinstance(src, DTensor)):
+        raise RuntimeError("aten.as_strided_scatter.default got mixed torch.Tensor and DTensor, need to convert "
+                           "all torch.Tensor to DTensor before calling distributed operators!")
     _, size, stride, offset = _bind((target, bound["size"], bound["stride"], bound.get("storage_offset")), {})
     placements = tuple(p if p.is_partial() and p == q else Replicate()
                        for p, q in zip(target.placements, src.placements))
