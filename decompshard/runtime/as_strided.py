@@ -112,14 +112,7 @@ def _replicated_in_own_elements(target: Any, size: tuple, stride: tuple, offset:
         return False
     if target.storage_offset() != 0 or local.storage_offset() != 0:
         return False
-    if any(n == 0 for n in size):
-        return offset >= 0
-    lo = offset + sum((n - 1) * s for n, s in zip(size, stride) if s < 0)
-    hi = offset + sum((n - 1) * s for n, s in zip(size, stride) if s > 0)
-    numel = 1
-    for n in shape:
-        numel *= n
-    return 0 <= lo and hi < numel
+    return _positions_inside(size, stride, offset, target.numel())
 
 
 def as_strided__handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
