@@ -549,6 +549,13 @@ def strategy_cost_slots() -> list[tuple[Any, str, str]]:
     return found
 
 
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass on this thread now (its
+    graph task id is -1 outside one): a pricing that differs between forward and backward
+    asks here."""
+    return torch._C._current_graph_task_id() != -1
+
+
 @functools.lru_cache(maxsize=None)
 def collective_cost_model() -> Any:
     """DTensor's own pricing of one collective on one mesh dim (`_collective_utils`):

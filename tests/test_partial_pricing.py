@@ -93,3 +93,44 @@ def test_disable_puts_torchs_pricing_back():
     finally:
         decompshard.disable()
     assert all(a is b for a, b in zip(before, [vars(m)[n] for m, n, _ in strategy_cost_slots()]))
+
+
+def _pre_norm_blocks(x, w1, w2):
+    h = x
+    for _ in range(2):  # GPT-2's order: norm first, the residual stream left as it is
+        n = torch.nn.functional.layer_norm(h, h.shape[-1:])
+        h = h + torch.nn.functional.gelu(n @ w1.T) @ w2.T
+    return torch.nn.functional.layer_norm(h, h.shape[-1:])
+
+
+def test_one_d_forward_reduces_the_residual_where_it_is_made_and_backward_reads_it_whole():
+    """Tensor parallel on a 1-D mesh: torch alone keeps the residual stream Partial, each
+    norm all-reduces it, and each norm's backward all-reduces its saved Partial input once
+    more. Surcharged in forward, the residual add reduces it once (Megatron's bytes)."""
+    args = [_t(3, 5, 16, seed=1), _t(32, 16, seed=2), _t(16, 32, seed=3)]
+    ref = [a.clone().requires_grad_(True) for a in args]
+    cot = _t(3, 5, 16, seed=5)
+    (_pre_norm_blocks(*ref) * cot).sum().backward()
+    mesh = device_mesh((2,))
+    moved = {}
+    for on in (True, False):
+        (decompshard.enable if on else decompshard.disable)()
+        try:
+            with simulation(2), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                d = [distribute_tensor(a, mesh, [pl]).requires_grad_(True)
+                     for a, pl in zip(args, (R, Shard(0), Shard(1)))]
+                dcot = distribute_tensor(cot, mesh, [R])
+                with CommBytes() as comm:
+                    (_pre_norm_blocks(*d) * dcot).sum().backward()
+                for a, r in zip(d, ref):
+                    assert all(torch.allclose(v, r.grad, rtol=1e-10, atol=1e-12)
+                               for v in a.grad.full_tensor()._local_tensors.values())
+                moved[on] = comm.bytes_by_kind
+        finally:
+            decompshard.disable()
+    activation = 3 * 5 * 16 * 8
+    # Megatron: per block one all-reduce of the row-parallel output (forward) and one of
+    # the column-parallel input's gradient (backward)
+    assert moved[True] == {"all_reduce": 4 * activation}, moved
+    assert sum(moved[False].values()) > 4 * activation, moved  # torch alone re-reduces

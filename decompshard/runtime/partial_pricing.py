@@ -28,13 +28,19 @@ it whole (reduce-scatter + all-gather = all-reduce), and the margin makes reduci
 the Partial is made win the tie. Only the choice changes, never what a strategy
 computes: the numbers are DTensor's own for the strategy it picks.
 
-Replicate -> Partial is surcharged on meshes of two dims or more only. Deferring is not
-always worse: a sum of several Partial gradients into a Replicate one (the input
-gradient of q, k and v in a post-norm block) is reduced once when the Replicate is
-made Partial and once per branch when not. On a 1-D mesh the two effects measured a wash
-over the zoo's tensor-parallel cells (one step, bytes: Llama 78.5 -> 64.5 KiB, GPT-2 110 ->
-64 KiB with the surcharge, BERT 64 -> 96 KiB and T5 264 -> 292 KiB), so 1-D keeps
-torch's price; on 2x2 meshes the surcharge cut every transformer's bytes by 1.6-3.4x.
+Replicate -> Partial is surcharged on meshes of two dims or more, and on a 1-D mesh in
+the forward pass only. Deferring is not always worse: a sum of several Partial gradients
+into a Replicate one (the input gradient of q, k and v in a post-norm block) is reduced
+once when the Replicate is made Partial and once per branch when not; that sum happens
+in backward. In forward, a residual stream kept Partial is reduced by each norm that
+reads it and again by that norm's backward, which reads the saved Partial input (GPT-2
+tensor parallel: 110 -> 64 KiB, Megatron's bytes exactly). Surcharged in both passes on
+1-D, the zoo's tensor-parallel cells measured a wash (Llama 78.5 -> 64.5 KiB, GPT-2
+110 -> 64, BERT 64 -> 96, T5 264 -> 292); in forward only, GPT-2 gains and no cell loses
+(zoo, 2026-11-27). On 2x2 meshes the surcharge cut every transformer's bytes by 1.6-3.4x.
+The choice stays the same on every rank (each runs the same passes in the same order);
+DTensor caches it per op schema, so an op met first in forward keeps the forward
+choice when the same schema comes again in backward, and the reverse.
 On 1-D meshes Partial -> Shard's price changed one transformer cell of the zoo's
 (Llama dp-uneven, 175 -> 163 KiB) and no tensor-parallel one.
 """
@@ -45,7 +51,7 @@ import functools
 import math
 from typing import Any, Callable, Iterator
 
-from decompshard._compat import collective_cost_model, strategy_cost_slots
+from decompshard._compat import collective_cost_model, in_backward, strategy_cost_slots
 from decompshard.runtime.table_patches import Entry, WarnOnce
 
 __all__ = ["MARGIN", "entries", "surcharge"]
@@ -59,12 +65,13 @@ def _plain(x: Any) -> bool:
 
 def surcharge(cur: Any, tgt: Any, mesh_topo: Any, mesh_dim: int, comm_bytes_gb: float) -> float:
     """What one move on one mesh dim costs above torch's price: a Partial -> Shard, and
-    on a mesh of two dims or more a Replicate -> Partial, is priced at (1 + MARGIN)
+    a Replicate -> Partial on a mesh of two dims or more or in a forward pass, at (1 + MARGIN)
     all-reduces of the tensor as it is on that mesh dim (`comm_bytes_gb`: its bytes
     there, in GiB, as torch counts them)."""
     if not _plain(comm_bytes_gb):
         return 0.0
-    deferred = cur.is_replicate() and tgt.is_partial() and len(mesh_topo.mesh_dim_devices) > 1
+    deferred = cur.is_replicate() and tgt.is_partial() and (len(mesh_topo.mesh_dim_devices) > 1
+                                                            or not in_backward())
     scattered = cur.is_partial() and tgt.is_shard()
     if not (deferred or scattered):
         return 0.0
