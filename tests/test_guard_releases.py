@@ -34,12 +34,12 @@ def _gen(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _native(op, args, placements, w) -> Callable[[], bool | None]:
+def _native(op, args, placements, w, kwargs: dict | None = None) -> Callable[[], bool | None]:
     """True: right; False: wrong (the judge's verdict, a kernel error on accepted
     placements included); None: refused loudly."""
 
     def measure() -> bool | None:
-        run = run_on_dtensor(op, args, {}, placements, w, exact=False)
+        run = run_on_dtensor(op, args, kwargs or {}, placements, w, exact=False)
         return True if run.ok else (False if run.wrong else None)
 
     return measure
@@ -116,6 +116,10 @@ _NCHW = torch.randn(4, 3, 5, 5, generator=_gen())
 # an index of 3 rows into an input of 6, both sharded on the rows (gathering along dim 1)
 _GATHER = (torch.randn(6, 4, dtype=torch.float64, generator=_gen()), 1, torch.randint(0, 4, (3, 2), generator=_gen()))
 
+# a batch of 2 upper-triangular, well-conditioned A; B of the same batch
+_TRIANGULAR = (torch.randn(2, 3, 3, dtype=torch.float64, generator=_gen()).triu() + 3 * torch.eye(3, dtype=torch.float64),
+               torch.randn(2, 3, 4, dtype=torch.float64, generator=_gen(1)))
+
 # fence -> a measurement: True right, False wrong, None refused
 CASES: dict[str, Callable[[], bool | None]] = {
     "aten.convolution.default": _native(aten.convolution.default, _CONV1D, (R, S(0), S(0)), 4),
@@ -127,6 +131,8 @@ CASES: dict[str, Callable[[], bool | None]] = {
     "aten.any.dims": _native(aten.any.dims, (torch.zeros(3, 5), [1]), (P("sum"),), 2),
     "aten.fill_.Scalar": _native(aten.fill_.Scalar, (torch.randn(5), 1.0), (P("sum"),), 2),
     "aten.threshold.default": _native(aten.threshold.default, (_X35, 0.5, 2.0), (P("max"),), 2),
+    "aten.linalg_solve_triangular.default": _native(aten.linalg_solve_triangular.default, _TRIANGULAR, (R, S(0)), 2,
+                                                    {"upper": True}),
     "aten.nll_loss_forward.default": _native(
         aten.nll_loss_forward.default,
         (_log_probs(8, 3), torch.tensor([0, 1, 2, 1, 0, 0, 2, 1]), torch.tensor([0.2, 1.0, 3.0], dtype=torch.float64),

@@ -35,6 +35,9 @@ WRONG_RULES: dict[str, tuple[str, ...]] = {
     "aten.any.dims": ("P(sum) -> P(sum)",),
     "aten.fill_.Scalar": ("P(sum) -> P(sum)",),
     "aten.threshold.default": ("P(max) -> P(max)", "P(min) -> P(min)"),
+    # a replicated batched A with a batch-sharded B: each rank solves every batch of A
+    # against its shard of B's (broadcast), a result of the global batch labelled Shard(0)
+    "aten.linalg_solve_triangular.default": ("R, S(0) -> S(0)",),
 }
 
 # Mean losses whose native strategy returns Partial(avg) of per-rank means for a
@@ -176,6 +179,7 @@ WRONG_ON: dict[str, tuple[str, ...]] = {
     "aten.any.dims": ("2.13.0",),
     "aten.fill_.Scalar": _ALL,
     "aten.threshold.default": _ALL,
+    "aten.linalg_solve_triangular.default": _ALL,
     # 2.14's single-dim rule shards a mean only with the target replicated (pytorch#185167)
     "aten.nll_loss_forward.default": ("2.13.0",),
     "aten.nll_loss2d_forward.default": ("2.13.0",),
