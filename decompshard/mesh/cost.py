@@ -50,7 +50,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Sequence
+from typing import Any, Sequence
 
 from torch.distributed.tensor.placement_types import Placement, Shard
 
@@ -416,7 +416,24 @@ def redistribute_cost(global_shape: tuple[int, ...], itemsize: int,
     """Cost of DTensor's redistribute from ``src`` to ``dst`` placements (one per mesh dim).
 
     Prices the collectives DTensor runs, in its order and with its flattening, plus the
-    local copies and divisions around them, so candidates can be compared honestly."""
+    local copies and divisions around them, so candidates can be compared honestly.
+    Remembered per arguments: the runtime's collective plans price every call they see
+    (a pure function of shapes and placements)."""
+    key = (tuple(global_shape), itemsize, tuple(src), tuple(dst),
+           mesh if isinstance(mesh, MeshShape) else tuple(mesh), topology)
+    try:
+        return _redistribute_cost_cached(*key)
+    except TypeError:  # an unhashable placement or topology: priced afresh
+        return _redistribute_cost(*key)
+
+
+@lru_cache(maxsize=8192)
+def _redistribute_cost_cached(*key: Any) -> Cost:
+    return _redistribute_cost(*key)
+
+
+def _redistribute_cost(global_shape: tuple[int, ...], itemsize: int, src: Sequence[Placement],
+                       dst: Sequence[Placement], mesh: MeshShape | Sequence[int], topology: Topology) -> Cost:
     mesh = mesh if isinstance(mesh, MeshShape) else MeshShape(tuple(mesh))
     ndim = len(global_shape)
     if len(src) != mesh.ndim or len(dst) != mesh.ndim:

@@ -42,7 +42,7 @@ from decompshard.solve.derive import derive_rules
 from decompshard.mesh.lift import ranked
 from decompshard._compat import TorchReplicate
 from decompshard._compat import FakeTensorMode
-from decompshard.runtime import as_strided, collective_plans, data_dependent, inplace, inplace_views, partial_pricing, uneven_views
+from decompshard.runtime import as_strided, collective_plans, data_dependent, inplace, inplace_views, partial_pricing, row_reduce, uneven_views
 from decompshard._compat import DecompShardingStrategy
 from decompshard.runtime import fallbacks, guard
 from decompshard.errors import Indeterminate, UnsupportedOp, one_line
@@ -407,8 +407,10 @@ def _declared() -> Iterator[Entry]:
 
 
 def _changed(installed: bool) -> None:
-    """DTensor's cached decisions forgotten, whichever way it changed."""
+    """DTensor's cached decisions forgotten, and the collective plans' (made against
+    DTensor's), whichever way it changed."""
     clear_dtensor_caches()
+    row_reduce.forget_decisions()
 
 
 _PATCHES = TablePatches(_declared, on_change=_changed)

@@ -45,7 +45,7 @@ import torch
 
 from decompshard._compat import DTensor, TorchPartial, TorchReplicate, TorchShard, contiguous_spec, redistribute_local_tensor
 from decompshard.mesh.cost import Cost, redistribute_cost
-from decompshard.runtime.row_reduce import Priced, Step
+from decompshard.runtime.row_reduce import Priced, Step, move_specs
 
 __all__ = ["Layout", "backward_price", "batch_sharded_backward", "batch_sharded_forward", "forward_price", "layout_of",
            "pays"]
@@ -119,8 +119,7 @@ def _moved(local: torch.Tensor, layout: Layout, shape: Any, src: tuple, dst: tup
     """`local` (global `shape`) from placements `src` to `dst`: DTensor's own collectives."""
     if src == dst:
         return local
-    return redistribute_local_tensor(local, contiguous_spec(layout.mesh, src, shape, local.dtype),
-                                     contiguous_spec(layout.mesh, dst, shape, local.dtype))
+    return redistribute_local_tensor(local, *move_specs(layout.mesh, tuple(src), tuple(dst), tuple(shape), local.dtype))
 
 
 def _all_reduced(local: torch.Tensor, layout: Layout, shape: Any) -> torch.Tensor:
