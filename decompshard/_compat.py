@@ -26,7 +26,7 @@ __all__ = [
     "redistribute_local_tensor", "return_and_correct_aliasing", "kwarg_routing_entries", "set_dtensor_layout",
     "sharding_propagator",
     "single_dim_strategy_info", "strategy_cost_slots", "strategy_reused_from", "slab_index", "stage_kwarg_targets", "to_torch_placement", "torch_decomposition_table",
-    "collective_cost_model", "inferred_schema_info", "schema_info_slot", "unsharded_dtensor", "widened_schema_info", "view_family_ops", "view_shape_arg_index",
+    "block_spec", "collective_cost_model", "inferred_schema_info", "local_call_sharding", "sharding_overrides", "schema_info_slot", "unsharded_dtensor", "widened_schema_info", "view_family_ops", "view_shape_arg_index",
 ]
 
 TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
@@ -40,7 +40,7 @@ try:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
     from torch.distributed.tensor._decompositions import DecompShardingStrategy
-    from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
+    from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, OutputSharding, TupleStrategy
     from torch.distributed.tensor._redistribute import redistribute_local_tensor
     from torch.distributed.tensor._collective_utils import redistribute_cost
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
@@ -570,6 +570,40 @@ def collective_cost_model() -> Any:
                                  MeshTopoInfo=cu.MeshTopoInfo, spec_to_bytes=cu.spec_to_bytes)
 
 
+_SHARDING_OVERRIDES: dict = {}  # op -> override(op_schema, DTensor's OutputSharding) -> OutputSharding
+
+
+def sharding_overrides() -> dict:
+    """The table of per-op overrides of DTensor's propagated sharding (a patch record
+    sets and removes its entries): `override(op_schema, sharding)` gets DTensor's answer
+    for the op (computed as torch computes it, so its errors and tensor metadata stay
+    torch's) and returns it or a replacement. Consulted inside the propagator that
+    `kwarg_routing_entries` installs, so a replacement is cached by DTensor (Python
+    cache and C++ fast path) like any answer: the override runs once per op schema,
+    not per call."""
+    return _SHARDING_OVERRIDES
+
+
+def block_spec(mesh: Any, placements: Sequence[Any], tensor_meta: Any) -> Any:
+    """A DTensorSpec whose `_StridedShard`s mean blocks (each rank holds its chunk of
+    each of `split_factor` blocks, as a view that flattens a sharded dim gives them),
+    not a shard order across mesh dims: DTensor's view propagation marks its own so."""
+    return DTensorSpec(mesh, tuple(placements), tensor_meta=tensor_meta, use_strided_shard_as_shard_order=False)
+
+
+def local_call_sharding(op_schema: Any, output_specs: Any, local_args: Sequence[Any] | None = None) -> Any:
+    """An OutputSharding that moves no input: `output_specs` (each with its tensor meta),
+    and, where `local_args` is given, a local call with those positional arguments
+    (tensor arguments as the specs they already have) in place of the global ones: the
+    mechanism DTensor uses to make a view's size argument local (`redistribute_schema`
+    with `use_val_from_redistribute_schema`), kept on DTensor's cached dispatch path."""
+    if local_args is None:
+        return OutputSharding(output_specs)
+    schema = OpSchema(op_schema.op, tuple(local_args), dict(op_schema.kwargs_schema),
+                      schema_info=op_schema.schema_info)
+    return OutputSharding(output_specs, schema, needs_redistribute=True, use_val_from_redistribute_schema=True)
+
+
 def kwarg_routing_entries() -> Iterator[tuple[Any, str, Any]]:
     """The entries (object, attribute, value) that route keyword tensors: DTensor's
     sharding propagator and its dispatcher's redistribute_local_args, wrapped as
@@ -598,6 +632,9 @@ def kwarg_routing_entries() -> Iterator[tuple[Any, str, Any]]:
             raise
         finally:
             targets = stack.pop()
+        override = _SHARDING_OVERRIDES.get(op_schema.op)
+        if override is not None:
+            sharding = override(op_schema, sharding)
         return sharding if not targets else _with_kwarg_moves(op_schema, sharding, targets)
 
     def redistribute_local_args(op_info: Any, suggested_input_schema: Any, use_val: bool) -> None:
