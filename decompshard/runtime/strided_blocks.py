@@ -12,7 +12,9 @@ block, so both are local:
   each piece `_StridedShard(d, k/j)`, `Shard(d)` where j = k, when each rank's local
   tensor is split by B/n (n ranks on that mesh dim);
 * `cat` of k tensors of one shape and placements, each `Shard(d)`, along d gives
-  `_StridedShard(d, k)`, the local tensors concatenated as they are.
+  `_StridedShard(d, k)`, the local tensors concatenated as they are;
+* `slice(x, d, start, end)` of whole blocks (cat's backward) gives the j blocks sliced
+  `_StridedShard(d, j)` (`Shard(d)` for one), each rank slicing start/n to end/n.
 
 DTensor's own strategies for split and cat have neither (on 2.13's full-mesh strategy
 functions nor on the single-dim rules of 2.14+): they all-gather the projection's output
@@ -48,6 +50,7 @@ def entries(warn: WarnOnce) -> Iterator[Entry]:
     yield table, aten.split.Tensor, _split_override
     yield table, aten.split_with_sizes.default, _split_override
     yield table, aten.cat.default, _cat_override
+    yield table, aten.slice.Tensor, _slice_override
 
 
 def _dim_arg(op_schema: Any, index: int) -> Any:
@@ -76,22 +79,15 @@ def _pieces(op_schema: Any, size: int) -> list[int] | None:
 def _split_override(op_schema: Any, sharding: Any) -> Any:
     """DTensor's answer, or each piece a local split of the strided blocks (module doc)."""
     args = op_schema.args_schema
-    src = args[0] if args else None
-    if len(args) < 2 or not isinstance(src, DTensorSpec) or src.tensor_meta is None:
+    found = _strided_on(args[0], _dim_arg(op_schema, 2)) if len(args) >= 2 else None
+    if found is None:
         return sharding
-    shape = src.tensor_meta.shape
-    dim = _dim_arg(op_schema, 2)
-    if not shape or type(dim) is not int:
-        return sharding
-    d = dim % len(shape)
-    m = _only_mesh_dim_on(src.placements, d)
-    p = src.placements[m] if m is not None else None
-    if type(p) is not TorchStridedShard or type(shape[d]) is not int:
-        return sharding
-    n, k, size = src.mesh.size(m), p.split_factor, shape[d]
-    pieces = _pieces(op_schema, size)
+    src = args[0]
+    d, m, n, block = found
+    k = src.placements[m].split_factor
+    pieces = _pieces(op_schema, src.tensor_meta.shape[d])
     outs = sharding.output_spec
-    if (pieces is None or size % k or (size // k) % n or len(set(pieces)) != 1 or k % len(pieces)
+    if (pieces is None or len(set(pieces)) != 1 or k % len(pieces)
             or not isinstance(outs, (list, tuple)) or len(outs) != len(pieces)):
         return sharding
     per = k // len(pieces)
@@ -125,3 +121,46 @@ def _cat_override(op_schema: Any, sharding: Any) -> Any:
     placements = list(first.placements)
     placements[m] = TorchStridedShard(d, split_factor=len(tensors))
     return local_call_sharding(op_schema, block_spec(first.mesh, placements, sharding.output_spec.tensor_meta))
+
+
+def _strided_on(src: Any, dim: Any) -> tuple[int, int, int, int] | None:
+    """(tensor dim d, mesh dim, ranks n on it, block size) where `src` is
+    `_StridedShard(d, k)` on one mesh dim alone, d sharded nowhere else, every block
+    divisible by n; else None."""
+    if not isinstance(src, DTensorSpec) or src.tensor_meta is None or type(dim) is not int:
+        return None
+    shape = src.tensor_meta.shape
+    if not shape:
+        return None
+    d = dim % len(shape)
+    m = _only_mesh_dim_on(src.placements, d)
+    p = src.placements[m] if m is not None else None
+    if type(p) is not TorchStridedShard or type(shape[d]) is not int or shape[d] % p.split_factor:
+        return None
+    n, block = src.mesh.size(m), shape[d] // p.split_factor
+    return (d, m, n, block) if block and block % n == 0 else None
+
+
+def _slice_override(op_schema: Any, sharding: Any) -> Any:
+    """DTensor's answer, or a slice of whole blocks taken on each rank's own chunks."""
+    args = list(op_schema.args_schema) + [None] * 4
+    if op_schema.kwargs_schema or len(op_schema.args_schema) > 5:
+        return sharding
+    src, dim, start, end, step = args[0], args[1] if len(op_schema.args_schema) > 1 else 0, args[2], args[3], args[4]
+    found = _strided_on(src, dim)
+    if found is None or step not in (None, 1) or not isinstance(sharding.output_spec, DTensorSpec):
+        return sharding
+    d, m, n, block = found
+    size = src.tensor_meta.shape[d]
+    if not all(v is None or type(v) is int for v in (start, end)):
+        return sharding
+    lo = 0 if start is None else min(max(start + size if start < 0 else start, 0), size)
+    hi = size if end is None else min(max(end + size if end < 0 else end, 0), size)
+    if hi <= lo or lo % block or hi % block:
+        return sharding
+    blocks = (hi - lo) // block
+    placements = list(src.placements)
+    placements[m] = TorchShard(d) if blocks == 1 else TorchStridedShard(d, split_factor=blocks)
+    spec = block_spec(src.mesh, placements, sharding.output_spec.tensor_meta)
+    local = (src, dim, lo // n, hi // n, 1)
+    return local_call_sharding(op_schema, spec, local[:max(len(op_schema.args_schema), 4)])
