@@ -15,7 +15,14 @@ propagation). Placements are chosen so that both paths keep the inputs where the
 
 Reported per op (median of --repeat cold calls, median of --calls warm calls) and as
 ratios decompshard / torch (below 1: decompshard is faster), with their median over ops.
-Usage: python bench/dispatch_overhead.py [--repeat 5] [--calls 200] [--mesh 4 | 2x2]
+Usage: python bench/dispatch_overhead.py [--repeat 5] [--calls 200] [--mesh 4 | 2x2] [--strided]
+
+--strided: warm per-call time of split / cat / slice of packed projections' blocks
+(runtime/strided_blocks.py: DTensor's answer overridden once per op schema, then cached)
+against torch alone on the same shapes where its own answer is local too (the sharded dim
+not the one split: no data moved on either side), and against torch alone on the
+strided input itself (it all-gathers; the fake process group makes that cheap but not
+free), each as a ratio in the same run.
 """
 
 from __future__ import annotations
@@ -112,11 +119,76 @@ def measure(op, args, repeat: int, calls: int) -> tuple[float, float, int] | Non
     return statistics.median(cold), statistics.median(warm), comm.get_total_counts()
 
 
+def _dt(shape, placement, local_shape, mesh):
+    from torch.distributed.tensor import DTensor
+
+    local = torch.randn(*local_shape)
+    return DTensor.from_local(local, mesh, (placement,), run_check=False, shape=torch.Size(shape),
+                              stride=torch.empty(shape, device="meta").stride())
+
+
+def _warm(fn, calls: int) -> float:
+    fn()
+    times = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def strided_cases(mesh):
+    """(name, ours: strided call, torch's local twin: same shapes, other dim sharded).
+    The last row is torch's own view with its size made local against a replicated view
+    (no rewrite): what DTensor's local-argument path costs torch itself."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    n = mesh.size(0)
+    packed = _dt((16, 48), _StridedShard(1, split_factor=3), (16, 48 // n), mesh)  # q, k, v blocks of 16
+    rows = _dt((16, 48), Shard(0), (16 // n, 48), mesh)
+    whole = _dt((16, 48), Replicate(), (16, 48), mesh)
+    blocks = [_dt((16, 16), Shard(1), (16, 16 // n), mesh) for _ in range(3)]
+    row_blocks = [_dt((16, 16), Shard(0), (16 // n, 16), mesh) for _ in range(3)]
+    return [
+        ("split.Tensor", lambda: packed.split(16, 1), lambda: rows.split(16, 1)),
+        ("cat", lambda: torch.cat(blocks, 1), lambda: torch.cat(row_blocks, 1)),
+        ("slice (a block)", lambda: packed[:, 16:32], lambda: rows[:, 16:32]),
+        ("split + cat", lambda: torch.cat(packed.split(16, 1), 1), lambda: torch.cat(rows.split(16, 1), 1)),
+        # torch's own local-argument rewrite (a view of a shard: its size made local), for scale
+        ("(torch's own) view, size made local", lambda: rows.view(16, 3, 16), lambda: whole.view(16, 3, 16)),
+    ]
+
+
+def strided_main(mesh, calls: int) -> None:
+    """Rows of warm µs per call: ours, torch's local twin, torch alone on the strided input."""
+    from tabulate import tabulate
+
+    import decompshard
+
+    rows, ratios = [], []
+    for name, ours, twin in strided_cases(mesh):
+        decompshard.disable()
+        t_twin, t_gather = _warm(twin, calls), _warm(ours, calls)
+        decompshard.enable()
+        t_ours, t_twin_on = _warm(ours, calls), _warm(twin, calls)
+        decompshard.disable()
+        if not name.startswith("("):
+            ratios.append(t_ours / t_twin)
+        rows.append([name, f"{t_twin * 1e6:.0f}", f"{t_ours * 1e6:.0f}", f"{t_ours / t_twin:.2f}",
+                     f"{t_twin_on / t_twin:.2f}", f"{t_gather * 1e6:.0f}", f"{t_ours / t_gather:.2f}"])
+    print(f"mesh {tuple(mesh.shape)} (fake process group), median of {calls} warm calls")
+    print(tabulate(rows, headers=["op", "torch local twin µs", "ours µs", "ours / twin", "twin on / off",
+                                  "torch on strided µs (gathers)", "ours / torch on strided"]))
+    print(f"\nmedian ratio ours / torch's local twin: {statistics.median(ratios):.2f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5, help="cold calls per op and path")
     parser.add_argument("--calls", type=int, default=200, help="warm calls per op and path")
     parser.add_argument("--mesh", default="4", help="mesh shape, e.g. 4 or 2x2")
+    parser.add_argument("--strided", action="store_true", help="split / cat of strided blocks (see above)")
     args = parser.parse_args(argv)
 
     import torch.distributed as dist
@@ -136,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     mesh = DeviceMesh("cpu", torch.arange(world).view(*shape))
     torch.manual_seed(0)
     torch.set_num_threads(1)  # tiny kernels: a thread pool on a busy machine only adds noise
+    if args.strided:
+        strided_main(DeviceMesh("cpu", torch.arange(world)), args.calls)
+        dist.destroy_process_group()
+        return 0
     rows, cold_ratios, warm_ratios = [], [], []
     seen: set = set()
     real = DerivedStrategy.propagate_strategy
