@@ -592,11 +592,12 @@ def block_spec(mesh: Any, placements: Sequence[Any], tensor_meta: Any) -> Any:
 
 
 def local_call_sharding(op_schema: Any, output_specs: Any, local_args: Sequence[Any] | None = None) -> Any:
-    """An OutputSharding that moves no input: `output_specs` (each with its tensor meta),
-    and, where `local_args` is given, a local call with those positional arguments
-    (tensor arguments as the specs they already have) in place of the global ones: the
-    mechanism DTensor uses to make a view's size argument local (`redistribute_schema`
-    with `use_val_from_redistribute_schema`), kept on DTensor's cached dispatch path."""
+    """An OutputSharding of `output_specs` (each with its tensor meta); where `local_args`
+    is given, the local call takes those positional arguments in place of the global
+    ones, each tensor argument given as the spec DTensor moves it to first (its own spec:
+    no move): the mechanism DTensor uses to make a view's size argument local
+    (`redistribute_schema` with `use_val_from_redistribute_schema`), kept on DTensor's
+    cached dispatch path."""
     if local_args is None:
         return OutputSharding(output_specs)
     schema = OpSchema(op_schema.op, tuple(local_args), dict(op_schema.kwargs_schema),

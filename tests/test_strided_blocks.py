@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import decompshard
@@ -122,9 +122,70 @@ def test_layouts_the_rule_does_not_compute_get_torchs_answer(shape, split, count
 
 
 def test_disable_removes_the_overrides():
+    aten = torch.ops.aten
     decompshard.enable()
     try:
-        assert {torch.ops.aten.split.Tensor, torch.ops.aten.cat.default} <= set(sharding_overrides())
+        assert {aten.split.Tensor, aten.cat.default, aten.slice.Tensor, aten.mm.default} <= set(sharding_overrides())
     finally:
         decompshard.disable()
     assert sharding_overrides() == {}
+
+
+def test_the_override_runs_once_per_op_schema_then_dtensors_cache_answers():
+    """The point of deciding in the propagator, not in an op handler: later calls of the
+    same schema take DTensor's cached answer (its C++ fast path), local size included."""
+    calls = []
+    decompshard.enable()
+    try:
+        table = sharding_overrides()
+        own = table[torch.ops.aten.split.Tensor]
+        table[torch.ops.aten.split.Tensor] = lambda schema, sharding: calls.append(1) or own(schema, sharding)
+        x = _t(3, 8, seed=6)
+        with simulation(2), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            xd = make_dtensor(x, device_mesh((2,)), [_StridedShard(1, split_factor=2)], 0, 0)
+            for _ in range(3):
+                a, b = xd.split(4, 1)
+                assert _same(a, x[:, :4]) and _same(b, x[:, 4:]) and a.placements == (Shard(1),)
+    finally:
+        decompshard.disable()
+    assert len(calls) == 1
+
+
+def _mm(on: bool, mesh_shape, pa, pw, a_shape, w_shape):
+    """(output placements, collectives) of a @ w, its numbers checked on every rank."""
+    a, w = _t(*a_shape, seed=4), _t(*w_shape, seed=5)
+    n = 1
+    for s in mesh_shape:
+        n *= s
+    (decompshard.enable if on else decompshard.disable)()
+    try:
+        with simulation(n), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mesh = device_mesh(mesh_shape)
+            ad, wd = make_dtensor(a, mesh, pa, 0, 0), make_dtensor(w, mesh, pw, 0, 1)
+            with CommBytes() as comm:
+                out = torch.mm(ad, wd)
+            assert _same(out, a @ w)
+            return tuple(out.placements), [c.collective for c in comm.listing]
+    finally:
+        decompshard.disable()
+
+
+@pytest.mark.parametrize("mesh_shape, pa", [((2,), [R]), ((2, 2), [Shard(0), R]), ((2, 2), [R, R])])
+def test_mm_slices_a_replicated_input_to_a_strided_weight(mesh_shape, pa):
+    """A column-parallel projection's input gradient (grad [6, 16] R @ w [16, 20]
+    _S(0, 2)): the input sliced locally, the product Partial(sum), nothing gathered,
+    where torch alone gathers w."""
+    pw = [R] * (len(mesh_shape) - 1) + [_StridedShard(0, split_factor=2)]
+    placements, moved = _mm(True, mesh_shape, pa, pw, (6, 16), (16, 20))
+    assert placements[-1] == Partial("sum") and placements[:-1] == tuple(pa[:-1])
+    assert moved == []
+    assert _mm(False, mesh_shape, pa, pw, (6, 16), (16, 20))[1] == ["all_gather_into_tensor"]
+
+
+def test_mm_keeps_torchs_gather_where_the_partial_would_cost_more():
+    """[40, 8] @ [8, 20]: all-reducing the [40, 20] product later moves more than
+    gathering the [8, 20] weight now."""
+    args = ((2,), [R], [_StridedShard(0, split_factor=2)], (40, 8), (8, 20))
+    assert _mm(True, *args) == _mm(False, *args)

@@ -14,7 +14,14 @@ block, so both are local:
 * `cat` of k tensors of one shape and placements, each `Shard(d)`, along d gives
   `_StridedShard(d, k)`, the local tensors concatenated as they are;
 * `slice(x, d, start, end)` of whole blocks (cat's backward) gives the j blocks sliced
-  `_StridedShard(d, j)` (`Shard(d)` for one), each rank slicing start/n to end/n.
+  `_StridedShard(d, j)` (`Shard(d)` for one), each rank slicing start/n to end/n;
+* `mm(a, w)` with `w` `_StridedShard(0, k)` and `a` replicated on that mesh dim: `a`
+  sliced the same strided way (`_StridedShard(1, k)`, a local slice) times each rank's
+  rows of `w` is each rank's share of the product, `Partial(sum)`. DTensor itself
+  gathers `w` there (it prices moving a `_StridedShard` spec of a view at nothing), so
+  this replaces its answer only where the all-reduce the Partial costs later (twice the
+  output's bytes) is below the gather (the weight's): a column-parallel projection's
+  input gradient, as Megatron computes it.
 
 DTensor's own strategies for split and cat have neither (on 2.13's full-mesh strategy
 functions nor on the single-dim rules of 2.14+): they all-gather the projection's output
@@ -36,7 +43,8 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from decompshard._compat import DTensorSpec, TorchShard, TorchStridedShard, block_spec, local_call_sharding, sharding_overrides
+from decompshard._compat import (DTensorSpec, TorchPartial, TorchReplicate, TorchShard, TorchStridedShard, block_spec,
+                                 local_call_sharding, sharding_overrides)
 from decompshard.runtime.table_patches import Entry, WarnOnce
 
 __all__ = ["entries"]
@@ -51,6 +59,7 @@ def entries(warn: WarnOnce) -> Iterator[Entry]:
     yield table, aten.split_with_sizes.default, _split_override
     yield table, aten.cat.default, _cat_override
     yield table, aten.slice.Tensor, _slice_override
+    yield table, aten.mm.default, _mm_override
 
 
 def _dim_arg(op_schema: Any, index: int) -> Any:
@@ -164,3 +173,50 @@ def _slice_override(op_schema: Any, sharding: Any) -> Any:
     spec = block_spec(src.mesh, placements, sharding.output_spec.tensor_meta)
     local = (src, dim, lo // n, hi // n, 1)
     return local_call_sharding(op_schema, spec, local[:max(len(op_schema.args_schema), 4)])
+
+
+def _mm_override(op_schema: Any, sharding: Any) -> Any:
+    """DTensor's answer, or a replicated `a` sliced to the strided rows of `w` (module doc)."""
+    a, w = (op_schema.args_schema + (None, None))[:2]
+    rs = sharding.redistribute_schema
+    if not sharding.needs_redistribute or rs is None or not isinstance(sharding.output_spec, DTensorSpec):
+        return sharding
+    found = _strided_on(w, 0)
+    if found is None or not isinstance(a, DTensorSpec) or len(a.tensor_meta.shape) != 2:
+        return sharding
+    _, m, n, _ = found
+    to_a, to_w = rs.args_schema[:2]
+    if type(a.placements[m]) is not TorchReplicate or to_w.placements[m] == w.placements[m]:
+        return sharding
+    others = [j for j in range(len(w.placements)) if j != m]
+    if any(_shards(to_a.placements[j], 1) or _shards(to_w.placements[j], 0) for j in others):
+        return sharding  # the contracted dim sharded on another mesh dim too: keep DTensor's
+    out = sharding.output_spec
+    if 2 * _numel_on(out, others) >= _numel_on(to_w, others):
+        return sharding  # the Partial's all-reduce would cost more than the gather
+    k = w.placements[m].split_factor
+    new_a = list(to_a.placements)
+    new_a[m] = TorchStridedShard(1, split_factor=k)
+    new_w = list(to_w.placements)
+    new_w[m] = w.placements[m]
+    new_out = list(out.placements)
+    new_out[m] = TorchPartial("sum")
+    args = (block_spec(a.mesh, new_a, a.tensor_meta),
+            w if tuple(new_w) == tuple(w.placements) else block_spec(w.mesh, new_w, w.tensor_meta))
+    return local_call_sharding(op_schema, block_spec(out.mesh, new_out, out.tensor_meta), args)
+
+
+def _shards(p: Any, d: int) -> bool:
+    return isinstance(p, (TorchShard, TorchStridedShard)) and p.dim == d
+
+
+def _numel_on(spec: Any, mesh_dims: Sequence[int]) -> int:
+    """Elements each rank holds of `spec`'s tensor counting only the sharding on `mesh_dims`."""
+    shards = 1
+    for j in mesh_dims:
+        if isinstance(spec.placements[j], (TorchShard, TorchStridedShard)):
+            shards *= spec.mesh.size(j)
+    numel = 1
+    for s in spec.tensor_meta.shape:
+        numel *= s
+    return numel // shards
