@@ -53,7 +53,8 @@ aten = torch.ops.aten
 
 
 def entries(warn: WarnOnce) -> Iterator[Entry]:
-    """What `enable()` puts where: an override of DTensor's answer for split and cat."""
+    """What `enable()` puts where: an override of DTensor's answer for split, cat, slice
+    and mm (`disable()` takes them out with the rest)."""
     table = sharding_overrides()
     yield table, aten.split.Tensor, _split_override
     yield table, aten.split_with_sizes.default, _split_override
@@ -69,7 +70,7 @@ def _dim_arg(op_schema: Any, index: int) -> Any:
 
 def _only_mesh_dim_on(placements: Sequence[Any], d: int) -> int | None:
     """The one mesh dim whose placement shards tensor dim d; None for none or several."""
-    found = [m for m, p in enumerate(placements) if isinstance(p, (TorchShard, TorchStridedShard)) and p.dim == d]
+    found = [m for m, p in enumerate(placements) if _shards(p, d)]
     return found[0] if len(found) == 1 else None
 
 
