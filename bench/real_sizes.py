@@ -21,14 +21,15 @@ Sizes (float32, batch 8 = one sample per rank in data parallel):
              vocab 256, 8 x 1024 tokens, dp on 8 and tp on 8 (transformers' own plan)
 --quick: resnet50 at 64 x 64, llama at sequence 128.
 
-Measured 2026-11-27, torch 2.13, the shared 2-core machine at load ~14 (times are ratios
-within the run; wall time per case: llama tp 10 min, llama dp 6 min, resnet50 25 min):
-llama dp 0.46 MB = 1.00x DDP's bytes, llama tp 24.3 MB = 1.45x Megatron's, resnet50 dp
-102.4 MB = 1.00x DDP + SyncBatchNorm's (215 collectives, no activation moved). resnet50
-is WRONG at float32's tolerance on conv1.weight's gradient (max error 0.23 of 10.8): one
-device's own float32 step differs from its float64 step by as much (0.22), the depth of
-a randomly initialised ResNet-50, not the sharding; the float64 zoo case checks the
-numbers.
+Measured 2026-11-27, torch 2.13, the shared 2-core machine (times are ratios within the
+run): llama dp 0.46 MB = 1.00x DDP's bytes (23 collectives); llama tp 23.2 MB = 1.38x
+Megatron's (1.45x before Replicate -> Partial was priced in forward on 1-D meshes, see
+runtime/partial_pricing.py); resnet50 dp 102.4 MB = 1.00x DDP + SyncBatchNorm's (215
+collectives, no activation moved). In float32 resnet50's verdict is WRONG at float32's
+tolerance on conv1.weight's gradient (max error 0.23 of 10.8), which one device's own
+float32 step shows against its float64 step (0.22): the depth of a randomly initialised
+ResNet-50, not the sharding. With --float64 the same step is OK against one device at
+the zoo's tolerance (204.9 MB = 1.00x, first step 58 s, peak RSS 1.78x one device's).
 
 Usage: python bench/real_sizes.py [--quick] [--float64] [--cases llama:tp,llama:dp,resnet50:dp]
        [--timeout 1800]
