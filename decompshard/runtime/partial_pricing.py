@@ -47,14 +47,15 @@ On 1-D meshes Partial -> Shard's price changed one transformer cell of the zoo's
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from typing import Any, Callable, Iterator
 
-from decompshard._compat import collective_cost_model, in_backward, strategy_cost_slots
+from decompshard._compat import collective_cost_model, in_backward, strategy_cost_slots, strategy_selection_slot
 from decompshard.runtime.table_patches import Entry, WarnOnce
 
-__all__ = ["MARGIN", "entries", "surcharge"]
+__all__ = ["MARGIN", "entries", "kept_partial_price", "surcharge"]
 
 MARGIN = 0.01  # over an all-reduce: reducing where the Partial is made wins the tie
 
@@ -113,9 +114,78 @@ def _spec_cost(original: Callable) -> Callable:
     return spec_cost
 
 
+def _communicates(cur: Any, tgt: Any) -> bool:
+    """Whether moving one mesh dim from `cur` to `tgt` is a collective (from a Replicate
+    it is a local chunk or division)."""
+    return cur != tgt and not cur.is_replicate()
+
+
+def _local_gb(spec: Any) -> Any:
+    """The bytes one rank holds of `spec`, in GiB (None without a tensor meta)."""
+    if spec is None or getattr(spec, "tensor_meta", None) is None:
+        return None
+    return collective_cost_model().spec_to_bytes(spec) / spec.num_shards / 1024**3
+
+
+def kept_partial_price(current: list, spec: Any) -> float:
+    """What strategy `spec` owes beyond its input moves, given the inputs' `current`
+    specs: on each mesh dim where it keeps a Partial input Partial while another input
+    is moved there by a collective, and hands on a Partial at least as large as the one
+    it keeps, (1 + MARGIN) all-reduces of that output: the reduction it defers is no
+    smaller than the one it avoids, and the move is paid on top. 0 where nothing applies
+    (a weight gradient made Partial from a Partial activation is smaller: deferring wins)."""
+    inputs = spec.input_specs
+    if inputs is None or len(inputs) != len(current) or not current:
+        return 0.0
+    outs = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
+    m = collective_cost_model()
+    owed = 0.0
+    for d in range(current[0].mesh.ndim):
+        pairs = [(c.placements[d], t.placements[d]) for c, t in zip(current, inputs)]
+        kept = [i for i, (c, t) in enumerate(pairs) if c.is_partial() and t.is_partial()]
+        if not kept or not any(_communicates(c, t) for j, (c, t) in enumerate(pairs) if j not in kept):
+            continue
+        smallest = min(_local_gb(current[i]) or 0.0 for i in kept)
+        topo = m.MeshTopoInfo.build_from_mesh(current[0].mesh)
+        for out in outs:
+            gb = _local_gb(out) if out is not None and out.placements[d].is_partial() else None
+            if _plain(gb) and gb >= smallest:
+                owed += (1 + MARGIN) * m.allreduce_cost(gb, topo, d)
+    return owed
+
+
+def _select(original: Callable) -> Callable:
+    """`_select_min_cost_strategy(strategy, op_schema)` choosing with `kept_partial_price`
+    added to each candidate's cost; the candidate returned is DTensor's own object."""
+
+    @functools.wraps(original)
+    def select(strategy: Any, op_schema: Any = None) -> Any:
+        if op_schema is None or len(strategy.strategies) < 2:
+            return original(strategy, op_schema)
+        current = list(op_schema.args_spec)
+        owed = [kept_partial_price(current, s) for s in strategy.strategies]
+        if not any(owed):
+            return original(strategy, op_schema)
+        priced = []
+        for s, extra in zip(strategy.strategies, owed):
+            c = copy.copy(s)
+            if extra and s.redistribute_cost is not None:
+                c.redistribute_cost = [*s.redistribute_cost, [extra]]
+            priced.append(c)
+        chosen = original(type(strategy)(priced), op_schema)
+        return strategy.strategies[next(i for i, c in enumerate(priced) if c is chosen)]
+
+    return select
+
+
 def entries(warn: WarnOnce) -> Iterator[Entry]:
     """What `enable()` puts where: each slot where DTensor prices candidate strategies
-    (`_compat.strategy_cost_slots`), wrapped."""
+    (`_compat.strategy_cost_slots`) and the one where it chooses among them
+    (`_compat.strategy_selection_slot`), wrapped."""
     wrap = {"spec": _spec_cost, "step": _step_cost}
     for module, attribute, kind in strategy_cost_slots():
         yield module, attribute, wrap[kind](vars(module)[attribute])
+    slot = strategy_selection_slot()
+    if slot is not None:
+        module, attribute = slot
+        yield module, attribute, _select(vars(module)[attribute])
