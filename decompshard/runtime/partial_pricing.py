@@ -172,11 +172,15 @@ def kept_partial_price(current: list, spec: Any) -> float:
         kept = [i for i, (c, t) in enumerate(pairs) if c.is_partial() and t.is_partial()]
         if not kept or not any(_communicates(c, t) for j, (c, t) in enumerate(pairs) if j not in kept):
             continue
-        smallest = min(m.spec_to_bytes(current[i]) for i in kept) if current[0].mesh.ndim == 1 else 0
+        kept_gb = [_local_gb(current[i]) for i in kept]
+        if not all(_plain(gb) for gb in kept_gb):
+            continue  # no tensor meta, or symbolic sizes: torch's price alone
+        # on a 1-D mesh a Partial is not sharded: its local bytes are the tensor's
+        smallest = min(kept_gb) if current[0].mesh.ndim == 1 else 0.0
         topo = m.MeshTopoInfo.build_from_mesh(current[0].mesh)
         for out in outs:
             gb = _local_gb(out) if out is not None and out.placements[d].is_partial() else None
-            if _plain(gb) and m.spec_to_bytes(out) >= smallest:
+            if _plain(gb) and gb >= smallest:
                 owed += (1 + MARGIN) * m.allreduce_cost(gb, topo, d)
     return owed
 
