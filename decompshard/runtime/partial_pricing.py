@@ -51,23 +51,22 @@ and stays Partial through the norm's backward, every op of which is linear in it
 the row-parallel layer's backward the cheapest input move then keeps it Partial and
 gathers the sharded weight (mm(P, S(1)) -> P); the Partial handed on is the hidden
 activation's gradient, as wide as the layer's input, reduce-scattered at relu's or
-attention's backward. So a strategy that keeps a Partial input Partial while another
-input moves by a collective on that mesh dim owes the all-reduce of the Partial it hands
+attention's backward. So on a 1-D mesh a strategy that keeps a Partial input Partial
+while another input moves by a collective owes the all-reduce of the Partial it hands
 on (`kept_partial_price`, added where DTensor chooses, `_compat.strategy_selection_slot`).
-On a 1-D mesh only where what it hands on is at least as large as what it keeps: a
-weight gradient made Partial from a Partial activation is smaller, and gathering the
-saved input to defer it stays DTensor's choice (it is reduced once, to the parameter's
-placement). On two dims or more, such a gradient kept Partial on tp is also reduced over
-dp at its full size rather than its shard, so the price applies to every output. The
+Only where what it hands on is at least as large as what it keeps: a weight gradient
+made Partial from a Partial activation is smaller, and gathering the saved input to
+defer it stays DTensor's choice (it is reduced once, to the parameter's placement). The
 gradient is then all-reduced by each layer that reads it whole (DTensor reduces per
-consumer), where Megatron reduces it once: that, not the choice, is what is left above
-the expert's bytes. Zoo, torch 2.13, one training step, KiB (expert's plan): T5 tp
-263.6 -> 213.6 (176.0), 2d 300.8 -> 236.8 (186.2), 2d-uneven 308.7 -> 266.7 (164.2;
-most of the rest: views gathering the uneven batch); Llama and Qwen2 tp 78.5 -> 76.5
-(64.0); no other Llama, Qwen2, GPT-2, BERT or ViT (transformers) tp/2d cell changed.
-Priced on 1-D meshes without the size condition, T5 tp went to 225.6 and Llama tp to
-80.5 (the weight gradient's input reduced a second time); with it on 2-D meshes too,
-T5 2d went to 244.8 and 2d-uneven to 270.7.
+consumer), where Megatron reduces it once: that, not the choice, is most of what is
+left above the expert's bytes. Zoo, torch 2.13, one training step, KiB (expert's plan):
+T5 tp 263.6 -> 213.6 (176.0); Llama, Qwen2 and Mistral tp 78.5 -> 76.5 (64.0); no
+other tp cell changed (GPT-2, BERT, ViT, Mixtral, timm, torchvision). Without the size
+condition T5 tp went to 225.6 and Llama tp to 80.5 (the weight gradient's input reduced
+a second time). On 1-D meshes only: on the zoo's 2x2 meshes it took T5 2d 300.8 -> 236.8
+and 2d-uneven 308.7 -> 266.7, but Mixtral 2d 773.5 -> 800.7 (with the size condition
+there too, 862.9): a kept Partial and a local chunk on the data-parallel dim together
+make candidates this price does not order well.
 """
 
 from __future__ import annotations
@@ -153,35 +152,31 @@ def _local_gb(spec: Any) -> Any:
 
 
 def kept_partial_price(current: list, spec: Any) -> float:
-    """What strategy `spec` owes beyond its input moves, given the inputs' `current`
-    specs: on each mesh dim where it keeps a Partial input Partial while another input
-    is moved there by a collective, (1 + MARGIN) all-reduces of each output it hands on
-    Partial there: the reduction it defers is no smaller than the one it avoids, and the
-    move is paid on top. On a 1-D mesh only for an output at least as large as the kept
-    input (a weight gradient made from a Partial activation is smaller: deferring it
-    wins, it is reduce-scattered once to the parameter); on more dims always (kept
-    Partial on tp, such a gradient is reduced over dp at its full size, not its shard)."""
+    """What strategy `spec` owes beyond its input moves on a 1-D mesh, given the inputs'
+    `current` specs: where it keeps a Partial input Partial while another input is moved
+    by a collective, (1 + MARGIN) all-reduces of each output it hands on Partial that is
+    at least as large as the kept input: the reduction it defers is no smaller than the
+    one it avoids, and the move is paid on top. A weight gradient made from a Partial
+    activation is smaller: deferring it wins (it is reduce-scattered once, to the
+    parameter). 0 where nothing applies, and on meshes of two dims or more (measured
+    there, the price moved more: Mixtral 2d 773.5 -> 800.7 KiB)."""
     inputs = spec.input_specs
-    if inputs is None or len(inputs) != len(current) or not current:
+    if inputs is None or len(inputs) != len(current) or not current or current[0].mesh.ndim != 1:
         return 0.0
-    outs = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
+    pairs = [(c.placements[0], t.placements[0]) for c, t in zip(current, inputs)]
+    kept = [i for i, (c, t) in enumerate(pairs) if c.is_partial() and t.is_partial()]
+    if not kept or not any(_communicates(c, t) for j, (c, t) in enumerate(pairs) if j not in kept):
+        return 0.0
+    kept_gb = [_local_gb(current[i]) for i in kept]  # a Partial on a 1-D mesh: the whole tensor
+    if not all(_plain(gb) for gb in kept_gb):
+        return 0.0  # no tensor meta, or symbolic sizes: torch's price alone
     m = collective_cost_model()
+    topo = m.MeshTopoInfo.build_from_mesh(current[0].mesh)
     owed = 0.0
-    for d in range(current[0].mesh.ndim):
-        pairs = [(c.placements[d], t.placements[d]) for c, t in zip(current, inputs)]
-        kept = [i for i, (c, t) in enumerate(pairs) if c.is_partial() and t.is_partial()]
-        if not kept or not any(_communicates(c, t) for j, (c, t) in enumerate(pairs) if j not in kept):
-            continue
-        kept_gb = [_local_gb(current[i]) for i in kept]
-        if not all(_plain(gb) for gb in kept_gb):
-            continue  # no tensor meta, or symbolic sizes: torch's price alone
-        # on a 1-D mesh a Partial is not sharded: its local bytes are the tensor's
-        smallest = min(kept_gb) if current[0].mesh.ndim == 1 else 0.0
-        topo = m.MeshTopoInfo.build_from_mesh(current[0].mesh)
-        for out in outs:
-            gb = _local_gb(out) if out is not None and out.placements[d].is_partial() else None
-            if _plain(gb) and gb >= smallest:
-                owed += (1 + MARGIN) * m.allreduce_cost(gb, topo, d)
+    for out in spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,):
+        gb = _local_gb(out) if out is not None and out.placements[0].is_partial() else None
+        if _plain(gb) and gb >= min(kept_gb):
+            owed += (1 + MARGIN) * m.allreduce_cost(gb, topo, 0)
     return owed
 
 
