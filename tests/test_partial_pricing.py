@@ -20,7 +20,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import decompshard
-from decompshard._compat import strategy_cost_slots
+from decompshard._compat import strategy_cost_slots, strategy_selection_slot
 from decompshard.dispatch_modes.comm_bytes import CommBytes
 from decompshard.verify.dtensor_case import device_mesh, simulation
 
@@ -83,16 +83,21 @@ def test_two_d_blocks_reduce_each_row_parallel_output_once_where_it_is_made():
     assert t_fwd.bytes + t_bwd.bytes > fwd.bytes + bwd.bytes  # what torch alone picks moves more
 
 
+def _pricing_slots():
+    return [(m, n) for m, n, _ in strategy_cost_slots()] + [strategy_selection_slot()]
+
+
 def test_disable_puts_torchs_pricing_back():
-    before = [vars(module)[name] for module, name, _ in strategy_cost_slots()]
-    assert before  # every supported torch prices strategies in at least one of these slots
+    assert strategy_selection_slot() is not None  # every supported torch chooses there
+    before = [vars(module)[name] for module, name in _pricing_slots()]
+    assert len(before) > 1  # and prices strategies in at least one more slot
     decompshard.enable()
     try:
-        during = [vars(module)[name] for module, name, _ in strategy_cost_slots()]
+        during = [vars(module)[name] for module, name in _pricing_slots()]
         assert all(a is not b and b.__wrapped__ is a for a, b in zip(before, during))
     finally:
         decompshard.disable()
-    assert all(a is b for a, b in zip(before, [vars(m)[n] for m, n, _ in strategy_cost_slots()]))
+    assert all(a is b for a, b in zip(before, [vars(m)[n] for m, n in _pricing_slots()]))
 
 
 def _pre_norm_blocks(x, w1, w2):
