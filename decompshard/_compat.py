@@ -25,7 +25,7 @@ __all__ = [
     "kwarg_routing_active", "local_tensor", "op_strategy_func", "contiguous_spec", "placed_dtensor", "rebind_dtensor", "redistribute_cost",
     "redistribute_local_tensor", "return_and_correct_aliasing", "kwarg_routing_entries", "set_dtensor_layout",
     "sharding_propagator",
-    "single_dim_strategy_info", "strategy_cost_slots", "strategy_reused_from", "slab_index", "stage_kwarg_targets", "to_torch_placement", "torch_decomposition_table",
+    "single_dim_strategy_info", "strategy_cost_slots", "strategy_reused_from", "strategy_selection_slot", "slab_index", "stage_kwarg_targets", "to_torch_placement", "torch_decomposition_table",
     "block_spec", "collective_cost_model", "inferred_schema_info", "local_call_sharding", "sharding_overrides", "schema_info_slot", "unsharded_dtensor", "widened_schema_info", "view_family_ops", "view_shape_arg_index",
 ]
 
@@ -547,6 +547,18 @@ def strategy_cost_slots() -> list[tuple[Any, str, str]]:
         if callable(vars(module).get(attribute)):
             found.append((module, attribute, kind))
     return found
+
+
+def strategy_selection_slot() -> tuple[Any, str] | None:
+    """Where DTensor chooses one of an op's candidate strategies by their summed input
+    redistribution costs: `(module, attribute)` of `_sharding_prop._select_min_cost_strategy
+    (strategy, op_schema=None) -> OpSpec` (every supported torch calls it through the
+    module's global), or None where this torch lacks it (feature detection)."""
+    import torch.distributed.tensor._sharding_prop as sp
+
+    if callable(vars(sp).get("_select_min_cost_strategy")):
+        return sp, "_select_min_cost_strategy"
+    return None
 
 
 def in_backward() -> bool:

@@ -20,7 +20,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import decompshard
-from decompshard._compat import strategy_cost_slots
+from decompshard._compat import strategy_cost_slots, strategy_selection_slot
 from decompshard.dispatch_modes.comm_bytes import CommBytes
 from decompshard.verify.dtensor_case import device_mesh, simulation
 
@@ -83,16 +83,21 @@ def test_two_d_blocks_reduce_each_row_parallel_output_once_where_it_is_made():
     assert t_fwd.bytes + t_bwd.bytes > fwd.bytes + bwd.bytes  # what torch alone picks moves more
 
 
+def _pricing_slots():
+    return [(m, n) for m, n, _ in strategy_cost_slots()] + [strategy_selection_slot()]
+
+
 def test_disable_puts_torchs_pricing_back():
-    before = [vars(module)[name] for module, name, _ in strategy_cost_slots()]
-    assert before  # every supported torch prices strategies in at least one of these slots
+    assert strategy_selection_slot() is not None  # every supported torch chooses there
+    before = [vars(module)[name] for module, name in _pricing_slots()]
+    assert len(before) > 1  # and prices strategies in at least one more slot
     decompshard.enable()
     try:
-        during = [vars(module)[name] for module, name, _ in strategy_cost_slots()]
+        during = [vars(module)[name] for module, name in _pricing_slots()]
         assert all(a is not b and b.__wrapped__ is a for a, b in zip(before, during))
     finally:
         decompshard.disable()
-    assert all(a is b for a, b in zip(before, [vars(m)[n] for m, n, _ in strategy_cost_slots()]))
+    assert all(a is b for a, b in zip(before, [vars(m)[n] for m, n in _pricing_slots()]))
 
 
 def _pre_norm_blocks(x, w1, w2):
@@ -134,3 +139,46 @@ def test_one_d_forward_reduces_the_residual_where_it_is_made_and_backward_reads_
     # the column-parallel input's gradient (backward)
     assert moved[True] == {"all_reduce": 4 * activation}, moved
     assert sum(moved[False].values()) > 4 * activation, moved  # torch alone re-reduces
+
+
+def _shared_input_block(x, w1, w2, wk, wv):
+    h = x + torch.relu(x @ w1.T) @ w2.T  # column- then row-parallel
+    return (h @ wk.T) * (h @ wv.T)  # two column-parallel layers read h: its gradient is two Partials
+
+
+def test_one_d_backward_reduces_a_partial_gradient_before_a_row_parallel_layer():
+    """T5's encoder output feeds the cross-attention's k and v: its gradient arrives as
+    the sum of two Partials and stays Partial into the row-parallel layer's backward.
+    Keeping it Partial there gathers the layer's weight and its saved input and hands on
+    a Partial twice the model dim wide, reduce-scattered at the activation's backward;
+    priced at the Partial it hands on, the backward all-reduces the gradient instead."""
+    args = [_t(3, 5, 16, seed=1), _t(32, 16, seed=2), _t(16, 32, seed=3), _t(16, 16, seed=6), _t(16, 16, seed=7)]
+    ref = [a.clone().requires_grad_(True) for a in args]
+    cot = _t(3, 5, 16, seed=5)
+    (_shared_input_block(*ref) * cot).sum().backward()
+    mesh = device_mesh((2,))
+    decompshard.enable()
+    try:
+        with simulation(2), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            d = [distribute_tensor(a, mesh, [pl]).requires_grad_(True)
+                 for a, pl in zip(args, (R, Shard(0), Shard(1), Shard(0), Shard(0)))]
+            dcot = distribute_tensor(cot, mesh, [Shard(2)])
+            with CommBytes() as fwd:
+                out = _shared_input_block(*d)
+            with CommBytes() as bwd:
+                (out * dcot).sum().backward()
+            for a, r in zip(d, ref):
+                assert all(torch.allclose(v, r.grad, rtol=1e-10, atol=1e-12)
+                           for v in a.grad.full_tensor()._local_tensors.values())
+    finally:
+        decompshard.disable()
+    activation = 3 * 5 * 16 * 8
+    assert fwd.bytes_by_kind == {"all_reduce": activation}, fwd.bytes_by_kind
+    # Megatron's backward: two all-reduces (h's gradient once for k and v, x's for w1's
+    # input). Here h's gradient is all-reduced twice (by the row-parallel layer's weight
+    # and input gradients, each reading it: DTensor reduces per consumer) and x's is
+    # left Partial; torch's choice before (f8d5ac7) moved 7808 bytes: the weight and the
+    # saved input gathered, a [3, 5, 32] Partial reduce-scattered at relu's backward
+    assert bwd.bytes_by_kind == {"all_reduce": 2 * activation}, bwd.top()
+    assert [t["op"].split("(")[0] for t in bwd.top()] == ["aten.mm.default"] * 2

@@ -43,18 +43,43 @@ DTensor caches it per op schema, so an op met first in forward keeps the forward
 choice when the same schema comes again in backward, and the reverse.
 On 1-D meshes Partial -> Shard's price changed one transformer cell of the zoo's
 (Llama dp-uneven, 175 -> 163 KiB) and no tensor-parallel one.
+
+DTensor prices only a strategy's input moves, never the Partial it hands on. In backward
+a gradient arrives Partial wherever Partials were summed (T5's encoder output feeds the
+cross-attention's k and v: its gradient is the sum of their two Partial input gradients,
+and stays Partial through the norm's backward, every op of which is linear in it). At
+the row-parallel layer's backward the cheapest input move then keeps it Partial and
+gathers the sharded weight (mm(P, S(1)) -> P); the Partial handed on is the hidden
+activation's gradient, as wide as the layer's input, reduce-scattered at relu's or
+attention's backward. So on a 1-D mesh a strategy that keeps a Partial input Partial
+while another input moves by a collective owes the all-reduce of the Partial it hands
+on (`kept_partial_price`, added where DTensor chooses, `_compat.strategy_selection_slot`).
+Only where what it hands on is at least as large as what it keeps: a weight gradient
+made Partial from a Partial activation is smaller, and gathering the saved input to
+defer it stays DTensor's choice (it is reduced once, to the parameter's placement). The
+gradient is then all-reduced by each layer that reads it whole (DTensor reduces per
+consumer), where Megatron reduces it once: that, not the choice, is most of what is
+left above the expert's bytes. Zoo, torch 2.13, one training step, KiB (expert's plan):
+T5 tp 263.6 -> 213.6 (176.0); Llama, Qwen2 and Mistral tp 78.5 -> 76.5 (64.0); no
+other tp cell changed (GPT-2, BERT, ViT, Mixtral, timm, torchvision). Without the size
+condition T5 tp went to 225.6 and Llama tp to 80.5 (the weight gradient's input reduced
+a second time). On 1-D meshes only: on the zoo's 2x2 meshes it took T5 2d 300.8 -> 236.8
+and 2d-uneven 308.7 -> 266.7, but Mixtral 2d 773.5 -> 800.7 (with the size condition
+there too, 862.9): a kept Partial and a local chunk on the data-parallel dim together
+make candidates this price does not order well.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from typing import Any, Callable, Iterator
 
-from decompshard._compat import collective_cost_model, in_backward, strategy_cost_slots
+from decompshard._compat import collective_cost_model, in_backward, strategy_cost_slots, strategy_selection_slot
 from decompshard.runtime.table_patches import Entry, WarnOnce
 
-__all__ = ["MARGIN", "entries", "surcharge"]
+__all__ = ["MARGIN", "entries", "kept_partial_price", "surcharge"]
 
 MARGIN = 0.01  # over an all-reduce: reducing where the Partial is made wins the tie
 
@@ -113,9 +138,80 @@ def _spec_cost(original: Callable) -> Callable:
     return spec_cost
 
 
+def _communicates(cur: Any, tgt: Any) -> bool:
+    """Whether moving one mesh dim from `cur` to `tgt` is a collective (from a Replicate
+    it is a local chunk or division)."""
+    return cur != tgt and not cur.is_replicate()
+
+
+def _local_gb(spec: Any) -> Any:
+    """The bytes one rank holds of `spec`, in GiB (None without a tensor meta)."""
+    if spec is None or getattr(spec, "tensor_meta", None) is None:
+        return None
+    return collective_cost_model().spec_to_bytes(spec) / spec.num_shards / 1024**3
+
+
+def kept_partial_price(current: list, spec: Any) -> float:
+    """What strategy `spec` owes beyond its input moves on a 1-D mesh, given the inputs'
+    `current` specs: where it keeps a Partial input Partial while another input is moved
+    by a collective, (1 + MARGIN) all-reduces of each output it hands on Partial that is
+    at least as large as the kept input: the reduction it defers is no smaller than the
+    one it avoids, and the move is paid on top. A weight gradient made from a Partial
+    activation is smaller: deferring it wins (it is reduce-scattered once, to the
+    parameter). 0 where nothing applies, and on meshes of two dims or more (measured
+    there, the price moved more: Mixtral 2d 773.5 -> 800.7 KiB)."""
+    inputs = spec.input_specs
+    if inputs is None or len(inputs) != len(current) or not current or current[0].mesh.ndim != 1:
+        return 0.0
+    pairs = [(c.placements[0], t.placements[0]) for c, t in zip(current, inputs)]
+    kept = [i for i, (c, t) in enumerate(pairs) if c.is_partial() and t.is_partial()]
+    if not kept or not any(_communicates(c, t) for j, (c, t) in enumerate(pairs) if j not in kept):
+        return 0.0
+    kept_gb = [_local_gb(current[i]) for i in kept]  # a Partial on a 1-D mesh: the whole tensor
+    if not all(_plain(gb) for gb in kept_gb):
+        return 0.0  # no tensor meta, or symbolic sizes: torch's price alone
+    m = collective_cost_model()
+    topo = m.MeshTopoInfo.build_from_mesh(current[0].mesh)
+    owed = 0.0
+    for out in spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,):
+        gb = _local_gb(out) if out is not None and out.placements[0].is_partial() else None
+        if _plain(gb) and gb >= min(kept_gb):
+            owed += (1 + MARGIN) * m.allreduce_cost(gb, topo, 0)
+    return owed
+
+
+def _select(original: Callable) -> Callable:
+    """`_select_min_cost_strategy(strategy, op_schema)` choosing with `kept_partial_price`
+    added to each candidate's cost; the candidate returned is DTensor's own object."""
+
+    @functools.wraps(original)
+    def select(strategy: Any, op_schema: Any = None) -> Any:
+        if op_schema is None or len(strategy.strategies) < 2:
+            return original(strategy, op_schema)
+        current = list(op_schema.args_spec)
+        owed = [kept_partial_price(current, s) for s in strategy.strategies]
+        if not any(owed):
+            return original(strategy, op_schema)
+        priced = []
+        for s, extra in zip(strategy.strategies, owed):
+            c = copy.copy(s)
+            if extra and s.redistribute_cost is not None:
+                c.redistribute_cost = [*s.redistribute_cost, [extra]]
+            priced.append(c)
+        chosen = original(type(strategy)(priced), op_schema)
+        return strategy.strategies[next(i for i, c in enumerate(priced) if c is chosen)]
+
+    return select
+
+
 def entries(warn: WarnOnce) -> Iterator[Entry]:
     """What `enable()` puts where: each slot where DTensor prices candidate strategies
-    (`_compat.strategy_cost_slots`), wrapped."""
+    (`_compat.strategy_cost_slots`) and the one where it chooses among them
+    (`_compat.strategy_selection_slot`), wrapped."""
     wrap = {"spec": _spec_cost, "step": _step_cost}
     for module, attribute, kind in strategy_cost_slots():
         yield module, attribute, wrap[kind](vars(module)[attribute])
+    slot = strategy_selection_slot()
+    if slot is not None:
+        module, attribute = slot
+        yield module, attribute, _select(vars(module)[attribute])
