@@ -194,16 +194,26 @@ def _wrong_ops(release: str) -> set[str]:
     return {w["op"] for w in json.loads((FINDINGS / f"torch-{release}.json").read_text())["wrong_rules"]}
 
 
+# Wrong on a release whose audit samples never reach the wrong rule there, measured by a
+# direct DTensor run instead (tests/test_guard_releases.py): op -> those releases.
+# linalg_solve_triangular: 2.13's first two OpInfo samples give the rule no batched A.
+AUDIT_SAMPLES_MISS: dict[str, tuple[str, ...]] = {"aten.linalg_solve_triangular.default": ("2.13.0",)}
+
+
 def test_every_tested_release_has_its_findings_and_the_guard_table_follows_them():
     """For each fenced op the audit found wrong on some tested release (the audit can
-    see it), the releases WRONG_ON names are exactly those whose findings list it:
-    no fence kept where the audit found torch right, none missing where it found it
-    wrong. (Fences the audit cannot see, batch norm's running statistics, are measured
-    by tests/test_guard_releases.py; its findings on batch norm are empty shards.)"""
+    see it), the releases WRONG_ON names are exactly those whose findings list it, and
+    those its samples miss (AUDIT_SAMPLES_MISS): no fence kept where the audit found
+    torch right, none missing where it found it wrong. (Fences the audit cannot see,
+    batch norm's running statistics, are measured by tests/test_guard_releases.py; its
+    findings on batch norm are empty shards.)"""
     found = {release: _wrong_ops(release) for release in TESTED_RELEASES}
     seen = {op for ops in found.values() for op in ops} - set(STATS_WRITTEN)
     for op in sorted(seen & set(WRONG_ON)):
-        assert {r for r in TESTED_RELEASES if op in found[r]} == set(WRONG_ON[op]), op
+        by_audit = {r for r in TESTED_RELEASES if op in found[r]}
+        missed = set(AUDIT_SAMPLES_MISS.get(op, ()))
+        assert not (by_audit & missed), op  # the audit sees it there now: drop the exception
+        assert by_audit | missed == set(WRONG_ON[op]), op
 
 
 def _script_namespace(script: str) -> dict:

@@ -95,11 +95,18 @@ class Stat:
         return redistribute_local_tensor(local, src, dst)
 
 
-@functools.lru_cache(maxsize=1024)
 def move_specs(mesh: Any, src: tuple, dst: tuple, shape: tuple, dtype: torch.dtype) -> tuple[Any, Any]:
     """(source, target) DTensorSpecs of a contiguous tensor of global `shape` moved from
     placements `src` to `dst`, for `redistribute_local_tensor`: made once per layout (a
-    spec costs more to build than a small statistic's all-reduce takes to issue)."""
+    spec costs more to build than a small statistic's all-reduce takes to issue). Per
+    mesh object, not per equal mesh: a spec carries its mesh's process groups, and an
+    equal mesh made after a process group was destroyed has other groups."""
+    return _move_specs(id(mesh), mesh, src, dst, shape, dtype)
+
+
+@functools.lru_cache(maxsize=1024)
+def _move_specs(mesh_id: int, mesh: Any, src: tuple, dst: tuple, shape: tuple, dtype: torch.dtype
+                ) -> tuple[Any, Any]:
     return (contiguous_spec(mesh, src, shape, dtype), contiguous_spec(mesh, dst, shape, dtype))
 
 
