@@ -170,12 +170,18 @@ def kept_partial_price(current: list, spec: Any) -> float:
     kept_gb = [_local_gb(current[i]) for i in kept]  # a Partial on a 1-D mesh: the whole tensor
     if not all(_plain(gb) for gb in kept_gb):
         return 0.0  # no tensor meta, or symbolic sizes: torch's price alone
+    # an elementwise op (every moved input shaped like a kept one) hands on the same
+    # reduction it keeps: deferring it there is torch's call (Llama dp-uneven: priced,
+    # its RMSNorm backward reduce-scattered 175 KiB where deferring moves 163)
+    kept_shapes = {tuple(current[i].shape) for i in kept}
+    elementwise = all(tuple(current[j].shape) in kept_shapes
+                      for j, (c, t) in enumerate(pairs) if j not in kept and _communicates(c, t))
     m = collective_cost_model()
     topo = m.MeshTopoInfo.build_from_mesh(current[0].mesh)
     owed = 0.0
     for out in spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,):
         gb = _local_gb(out) if out is not None and out.placements[0].is_partial() else None
-        if _plain(gb) and gb >= min(kept_gb):
+        if _plain(gb) and (gb > min(kept_gb) or (gb == min(kept_gb) and not elementwise)):
             owed += (1 + MARGIN) * m.allreduce_cost(gb, topo, 0)
     return owed
 
