@@ -155,8 +155,8 @@ def kept_partial_price(current: list, spec: Any) -> float:
     """What strategy `spec` owes beyond its input moves on a 1-D mesh, given the inputs'
     `current` specs: where it keeps a Partial input Partial while another input is moved
     by a collective, (1 + MARGIN) all-reduces of each output it hands on Partial that is
-    at least as large as the kept input: the reduction it defers is no smaller than the
-    one it avoids, and the move is paid on top. A weight gradient made from a Partial
+    at least as large as the kept input (larger, for an elementwise op): the reduction it
+    defers is no smaller than the one it avoids, and the move is paid on top. A weight gradient made from a Partial
     activation is smaller: deferring it wins (it is reduce-scattered once, to the
     parameter). 0 where nothing applies, and on meshes of two dims or more (measured
     there, the price moved more: Mixtral 2d 773.5 -> 800.7 KiB)."""
