@@ -6,6 +6,8 @@ block, a split across blocks, pieces of unequal size) gets DTensor's own answer.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import warnings
 
 import pytest
@@ -31,6 +33,18 @@ def _same(dt, want) -> bool:
     return all(torch.allclose(v, want, rtol=1e-12, atol=1e-12) for v in dt.full_tensor()._local_tensors.values())
 
 
+@contextlib.contextmanager
+def _on_mesh(on: bool, mesh_shape):
+    """A simulated mesh with decompshard enabled (or not), disabled again after."""
+    (decompshard.enable if on else decompshard.disable)()
+    try:
+        with simulation(math.prod(mesh_shape)), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield device_mesh(mesh_shape)
+    finally:
+        decompshard.disable()
+
+
 def _packed(x, w, split):
     """A packed projection's use: split into pieces, each scaled by its own weight (so
     every piece's gradient is sharded like the piece), then joined again."""
@@ -45,27 +59,18 @@ def _run(on: bool, mesh_shape, placements, shape, split, pieces_count):
     ref = x.clone().requires_grad_(True)
     want, want_pieces = _packed(ref, w, split)
     want.backward(cot)
-    n = 1
-    for s in mesh_shape:
-        n *= s
-    (decompshard.enable if on else decompshard.disable)()
-    try:
-        with simulation(n), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            mesh = device_mesh(mesh_shape)
-            xd = make_dtensor(x, mesh, placements, 0, 0).detach().requires_grad_(True)
-            wd = make_dtensor(w, mesh, [R] * len(mesh_shape), 0, 1)
-            cd = make_dtensor(cot, mesh, placements, 0, 2)
-            with CommBytes() as fwd:
-                out, pieces = _packed(xd, wd, split)
-            with CommBytes() as bwd:
-                out.backward(cd)  # not (out * cd).sum(): torch alone gathers cd for `R * _S` there
-            assert _same(out, want.detach())
-            assert all(_same(p, q.detach()) for p, q in zip(pieces, want_pieces))
-            assert _same(xd.grad, ref.grad)
-            return out, pieces, xd.grad, fwd, bwd
-    finally:
-        decompshard.disable()
+    with _on_mesh(on, mesh_shape) as mesh:
+        xd = make_dtensor(x, mesh, placements, 0, 0).detach().requires_grad_(True)
+        wd = make_dtensor(w, mesh, [R] * len(mesh_shape), 0, 1)
+        cd = make_dtensor(cot, mesh, placements, 0, 2)
+        with CommBytes() as fwd:
+            out, pieces = _packed(xd, wd, split)
+        with CommBytes() as bwd:
+            out.backward(cd)  # not (out * cd).sum(): torch alone gathers cd for `R * _S` there
+        assert _same(out, want.detach())
+        assert all(_same(p, q.detach()) for p, q in zip(pieces, want_pieces))
+        assert _same(xd.grad, ref.grad)
+        return out, pieces, xd.grad, fwd, bwd
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -155,21 +160,12 @@ def test_the_override_runs_once_per_op_schema_then_dtensors_cache_answers():
 def _mm(on: bool, mesh_shape, pa, pw, a_shape, w_shape):
     """(output placements, collectives) of a @ w, its numbers checked on every rank."""
     a, w = _t(*a_shape, seed=4), _t(*w_shape, seed=5)
-    n = 1
-    for s in mesh_shape:
-        n *= s
-    (decompshard.enable if on else decompshard.disable)()
-    try:
-        with simulation(n), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            mesh = device_mesh(mesh_shape)
-            ad, wd = make_dtensor(a, mesh, pa, 0, 0), make_dtensor(w, mesh, pw, 0, 1)
-            with CommBytes() as comm:
-                out = torch.mm(ad, wd)
-            assert _same(out, a @ w)
-            return tuple(out.placements), [c.collective for c in comm.listing]
-    finally:
-        decompshard.disable()
+    with _on_mesh(on, mesh_shape) as mesh:
+        ad, wd = make_dtensor(a, mesh, pa, 0, 0), make_dtensor(w, mesh, pw, 0, 1)
+        with CommBytes() as comm:
+            out = torch.mm(ad, wd)
+        assert _same(out, a @ w)
+        return tuple(out.placements), [c.collective for c in comm.listing]
 
 
 @pytest.mark.parametrize("mesh_shape, pa", [((2,), [R]), ((2, 2), [Shard(0), R]), ((2, 2), [R, R])])
