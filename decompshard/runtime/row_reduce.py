@@ -36,7 +36,7 @@ from decompshard._compat import DTensor, TorchPartial, TorchReplicate, TorchShar
 from decompshard.dispatch_modes.graph import freeze, map_leaves
 from decompshard.mesh.cost import Cost, bytes_key, redistribute_cost
 
-__all__ = ["Priced", "Stat", "Step", "cheaper_than_dtensor", "dtensor_cost", "forget_decisions", "move_specs", "moves_cost",
+__all__ = ["Priced", "Stat", "Step", "cheaper_than_dtensor", "dtensor_cost", "forget_decisions", "moved_local", "moves_cost",
            "reduce_scalars",
            "row_placements", "scalars_cost", "sharding_dims"]
 
@@ -91,17 +91,19 @@ class Stat:
         a trailing stack dim), reduced with `op` over the ranks that share its rows: the
         local result of an all-reduce DTensor runs."""
         shape = self.shape if local.dim() == len(self.shape) else (*self.shape, local.shape[-1])
-        src, dst = move_specs(self.mesh, self.partial(op), tuple(self.placements), tuple(shape), local.dtype)
-        return redistribute_local_tensor(local, src, dst)
+        return moved_local(local, self.mesh, self.partial(op), self.placements, shape)
 
 
-def move_specs(mesh: Any, src: tuple, dst: tuple, shape: tuple, dtype: torch.dtype) -> tuple[Any, Any]:
-    """(source, target) DTensorSpecs of a contiguous tensor of global `shape` moved from
-    placements `src` to `dst`, for `redistribute_local_tensor`: made once per layout (a
-    spec costs more to build than a small statistic's all-reduce takes to issue). Per
-    mesh object, not per equal mesh: a spec carries its mesh's process groups, and an
-    equal mesh made after a process group was destroyed has other groups."""
-    return _move_specs(id(mesh), mesh, src, dst, shape, dtype)
+def moved_local(local: torch.Tensor, mesh: Any, src: Sequence[Any], dst: Sequence[Any],
+                shape: Sequence[int]) -> torch.Tensor:
+    """This rank's `local` part of a contiguous tensor of global `shape`, moved from
+    placements `src` to `dst` with DTensor's own collectives (no DTensor or autograd node
+    around it). The specs are made once per layout (a spec costs more to build than a
+    small statistic's all-reduce takes to issue), per mesh object, not per equal mesh: a
+    spec carries its mesh's process groups, and an equal mesh made after a process group
+    was destroyed has other groups."""
+    specs = _move_specs(id(mesh), mesh, tuple(src), tuple(dst), tuple(shape), local.dtype)
+    return redistribute_local_tensor(local, *specs)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -117,7 +119,7 @@ def reduce_scalars(local: torch.Tensor, mesh: Any, mesh_dims: Sequence[int], op:
     rep = (TorchReplicate(),) * mesh.ndim
     for d in mesh_dims:
         parts = tuple(TorchPartial(op) if i == d else TorchReplicate() for i in range(mesh.ndim))
-        local = redistribute_local_tensor(local, *move_specs(mesh, parts, rep, tuple(local.shape), local.dtype))
+        local = moved_local(local, mesh, parts, rep, local.shape)
     return local
 
 

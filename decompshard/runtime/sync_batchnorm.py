@@ -43,9 +43,9 @@ from typing import Any, Callable
 
 import torch
 
-from decompshard._compat import DTensor, TorchPartial, TorchReplicate, TorchShard, contiguous_spec, redistribute_local_tensor
+from decompshard._compat import DTensor, TorchPartial, TorchReplicate, TorchShard, contiguous_spec
 from decompshard.mesh.cost import Cost, redistribute_cost
-from decompshard.runtime.row_reduce import Priced, Step, move_specs
+from decompshard.runtime.row_reduce import Priced, Step, moved_local
 
 __all__ = ["Layout", "backward_price", "batch_sharded_backward", "batch_sharded_forward", "forward_price", "layout_of",
            "pays"]
@@ -119,7 +119,7 @@ def _moved(local: torch.Tensor, layout: Layout, shape: Any, src: tuple, dst: tup
     """`local` (global `shape`) from placements `src` to `dst`: DTensor's own collectives."""
     if src == dst:
         return local
-    return redistribute_local_tensor(local, *move_specs(layout.mesh, tuple(src), tuple(dst), tuple(shape), local.dtype))
+    return moved_local(local, layout.mesh, src, dst, shape)
 
 
 def _all_reduced(local: torch.Tensor, layout: Layout, shape: Any) -> torch.Tensor:
