@@ -561,6 +561,43 @@ def strategy_selection_slot() -> tuple[Any, str] | None:
     return None
 
 
+__all__ += ["current_autograd_node", "dispatch_redistribute_slots", "is_fake", "on_backward_end"]
+
+
+def dispatch_redistribute_slots() -> tuple[tuple[Any, str], tuple[Any, str]] | None:
+    """Where DTensor's dispatcher moves an op's inputs (`(owner, attribute)` pairs): the
+    `_dispatch` module's `redistribute_local_tensor(local, current_spec, target_spec, *,
+    async_op, ...)`, which `OpDispatcher.redistribute_local_args` calls through the module
+    global, and `OpDispatcher._dispatch_get_local_results_slow_path(self, op_call, args,
+    op_info)`, the Python step the C++ dispatch calls whenever inputs must move (it holds
+    the DTensor arguments themselves). Identical on 2.13-2.15; None where either is
+    missing (feature detection)."""
+    import torch.distributed.tensor._dispatch as dispatch
+
+    dispatcher = dispatch.OpDispatcher
+    if callable(vars(dispatch).get("redistribute_local_tensor")) and callable(
+            vars(dispatcher).get("_dispatch_get_local_results_slow_path")):
+        return (dispatch, "redistribute_local_tensor"), (dispatcher, "_dispatch_get_local_results_slow_path")
+    return None
+
+
+def current_autograd_node() -> Any:
+    """The autograd node whose backward (or hooks) this thread runs now; None outside one."""
+    return torch._C._current_autograd_node()
+
+
+def on_backward_end(callback: Any) -> None:
+    """Run `callback()` when the backward pass running now ends (the engine's queue)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def is_fake(t: Any) -> bool:
+    """Whether `t` is a FakeTensor (tracing: no data to reuse)."""
+    from torch._subclasses.fake_tensor import is_fake as fake
+
+    return bool(fake(t))
+
+
 def in_backward() -> bool:
     """Whether the autograd engine is running a backward pass on this thread now (its
     graph task id is -1 outside one): a pricing that differs between forward and backward
@@ -579,6 +616,7 @@ def collective_cost_model() -> Any:
     import torch.distributed.tensor._collective_utils as cu
 
     return types.SimpleNamespace(allreduce_cost=cu.allreduce_cost, reduce_scatter_cost=cu.reduce_scatter_cost,
+                                 allgather_cost=cu.allgather_cost,
                                  MeshTopoInfo=cu.MeshTopoInfo, spec_to_bytes=cu.spec_to_bytes)
 
 

@@ -176,9 +176,50 @@ def test_one_d_backward_reduces_a_partial_gradient_before_a_row_parallel_layer()
     activation = 3 * 5 * 16 * 8
     assert fwd.bytes_by_kind == {"all_reduce": activation}, fwd.bytes_by_kind
     # Megatron's backward: two all-reduces (h's gradient once for k and v, x's for w1's
-    # input). Here h's gradient is all-reduced twice (by the row-parallel layer's weight
-    # and input gradients, each reading it: DTensor reduces per consumer) and x's is
-    # left Partial; torch's choice before (f8d5ac7) moved 7808 bytes: the weight and the
-    # saved input gathered, a [3, 5, 32] Partial reduce-scattered at relu's backward
-    assert bwd.bytes_by_kind == {"all_reduce": 2 * activation}, bwd.top()
-    assert [t["op"].split("(")[0] for t in bwd.top()] == ["aten.mm.default"] * 2
+    # input). Here h's gradient is all-reduced once, by the row-parallel layer's node
+    # (its weight and input gradients both read it: reduce_once.py reuses the first
+    # reduction; DTensor alone reduces it twice) and x's is left Partial; torch's choice
+    # before (f8d5ac7) moved 7808 bytes: the weight and the saved input gathered, a
+    # [3, 5, 32] Partial reduce-scattered at relu's backward
+    assert bwd.bytes_by_kind == {"all_reduce": activation}, bwd.top()
+    assert [t["op"].split("(")[0] for t in bwd.top()] == ["aten.mm.default"]
+
+
+def _packed_projection(on: bool):
+    """(output right on every rank, bytes moved, output placements): a token shard times
+    one expert's packed gate/up weight (Mixtral on a 2x2 mesh: the tokens' hidden dim
+    sharded on the tp dim, the weight `_StridedShard` blocks as the zoo shards it)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from decompshard.verify.dtensor_case import make_dtensor
+
+    x, w3 = _t(30, 32, seed=1), _t(4, 128, 32, seed=2)
+    mesh = device_mesh((2, 2))
+    (decompshard.enable if on else decompshard.disable)()
+    try:
+        with simulation(4), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dx = distribute_tensor(x, mesh, [R, Shard(1)])
+            dw = make_dtensor(w3, mesh, [R, _StridedShard(1, split_factor=2)], 0, 0)
+            with CommBytes() as moved:
+                y = torch.nn.functional.linear(dx, dw[1])
+            right = all(torch.allclose(v, x @ w3[1].T, rtol=1e-12, atol=1e-12)
+                        for v in y.full_tensor()._local_tensors.values())
+            return right, moved.bytes_by_kind, tuple(y.placements)
+    finally:
+        decompshard.disable()
+
+
+def test_a_packed_weight_is_not_gathered_where_its_input_is_smaller():
+    """Torch prices moving the weight's `_StridedShard` blocks to `Shard(0)` at nothing and
+    gathers the weight (16 KiB); a `_StridedShard` move costs at least an all-gather, so
+    the tokens' hidden shard is gathered instead (3.75 KiB) and the output stays in blocks."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    right, moved, placements = _packed_projection(True)
+    assert right
+    assert moved == {"all_gather_into_tensor": 30 * 16 * 8}, moved
+    assert placements == (R, _StridedShard(1, split_factor=2))
+    right, moved, _ = _packed_projection(False)
+    assert right
+    assert moved == {"all_gather_into_tensor": 32 * 64 * 8}, moved  # torch alone: the weight

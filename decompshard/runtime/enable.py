@@ -43,7 +43,7 @@ from decompshard.mesh.lift import ranked
 from decompshard._compat import TorchReplicate
 from decompshard._compat import FakeTensorMode
 from decompshard.runtime import (as_strided, collective_plans, data_dependent, inplace, inplace_views, partial_pricing,
-                                 row_reduce, strided_blocks, uneven_views)
+                                 reduce_once, row_reduce, strided_blocks, uneven_views)
 from decompshard._compat import DecompShardingStrategy
 from decompshard.runtime import fallbacks, guard
 from decompshard.errors import Indeterminate, UnsupportedOp, one_line
@@ -402,7 +402,7 @@ def _declared() -> Iterator[Entry]:
     yield DecompShardingStrategy, "has_decomp", staticmethod(reaches_decompshard)
     warn = functools.partial(_PATCHES.warn_once, stacklevel=3)
     for module in (uneven_views, data_dependent, inplace, as_strided, inplace_views, collective_plans,
-                   partial_pricing, strided_blocks):
+                   partial_pricing, strided_blocks, reduce_once):
         yield from module.entries(warn)
     yield from kwarg_routing_entries()
 

@@ -51,22 +51,29 @@ and stays Partial through the norm's backward, every op of which is linear in it
 the row-parallel layer's backward the cheapest input move then keeps it Partial and
 gathers the sharded weight (mm(P, S(1)) -> P); the Partial handed on is the hidden
 activation's gradient, as wide as the layer's input, reduce-scattered at relu's or
-attention's backward. So on a 1-D mesh a strategy that keeps a Partial input Partial
+attention's backward. So a strategy that keeps a Partial input Partial
 while another input moves by a collective owes the all-reduce of the Partial it hands
-on (`kept_partial_price`, added where DTensor chooses, `_compat.strategy_selection_slot`).
+on (`kept_partial_price`, added where DTensor chooses, `_compat.strategy_selection_slot`),
+on each mesh dim where it keeps one.
 Only where what it hands on is at least as large as what it keeps: a weight gradient
 made Partial from a Partial activation is smaller, and gathering the saved input to
 defer it stays DTensor's choice (it is reduced once, to the parameter's placement). The
-gradient is then all-reduced by each layer that reads it whole (DTensor reduces per
-consumer), where Megatron reduces it once: that, not the choice, is most of what is
-left above the expert's bytes. Zoo, torch 2.13, one training step, KiB (expert's plan):
+gradient is then all-reduced by each op that reads it whole (DTensor reduces per
+consumer; within one backward node `reduce_once.py` reuses the first reduction). Zoo, torch 2.13, one training step, KiB (expert's plan):
 T5 tp 263.6 -> 213.6 (176.0); Llama, Qwen2 and Mistral tp 78.5 -> 76.5 (64.0); no
 other tp cell changed (GPT-2, BERT, ViT, Mixtral, timm, torchvision). Without the size
 condition T5 tp went to 225.6 and Llama tp to 80.5 (the weight gradient's input reduced
-a second time). On 1-D meshes only: on the zoo's 2x2 meshes it took T5 2d 300.8 -> 236.8
-and 2d-uneven 308.7 -> 266.7, but Mixtral 2d 773.5 -> 800.7 (with the size condition
-there too, 862.9): a kept Partial and a local chunk on the data-parallel dim together
-make candidates this price does not order well.
+a second time). On 2-D meshes, per mesh dim: T5 2d 300.8 -> 236.8 (186.2), Mixtral 2d
+741.5 -> 725.5, no other 2d or 2d-uneven cell changed (zoo, torch 2.13, after the
+strided-block overrides; before them the same price moved Mixtral 2d 773.5 -> 800.7, so
+it was 1-D only until then).
+
+One move torch prices below what it costs: a `_StridedShard` (a packed projection's
+blocks, as `strided_blocks.py` hands them on) moved to `Shard` is priced at 0, though
+DTensor all-gathers it first. On a 2x2 mesh Mixtral's experts then gathered their packed
+`gate_up` weight at every expert call (16 KiB each) rather than their tokens' hidden
+shard (3.75 KiB): such a move costs at least an all-gather here (`strided_floor`).
+Mixtral 2d 725.5 -> 293.5 KiB; no other cell of the zoo changed.
 """
 
 from __future__ import annotations
@@ -76,7 +83,8 @@ import functools
 import math
 from typing import Any, Callable, Iterator
 
-from decompshard._compat import collective_cost_model, in_backward, strategy_cost_slots, strategy_selection_slot
+from decompshard._compat import (TorchStridedShard, collective_cost_model, in_backward, strategy_cost_slots,
+                                 strategy_selection_slot)
 from decompshard.runtime.table_patches import Entry, WarnOnce
 
 __all__ = ["MARGIN", "entries", "kept_partial_price", "surcharge"]
@@ -106,13 +114,24 @@ def surcharge(cur: Any, tgt: Any, mesh_topo: Any, mesh_dim: int, comm_bytes_gb: 
     return max(0.0, target - paid)
 
 
+def strided_floor(cur: Any, tgt: Any, mesh_topo: Any, mesh_dim: int, comm_bytes_gb: float) -> float:
+    """The least a move of one mesh dim from a `_StridedShard` costs: an all-gather of the
+    tensor as it is there (`comm_bytes_gb`), DTensor's first step to any other placement.
+    Torch prices a block spec's `_StridedShard` -> `Shard` move (the layout `strided_blocks`
+    hands on) at 0, so DTensor chose to gather a packed weight rather than its input."""
+    if type(cur) is not TorchStridedShard or cur == tgt or not _plain(comm_bytes_gb):
+        return 0.0
+    return collective_cost_model().allgather_cost(comm_bytes_gb, mesh_topo, mesh_dim)
+
+
 def _step_cost(original: Callable) -> Callable:
-    """`_compute_placement_transition_cost` with the surcharge."""
+    """`_compute_placement_transition_cost` no less than `strided_floor`, with the surcharge."""
 
     @functools.wraps(original)
     def step(cur: Any, tgt: Any, mesh_topo: Any, mesh_dim: int, comm_bytes_gb: float) -> tuple[Any, Any]:
         cost, after = original(cur, tgt, mesh_topo, mesh_dim, comm_bytes_gb)
         if _plain(cost):
+            cost = max(cost, strided_floor(cur, tgt, mesh_topo, mesh_dim, comm_bytes_gb))
             cost = cost + surcharge(cur, tgt, mesh_topo, mesh_dim, comm_bytes_gb)
         return cost, after
 
@@ -120,8 +139,8 @@ def _step_cost(original: Callable) -> Callable:
 
 
 def _spec_cost(original: Callable) -> Callable:
-    """`redistribute_cost(current_spec, target_spec)` with the surcharge of each mesh
-    dim's move, at the current spec's local bytes (torch's starting size; its own steps
+    """`redistribute_cost(current_spec, target_spec)` no less than `strided_floor`'s and with
+    the surcharge of each mesh dim's move, at the current spec's local bytes (torch's starting size; its own steps
     shrink it after a reduce-scatter, a difference of at most one collective's price)."""
 
     @functools.wraps(original)
@@ -132,8 +151,9 @@ def _spec_cost(original: Callable) -> Callable:
         m = collective_cost_model()
         gb = m.spec_to_bytes(current) / current.num_shards / 1024**3
         topo = m.MeshTopoInfo.build_from_mesh(current.mesh)
-        return cost + sum(surcharge(c, t, topo, i, gb)
-                          for i, (c, t) in enumerate(zip(current.placements, target.placements)))
+        pairs = list(enumerate(zip(current.placements, target.placements)))
+        cost = max(cost, sum(strided_floor(c, t, topo, i, gb) for i, (c, t) in pairs))
+        return cost + sum(surcharge(c, t, topo, i, gb) for i, (c, t) in pairs)
 
     return spec_cost
 
@@ -151,38 +171,53 @@ def _local_gb(spec: Any) -> Any:
     return collective_cost_model().spec_to_bytes(spec) / spec.num_shards / 1024**3
 
 
-def kept_partial_price(current: list, spec: Any) -> float:
-    """What strategy `spec` owes beyond its input moves on a 1-D mesh, given the inputs'
-    `current` specs: where it keeps a Partial input Partial while another input is moved
-    by a collective, (1 + MARGIN) all-reduces of each output it hands on Partial that is
-    at least as large as the kept input (larger, for an elementwise op): the reduction it
-    defers is no smaller than the one it avoids, and the move is paid on top. A weight gradient made from a Partial
-    activation is smaller: deferring it wins (it is reduce-scattered once, to the
-    parameter). 0 where nothing applies, and on meshes of two dims or more (measured
-    there, the price moved more: Mixtral 2d 773.5 -> 800.7 KiB)."""
-    inputs = spec.input_specs
-    if inputs is None or len(inputs) != len(current) or not current or current[0].mesh.ndim != 1:
-        return 0.0
-    pairs = [(c.placements[0], t.placements[0]) for c, t in zip(current, inputs)]
+def _kept_on_dim(current: list, inputs: list, moved: list[int], outs: tuple, dim: int) -> float | None:
+    """`kept_partial_price` on one mesh dim: (1 + MARGIN) all-reduces there of each output
+    handed on Partial there, where an input kept Partial there no larger; 0 where no input
+    is kept Partial on `dim` or none of the others moves; None without sizes."""
+    pairs = [(c.placements[dim], t.placements[dim]) for c, t in zip(current, inputs)]
     kept = [i for i, (c, t) in enumerate(pairs) if c.is_partial() and t.is_partial()]
-    if not kept or not any(_communicates(c, t) for j, (c, t) in enumerate(pairs) if j not in kept):
+    if not kept or not any(j not in kept for j in moved):
         return 0.0
-    kept_gb = [_local_gb(current[i]) for i in kept]  # a Partial on a 1-D mesh: the whole tensor
+    kept_gb = [_local_gb(current[i]) for i in kept]
     if not all(_plain(gb) for gb in kept_gb):
-        return 0.0  # no tensor meta, or symbolic sizes: torch's price alone
+        return None  # no tensor meta, or symbolic sizes: torch's price alone
     # an elementwise op (every moved input shaped like a kept one) hands on the same
     # reduction it keeps: deferring it there is torch's call (Llama dp-uneven: priced,
     # its RMSNorm backward reduce-scattered 175 KiB where deferring moves 163)
     kept_shapes = {tuple(current[i].shape) for i in kept}
-    elementwise = all(tuple(current[j].shape) in kept_shapes
-                      for j, (c, t) in enumerate(pairs) if j not in kept and _communicates(c, t))
+    elementwise = all(tuple(current[j].shape) in kept_shapes for j in moved if j not in kept)
     m = collective_cost_model()
     topo = m.MeshTopoInfo.build_from_mesh(current[0].mesh)
     owed = 0.0
-    for out in spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,):
-        gb = _local_gb(out) if out is not None and out.placements[0].is_partial() else None
+    for out in outs:
+        gb = _local_gb(out) if out is not None and out.placements[dim].is_partial() else None
         if _plain(gb) and (gb > min(kept_gb) or (gb == min(kept_gb) and not elementwise)):
-            owed += (1 + MARGIN) * m.allreduce_cost(gb, topo, 0)
+            owed += (1 + MARGIN) * m.allreduce_cost(gb, topo, dim)
+    return owed
+
+
+def kept_partial_price(current: list, spec: Any) -> float:
+    """What strategy `spec` owes beyond its input moves, given the inputs' `current`
+    specs: on each mesh dim where it keeps a Partial input Partial while another input is
+    moved by a collective (on any mesh dim), (1 + MARGIN) all-reduces on that dim of each
+    output it hands on Partial there that is at least as large as the kept input (larger,
+    for an elementwise op): the reduction it defers is no smaller than the one it avoids,
+    and the move is paid on top. A weight gradient made from a Partial activation is
+    smaller: deferring it wins (it is reduced once, to the parameter). 0 where nothing
+    applies."""
+    inputs = spec.input_specs
+    if inputs is None or len(inputs) != len(current) or not current:
+        return 0.0
+    moved = [j for j, (c, t) in enumerate(zip(current, inputs))
+             if any(_communicates(a, b) for a, b in zip(c.placements, t.placements))]
+    outs = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
+    owed = 0.0
+    for dim in range(current[0].mesh.ndim):
+        on_dim = _kept_on_dim(current, inputs, moved, outs, dim)
+        if on_dim is None:
+            return 0.0
+        owed += on_dim
     return owed
 
 
