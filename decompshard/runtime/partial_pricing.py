@@ -73,7 +73,11 @@ blocks, as `strided_blocks.py` hands them on) moved to `Shard` is priced at 0, t
 DTensor all-gathers it first. On a 2x2 mesh Mixtral's experts then gathered their packed
 `gate_up` weight at every expert call (16 KiB each) rather than their tokens' hidden
 shard (3.75 KiB): such a move costs at least an all-gather here (`strided_floor`).
-Mixtral 2d 725.5 -> 293.5 KiB; no other cell of the zoo changed.
+Mixtral 2d 725.5 -> 293.5 KiB; no other cell of the zoo changed. With the gather priced,
+a candidate that keeps the blocks and makes a Partial from them (the input sliced to
+the weight's blocks, the product Partial) would win where torch's gather was right, so
+that Partial owes its all-reduce (`strided_partial_price`), the comparison
+`strided_blocks`' mm override makes.
 """
 
 from __future__ import annotations
@@ -87,7 +91,7 @@ from decompshard._compat import (TorchStridedShard, collective_cost_model, in_ba
                                  strategy_selection_slot)
 from decompshard.runtime.table_patches import Entry, WarnOnce
 
-__all__ = ["MARGIN", "entries", "kept_partial_price", "surcharge"]
+__all__ = ["MARGIN", "entries", "kept_partial_price", "strided_floor", "strided_partial_price", "surcharge"]
 
 MARGIN = 0.01  # over an all-reduce: reducing where the Partial is made wins the tie
 
@@ -221,6 +225,31 @@ def kept_partial_price(current: list, spec: Any) -> float:
     return owed
 
 
+def strided_partial_price(current: list, spec: Any) -> float:
+    """What strategy `spec` owes for a Partial it makes from blocks it keeps: on each mesh
+    dim where an input stays `_StridedShard` (a packed weight contracted in its blocks)
+    and an output is Partial, (1 + MARGIN) all-reduces of that output there, the
+    reduction it hands on. Gathering the blocks instead is priced by `strided_floor`, so
+    the two compare as `strided_blocks`' mm override compares them (a [40, 8] @ [8, 20]
+    product reduced later moves more than the [8, 20] weight gathered now)."""
+    inputs = spec.input_specs
+    if inputs is None or len(inputs) != len(current) or not current:
+        return 0.0
+    outs = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
+    m = collective_cost_model()
+    topo = m.MeshTopoInfo.build_from_mesh(current[0].mesh)
+    owed = 0.0
+    for dim in range(current[0].mesh.ndim):
+        if not any(type(c.placements[dim]) is TorchStridedShard and t.placements[dim] == c.placements[dim]
+                   for c, t in zip(current, inputs)):
+            continue
+        for out in outs:
+            gb = _local_gb(out) if out is not None and out.placements[dim].is_partial() else None
+            if _plain(gb):
+                owed += (1 + MARGIN) * m.allreduce_cost(gb, topo, dim)
+    return owed
+
+
 def _select(original: Callable) -> Callable:
     """`_select_min_cost_strategy(strategy, op_schema)` choosing with `kept_partial_price`
     added to each candidate's cost; the candidate returned is DTensor's own object."""
@@ -230,7 +259,7 @@ def _select(original: Callable) -> Callable:
         if op_schema is None or len(strategy.strategies) < 2:
             return original(strategy, op_schema)
         current = list(op_schema.args_spec)
-        owed = [kept_partial_price(current, s) for s in strategy.strategies]
+        owed = [kept_partial_price(current, s) + strided_partial_price(current, s) for s in strategy.strategies]
         if not any(owed):
             return original(strategy, op_schema)
         priced = []
