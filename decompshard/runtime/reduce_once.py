@@ -114,9 +114,9 @@ def _node_box() -> dict | None:
     if node is None or isinstance(node, torch.autograd.function.BackwardCFunction):
         return None
     box = getattr(_STATE, "box", None)
-    if box is None or box["node"] is not node:
+    if box is None or box.get("node") is not node:
         box = _STATE.box = {"node": node, "held": []}
-        on_backward_end(box["held"].clear)
+        on_backward_end(box.clear)  # neither the node nor its reductions outlive the backward
     return box
 
 
@@ -132,7 +132,7 @@ def _reusing(original: Callable) -> Callable:
         if box is None or torch.compiler.is_compiling() or is_fake(local):
             return original(local, current, target, **kwargs)
         key, base = (id(current.mesh), dims), dtensor._base if dtensor._base is not None else dtensor
-        for held in box["held"]:
+        for held in box.setdefault("held", []):
             if held.key == key and held.base is base and held.version == base._version:
                 perm = _permutation(held, local)
                 if perm is not None:
