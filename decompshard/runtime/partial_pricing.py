@@ -177,10 +177,27 @@ def _local_gb(spec: Any) -> Any:
     return collective_cost_model().spec_to_bytes(spec) / spec.num_shards / 1024**3
 
 
-def _kept_on_dim(current: list, inputs: list, moved: list[int], outs: tuple, dim: int) -> float | None:
-    """`kept_partial_price` on one mesh dim: (1 + MARGIN) all-reduces there of each output
-    handed on Partial there, where an input kept Partial there no larger; 0 where no input
-    is kept Partial on `dim` or none of the others moves; None without sizes."""
+def _outputs(spec: Any) -> tuple:
+    """A strategy's output specs as a tuple (one output spec is not wrapped)."""
+    return spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
+
+
+def _owed_reductions(outs: tuple, dim: int, topo: Any, owes: Callable[[float], bool]) -> float:
+    """(1 + MARGIN) all-reduces on mesh dim `dim` of each output handed on Partial there
+    whose local size in GiB `owes` accepts (outputs without sizes owe nothing)."""
+    m = collective_cost_model()
+    owed = 0.0
+    for out in outs:
+        gb = _local_gb(out) if out is not None and out.placements[dim].is_partial() else None
+        if _plain(gb) and owes(gb):
+            owed += (1 + MARGIN) * m.allreduce_cost(gb, topo, dim)
+    return owed
+
+
+def _kept_on_dim(current: list, inputs: list, moved: list[int], outs: tuple, dim: int, topo: Any) -> float | None:
+    """`kept_partial_price` on one mesh dim: the reduction of each output handed on
+    Partial there, where an input kept Partial there no larger; 0 where no input is kept
+    Partial on `dim` or none of the others moves; None without sizes."""
     pairs = [(c.placements[dim], t.placements[dim]) for c, t in zip(current, inputs)]
     kept = [i for i, (c, t) in enumerate(pairs) if c.is_partial() and t.is_partial()]
     if not kept or not any(j not in kept for j in moved):
@@ -193,14 +210,8 @@ def _kept_on_dim(current: list, inputs: list, moved: list[int], outs: tuple, dim
     # its RMSNorm backward reduce-scattered 175 KiB where deferring moves 163)
     kept_shapes = {tuple(current[i].shape) for i in kept}
     elementwise = all(tuple(current[j].shape) in kept_shapes for j in moved if j not in kept)
-    m = collective_cost_model()
-    topo = m.MeshTopoInfo.build_from_mesh(current[0].mesh)
-    owed = 0.0
-    for out in outs:
-        gb = _local_gb(out) if out is not None and out.placements[dim].is_partial() else None
-        if _plain(gb) and (gb > min(kept_gb) or (gb == min(kept_gb) and not elementwise)):
-            owed += (1 + MARGIN) * m.allreduce_cost(gb, topo, dim)
-    return owed
+    least = min(kept_gb)
+    return _owed_reductions(outs, dim, topo, lambda gb: gb > least or (gb == least and not elementwise))
 
 
 def kept_partial_price(current: list, spec: Any) -> float:
@@ -217,10 +228,10 @@ def kept_partial_price(current: list, spec: Any) -> float:
         return 0.0
     moved = [j for j, (c, t) in enumerate(zip(current, inputs))
              if any(_communicates(a, b) for a, b in zip(c.placements, t.placements))]
-    outs = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
+    outs, topo = _outputs(spec), collective_cost_model().MeshTopoInfo.build_from_mesh(current[0].mesh)
     owed = 0.0
     for dim in range(current[0].mesh.ndim):
-        on_dim = _kept_on_dim(current, inputs, moved, outs, dim)
+        on_dim = _kept_on_dim(current, inputs, moved, outs, dim, topo)
         if on_dim is None:
             return 0.0
         owed += on_dim
@@ -237,19 +248,10 @@ def strided_partial_price(current: list, spec: Any) -> float:
     inputs = spec.input_specs
     if inputs is None or len(inputs) != len(current) or not current:
         return 0.0
-    outs = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
-    m = collective_cost_model()
-    topo = m.MeshTopoInfo.build_from_mesh(current[0].mesh)
-    owed = 0.0
-    for dim in range(current[0].mesh.ndim):
-        if not any(type(c.placements[dim]) is TorchStridedShard and t.placements[dim] == c.placements[dim]
-                   for c, t in zip(current, inputs)):
-            continue
-        for out in outs:
-            gb = _local_gb(out) if out is not None and out.placements[dim].is_partial() else None
-            if _plain(gb):
-                owed += (1 + MARGIN) * m.allreduce_cost(gb, topo, dim)
-    return owed
+    outs, topo = _outputs(spec), collective_cost_model().MeshTopoInfo.build_from_mesh(current[0].mesh)
+    return sum(_owed_reductions(outs, dim, topo, lambda gb: True) for dim in range(current[0].mesh.ndim)
+               if any(type(c.placements[dim]) is TorchStridedShard and t.placements[dim] == c.placements[dim]
+                      for c, t in zip(current, inputs)))
 
 
 def _select(original: Callable) -> Callable:

@@ -128,11 +128,12 @@ def _reusing(original: Callable) -> Callable:
         wrappers = getattr(_STATE, "wrappers", None)
         dims = reduced_dims(current, target) if wrappers and not kwargs.get("async_op") else None
         dtensor = wrappers.get(id(local)) if dims else None
-        box = _node_box() if dtensor is not None else None
-        if box is None or torch.compiler.is_compiling() or is_fake(local):
+        off = dtensor is None or torch.compiler.is_compiling() or is_fake(local)  # no DTensor, or tracing
+        box = None if off else _node_box()
+        if box is None:
             return original(local, current, target, **kwargs)
         key, base = (id(current.mesh), dims), dtensor._base if dtensor._base is not None else dtensor
-        for held in box.setdefault("held", []):
+        for held in box["held"]:
             if held.key == key and held.base is base and held.version == base._version:
                 perm = _permutation(held, local)
                 if perm is not None:
