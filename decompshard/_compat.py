@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 from typing import Any, Iterator, Sequence
 
@@ -561,23 +562,49 @@ def strategy_selection_slot() -> tuple[Any, str] | None:
     return None
 
 
-__all__ += ["current_autograd_node", "dispatch_redistribute_slots", "is_fake", "on_backward_end"]
+__all__ += ["current_autograd_node", "dispatch_args_in_flight", "dispatch_redistribute_slot", "is_fake", "on_backward_end"]
 
 
-def dispatch_redistribute_slots() -> tuple[tuple[Any, str], tuple[Any, str]] | None:
-    """Where DTensor's dispatcher moves an op's inputs (`(owner, attribute)` pairs): the
+def dispatch_redistribute_slot() -> tuple[Any, str] | None:
+    """Where DTensor's dispatcher moves an op's inputs (`(owner, attribute)`): the
     `_dispatch` module's `redistribute_local_tensor(local, current_spec, target_spec, *,
     async_op, ...)`, which `OpDispatcher.redistribute_local_args` calls through the module
-    global, and `OpDispatcher._dispatch_get_local_results_slow_path(self, op_call, args,
-    op_info)`, the Python step the C++ dispatch calls whenever inputs must move (it holds
-    the DTensor arguments themselves). Identical on 2.13-2.15; None where either is
-    missing (feature detection)."""
+    global on every call (so a wrapper put there is seen at once and gone after
+    `disable()`). Identical on 2.13-2.15; None where missing (feature detection)."""
     import torch.distributed.tensor._dispatch as dispatch
 
-    dispatcher = dispatch.OpDispatcher
-    if callable(vars(dispatch).get("redistribute_local_tensor")) and callable(
-            vars(dispatcher).get("_dispatch_get_local_results_slow_path")):
-        return (dispatch, "redistribute_local_tensor"), (dispatcher, "_dispatch_get_local_results_slow_path")
+    if callable(vars(dispatch).get("redistribute_local_tensor")):
+        return dispatch, "redistribute_local_tensor"
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _slow_path_code() -> Any:
+    import torch.distributed.tensor._dispatch as dispatch
+
+    fn = vars(dispatch.OpDispatcher).get("_dispatch_get_local_results_slow_path")
+    return getattr(fn, "__code__", None)
+
+
+def dispatch_args_in_flight(depth: int = 8) -> tuple | None:
+    """The DTensor arguments of the op whose inputs DTensor is moving now on this thread:
+    the `args` of `OpDispatcher._dispatch_get_local_results_slow_path`, found among the
+    `depth` innermost frames by its code object; None outside it.
+
+    Why a frame and not a wrapper: the C++ dispatch fetches that method once per process
+    and keeps the bound method (`DEFINE_CACHING_PYTHON_IMPORT_GETTER` in
+    python_variable.cpp, 2.13-2.15), so a wrapper put on the class after the first DTensor
+    op is never called, and one put there before it is called for the rest of the process,
+    `disable()` or not. Reading the frame changes nothing torch holds."""
+    code = _slow_path_code()
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        if frame.f_code is code:
+            args = frame.f_locals.get("args")
+            return args if isinstance(args, tuple) else None
+        frame = frame.f_back
     return None
 
 

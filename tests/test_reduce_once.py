@@ -20,7 +20,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import decompshard
-from decompshard._compat import dispatch_redistribute_slots
+from decompshard._compat import dispatch_redistribute_slot
 from decompshard.dispatch_modes.comm_bytes import CommBytes
 from decompshard.verify.dtensor_case import device_mesh, simulation
 
@@ -52,7 +52,7 @@ _MESHES = {
 @contextlib.contextmanager
 def _without_reuse():
     """The dispatch slot holding what it held before `enable()` wrapped it."""
-    (module, attribute), _ = dispatch_redistribute_slots()
+    module, attribute = dispatch_redistribute_slot()
     wrapped = vars(module)[attribute]
     setattr(module, attribute, wrapped.__wrapped__)
     try:
@@ -107,12 +107,50 @@ def test_a_gradient_written_in_place_after_a_reduction_is_reduced_again():
     assert reductions == 1  # the hook's clamp is not an mm; the node's own reduction is made anew
 
 
-def test_disable_puts_both_dispatch_slots_back():
-    (module, attribute), (dispatcher, method) = dispatch_redistribute_slots()
-    before = vars(module)[attribute], vars(dispatcher)[method]
+def test_disable_puts_the_dispatch_slot_back_and_leaves_the_slow_path_alone():
+    """The C++ dispatch keeps the slow-path method it fetched first for the whole process:
+    `enable()` must not wrap it (a wrapper would outlive `disable()`), only the module
+    global the slow path calls on every move."""
+    from torch.distributed.tensor._dispatch import OpDispatcher
+
+    module, attribute = dispatch_redistribute_slot()
+    before = vars(module)[attribute], vars(OpDispatcher)["_dispatch_get_local_results_slow_path"]
     decompshard.enable()
     try:
-        assert vars(module)[attribute] is not before[0] and vars(dispatcher)[method] is not before[1]
+        assert vars(module)[attribute] is not before[0]
+        assert vars(OpDispatcher)["_dispatch_get_local_results_slow_path"] is before[1]
     finally:
         decompshard.disable()
-    assert (vars(module)[attribute], vars(dispatcher)[method]) == before
+    assert vars(module)[attribute] is before[0]
+
+
+_AFTER_A_DTENSOR_OP = """
+import sys, warnings
+sys.path.insert(0, {tests!r})
+import torch
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from decompshard.verify.dtensor_case import device_mesh, simulated_world, simulation
+import test_reduce_once as t
+with simulated_world(4):
+    with simulation(4), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        x = distribute_tensor(torch.ones(4, 4), device_mesh((2, 2)), [Replicate(), Replicate()])
+        y = distribute_tensor(torch.ones(4, 4), device_mesh((2, 2)), [Shard(0), Replicate()])
+        (x + y).sum()  # an input moves: DTensor's C++ dispatch fetches its slow path now, before enable()
+    print(t._run((2, 2), reuse=True))
+"""
+
+
+def test_the_reuse_holds_when_dtensor_ran_before_enable():
+    """In a fresh process whose first DTensor op runs before `enable()` (a wrapper on the
+    slow path would never be called there: the reuse was lost, found by test order;
+    this case gave two reductions before)."""
+    import os
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([sys.executable, "-c", _AFTER_A_DTENSOR_OP.format(tests=tests)], capture_output=True,
+                         text=True, timeout=300, cwd=os.path.dirname(tests))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "(True, 1)", out.stdout[-2000:]

@@ -24,6 +24,10 @@ What makes the reuse exact:
 * only in backward, within one autograd node of torch's own (a custom Function's
   backward is user code), never while tracing: entries are forgotten when another node
   starts and when the backward ends, so at most one node's reductions are held.
+The DTensor a moved local tensor belongs to is read from DTensor's slow-path frame
+(`_compat.dispatch_args_in_flight`): the C++ dispatch keeps the slow-path method it
+fetched first, so a wrapper there would be skipped when a DTensor op ran before
+`enable()` (the reuse silently lost) and would outlive `disable()` otherwise.
 Every rank takes the same branch: the decision reads shapes, versions and object
 identities, alike on every rank of an SPMD program. Not covered: a second DTensor made by
 `from_local` over the same local tensor and written in place inside the same node (its
@@ -40,8 +44,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.distributed.tensor import DTensor
 
-from decompshard._compat import (current_autograd_node, dispatch_redistribute_slots, in_backward, is_fake,
-                                 on_backward_end, rank_tensors, tree_leaves)
+from decompshard._compat import (current_autograd_node, dispatch_args_in_flight, dispatch_redistribute_slot, in_backward,
+                                 is_fake, on_backward_end, rank_tensors, tree_leaves)
 from decompshard.runtime.table_patches import Entry, WarnOnce
 
 __all__ = ["entries", "reduced_dims"]
@@ -59,7 +63,7 @@ class _Reduced:
     result: torch.Tensor
 
 
-_STATE = threading.local()  # wrappers: id(local tensor) -> DTensor of the op in flight; box: this node's
+_STATE = threading.local()  # box: this node's reductions
 
 
 def reduced_dims(current: Any, target: Any) -> tuple | None:
@@ -125,9 +129,8 @@ def _reusing(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def redistribute(local: torch.Tensor, current: Any, target: Any, **kwargs: Any) -> torch.Tensor:
-        wrappers = getattr(_STATE, "wrappers", None)
-        dims = reduced_dims(current, target) if wrappers and not kwargs.get("async_op") else None
-        dtensor = wrappers.get(id(local)) if dims else None
+        dims = reduced_dims(current, target) if not kwargs.get("async_op") and in_backward() else None
+        dtensor = _owner(local) if dims else None
         off = dtensor is None or torch.compiler.is_compiling() or is_fake(local)  # no DTensor, or tracing
         box = None if off else _node_box()
         if box is None:
@@ -146,30 +149,19 @@ def _reusing(original: Callable) -> Callable:
     return redistribute
 
 
-def _naming_wrappers(original: Callable) -> Callable:
-    """`OpDispatcher._dispatch_get_local_results_slow_path` telling `_reusing` which DTensor
-    each local tensor it moves belongs to (in backward only)."""
-
-    @functools.wraps(original)
-    def slow_path(self: Any, op_call: Any, args: tuple, op_info: Any) -> Any:
-        if not in_backward():
-            return original(self, op_call, args, op_info)
-        saved = getattr(_STATE, "wrappers", None)
-        _STATE.wrappers = {id(a._local_tensor): a for a in tree_leaves(args) if isinstance(a, DTensor)}
-        try:
-            return original(self, op_call, args, op_info)
-        finally:
-            _STATE.wrappers = saved
-
-    return slow_path
+def _owner(local: torch.Tensor) -> Any:
+    """The DTensor argument of the op in flight whose local tensor `local` is; None if none."""
+    args = dispatch_args_in_flight()
+    if args is None:
+        return None
+    return next((a for a in tree_leaves(args) if isinstance(a, DTensor) and a._local_tensor is local), None)
 
 
 def entries(warn: WarnOnce) -> Iterator[Entry]:
-    """What `enable()` puts where: both dispatch slots wrapped (`disable()` puts them back);
-    nothing on a torch without them."""
-    slots = dispatch_redistribute_slots()
-    if slots is None:
+    """What `enable()` puts where: the dispatcher's redistribution slot wrapped
+    (`disable()` puts it back); nothing on a torch without it."""
+    slot = dispatch_redistribute_slot()
+    if slot is None:
         return
-    (module, attribute), (dispatcher, method) = slots
+    module, attribute = slot
     yield module, attribute, _reusing(vars(module)[attribute])
-    yield dispatcher, method, _naming_wrappers(vars(dispatcher)[method])
