@@ -8,7 +8,9 @@ shards as they are and all-reduce per-row statistics in between (`row_reduce.py`
 * softmax / log_softmax and their backward ops over a sharded dim (`plan_softmax.py`);
 * nll_loss over a class-sharded input, the second half of vocab-parallel cross-entropy
   (`plan_vocab_loss.py`);
-* layer norm over a sharded hidden dim, forward and backward (`plan_norms.py`).
+* layer norm over a sharded hidden dim, forward and backward (`plan_norms.py`);
+* index_add into a tensor sharded along the indexed dim, which moves nothing at all:
+  each rank adds the rows it owns (`plan_index_add.py`, Mixtral's expert loop).
 
 Each plan declines (returns None) unless its placements apply and the cost model prices
 it below DTensor's own strategy, from global shapes, placements and the mesh only, so
@@ -25,7 +27,7 @@ from typing import Any, Callable, Iterator
 
 from decompshard._compat import custom_op_handlers, dtensor_default_dispatch
 from decompshard.op_names import resolve_op
-from decompshard.runtime import plan_norms, plan_softmax, plan_vocab_loss
+from decompshard.runtime import plan_index_add, plan_norms, plan_softmax, plan_vocab_loss
 from decompshard.runtime.table_patches import Entry, WarnOnce, where_none
 
 __all__ = ["ACTIVE", "entries", "planned_or", "plan_ops"]
@@ -34,7 +36,7 @@ ACTIVE: dict[Any, Callable] = {}  # op -> plan, while enable() is installed
 
 
 def _named_plans() -> dict[str, Callable]:
-    return {**plan_softmax.PLANS, **plan_vocab_loss.PLANS, **plan_norms.PLANS}
+    return {**plan_softmax.PLANS, **plan_vocab_loss.PLANS, **plan_norms.PLANS, **plan_index_add.PLANS}
 
 
 def plan_ops() -> list[tuple[Any, Callable]]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from decompshard.op_names import resolve_op
-from decompshard.runtime import plan_norms, plan_softmax, plan_vocab_loss, sync_batchnorm
+from decompshard.runtime import plan_index_add, plan_norms, plan_softmax, plan_vocab_loss, sync_batchnorm
 from decompshard.runtime.guard_table import BATCH_SHARDED_NORM_BACKWARDS, BATCH_SHARDED_NORMS
 from decompshard.runtime.row_reduce import Priced, dtensor_cost
 
@@ -46,6 +46,11 @@ def _table() -> dict[str, PlanInfo]:
         out[name] = PlanInfo("runtime/plan_vocab_loss.py", "nll_loss over a class-sharded input (vocab-parallel loss)",
                              "the class dim sharded on exactly one mesh dim, every rank holding classes; the other "
                              "mesh dims Shard the batch or Replicate", fn)
+    for name, fn in plan_index_add.PRICES.items():
+        out[name] = PlanInfo("runtime/plan_index_add.py", "index_add into a tensor sharded along the indexed dim "
+                             "(each rank adds the rows it owns)",
+                             "self Shard(dim) on exactly one mesh dim, every rank holding rows, the other mesh dims "
+                             "Replicate or Shard of another dim; a 1-D index", fn)
     bn = ("runtime/sync_batchnorm.py", "batch norm on a batch-sharded input (SyncBatchNorm's plan)",
           "the input Shard(0) on some mesh dim, the others Shard(1) or Replicate; every per-channel tensor "
           "Replicate or sharded with the channels")

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from decompshard._compat import DTensor, TorchReplicate, TorchShard, local_tensor, placed_dtensor, slab_index
-from decompshard.runtime.row_reduce import Priced, Stat, Step, moves_cost, reduce_scalars, scalars_cost, sharding_dims
+from decompshard.runtime.row_reduce import Priced, Stat, Step, every_rank_holds_slab, moves_cost, reduce_scalars, scalars_cost, sharding_dims
 
 __all__ = ["PLANS", "PRICES"]
 
@@ -46,7 +46,7 @@ class _Layout:
         self.x, self.mesh = x, x.device_mesh
         self.c = 1 if x.dim() >= 2 else 0
         dims = sharding_dims(x.placements, [self.c])
-        if not dims or len(dims) != 1 or not _every_rank_holds_classes(x.shape[self.c], self.mesh.size(dims[0])):
+        if not dims or len(dims) != 1 or not every_rank_holds_slab(x.shape[self.c], self.mesh.size(dims[0])):
             return
         self.m = dims[0]
         # the target drops the class dim; the batch dims that shard keep their mesh dims
@@ -71,14 +71,6 @@ class _Layout:
         idx, outside = slab_index(safe, self.x.shape[self.c], self.mesh, self.m)
         w = valid.to(self.x.dtype) if weight is None else torch.where(valid, self.place(weight, self.rep)[safe], 0.0)
         return idx, valid & ~outside, w
-
-
-def _every_rank_holds_classes(size: int, n: int) -> bool:
-    """torch.chunk gives every one of n ranks a non-empty slab of `size` elements."""
-    if size < n:
-        return False
-    chunk = -(-size // n)
-    return -(-size // chunk) == n
 
 
 def _forward_price(op_call: Any, args: tuple, kwargs: dict) -> Priced | None:

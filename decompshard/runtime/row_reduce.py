@@ -36,7 +36,7 @@ from decompshard._compat import DTensor, TorchPartial, TorchReplicate, TorchShar
 from decompshard.dispatch_modes.graph import freeze, map_leaves
 from decompshard.mesh.cost import Cost, bytes_key, redistribute_cost
 
-__all__ = ["Priced", "Stat", "Step", "cheaper_than_dtensor", "dtensor_cost", "forget_decisions", "moved_local", "moves_cost",
+__all__ = ["Priced", "Stat", "Step", "cheaper_than_dtensor", "dtensor_cost", "every_rank_holds_slab", "forget_decisions", "moved_local", "moves_cost",
            "reduce_scalars",
            "row_placements", "scalars_cost", "sharding_dims"]
 
@@ -54,6 +54,15 @@ def sharding_dims(placements: Sequence[Any], dims: Iterable[int]) -> tuple[int, 
         elif not isinstance(p, TorchReplicate):
             return None
     return tuple(found)
+
+
+def every_rank_holds_slab(size: int, n: int) -> bool:
+    """torch.chunk gives every one of n ranks a non-empty slab of `size` elements (a plan
+    that indexes into its slab needs one: an empty slab has no row to point at)."""
+    if size < n:
+        return False
+    chunk = -(-size // n)
+    return -(-size // chunk) == n
 
 
 def row_placements(placements: Sequence[Any], reduced: Iterable[int]) -> tuple[Any, ...]:
