@@ -223,3 +223,45 @@ def test_a_packed_weight_is_not_gathered_where_its_input_is_smaller():
     right, moved, _ = _packed_projection(False)
     assert right
     assert moved == {"all_gather_into_tensor": 32 * 64 * 8}, moved  # torch alone: the weight
+
+
+def _routed_rows(price_chunks: bool, monkeypatch):
+    """(loss and gradients right on every rank, bytes moved forward and backward, the
+    routed rows' placements): tokens batch-sharded on a 2x2 mesh's first dim, rows picked
+    at global indices (an MoE's routing), then a column-parallel matmul."""
+    import decompshard.runtime.partial_pricing as pricing
+
+    if not price_chunks:
+        monkeypatch.setattr(pricing, "chunked_gather_price", lambda current, spec: 0.0)
+    x, w, idx = _t(16, 8, seed=1), _t(8, 12, seed=2), torch.tensor([0, 15, 3, 3, 5, 8, 1, 9, 12])
+    ref = [x.clone().requires_grad_(True), w.clone().requires_grad_(True)]
+    torch.relu(ref[0][idx].mm(ref[1])).sum().backward()
+    mesh = device_mesh((2, 2))
+    decompshard.enable()
+    try:
+        with simulation(4), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dx = distribute_tensor(x, mesh, [Shard(0), R]).requires_grad_(True)
+            dw = distribute_tensor(w, mesh, [R, Shard(1)]).requires_grad_(True)
+            didx = distribute_tensor(idx, mesh, [R, R])
+            with CommBytes() as moved:
+                rows = dx[didx]
+                torch.relu(rows.mm(dw)).sum().backward()
+            right = all(torch.allclose(v, r.grad, rtol=1e-12, atol=1e-12)
+                        for d, r in zip((dx, dw), ref) for v in d.grad.full_tensor()._local_tensors.values())
+            return right, moved.bytes_by_kind.get("all_gather_into_tensor", 0), tuple(rows.placements)
+    finally:
+        decompshard.disable()
+
+
+def test_a_gather_is_not_shrunk_by_chunking_what_the_next_op_needs_whole(monkeypatch):
+    """Gathering the tokens over the batch dim, DTensor's cheapest strategy for the
+    indexing also chunks the hidden dim on the other mesh dim (half the bytes now); the
+    matmul after it needs the rows whole there and gathers them again, forward and
+    backward. Priced at that re-gather, the indexing gathers the tokens once."""
+    right, gathered, placements = _routed_rows(True, monkeypatch)
+    assert right and placements == (R, R)
+    assert gathered == 16 * 8 * 8 // 2, gathered  # one all-gather of each rank's 8 tokens
+    right, gathered_unpriced, placements = _routed_rows(False, monkeypatch)
+    assert right and placements == (R, Shard(1))
+    assert gathered_unpriced > gathered, gathered_unpriced

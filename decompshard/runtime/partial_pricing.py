@@ -254,16 +254,48 @@ def strided_partial_price(current: list, spec: Any) -> float:
                       for c, t in zip(current, inputs)))
 
 
+def chunked_gather_price(current: list, spec: Any) -> float:
+    """What strategy `spec` owes for chunking an input on a mesh dim where it is
+    Replicate while gathering it on another: (1 + MARGIN) all-gathers of the moved input
+    on each chunked dim. DTensor shrinks a gather that way (`(S(0), R) -> (R, S(1))`
+    moves half the bytes of `(R, R)`) and hands the chunk on; the next op that needs the
+    rows whole on that dim, the column-parallel matmul after an MoE's token routing,
+    gathers them again, forward and backward, once per reader (Mixtral 2d: each expert's
+    tokens gathered in halves, then the halves gathered by five matmuls: 247 -> 199 KiB
+    with this price). Charged only beside a gather: chunking a replicated input alone is
+    how a strategy shards work, and costs nothing to undo that it did not save."""
+    inputs = spec.input_specs
+    if inputs is None or len(inputs) != len(current) or not current:
+        return 0.0
+    m = collective_cost_model()
+    topo = m.MeshTopoInfo.build_from_mesh(current[0].mesh)
+    owed = 0.0
+    for c, t in zip(current, inputs):
+        pairs = list(zip(c.placements, t.placements))
+        if not any(a.is_shard() and b.is_replicate() for a, b in pairs):
+            continue
+        gb = _local_gb(t)
+        if not _plain(gb):
+            continue
+        for dim, (a, b) in enumerate(pairs):
+            if a.is_replicate() and b.is_shard():
+                owed += (1 + MARGIN) * m.allgather_cost(gb, topo, dim)
+    return owed
+
+
 def _select(original: Callable) -> Callable:
-    """`_select_min_cost_strategy(strategy, op_schema)` choosing with `kept_partial_price`
-    added to each candidate's cost; the candidate returned is DTensor's own object."""
+    """`_select_min_cost_strategy(strategy, op_schema)` choosing with what each candidate
+    owes beyond its input moves added to its cost (`kept_partial_price`,
+    `strided_partial_price`, `chunked_gather_price`); the candidate returned is DTensor's
+    own object."""
 
     @functools.wraps(original)
     def select(strategy: Any, op_schema: Any = None) -> Any:
         if op_schema is None or len(strategy.strategies) < 2:
             return original(strategy, op_schema)
         current = list(op_schema.args_spec)
-        owed = [kept_partial_price(current, s) + strided_partial_price(current, s) for s in strategy.strategies]
+        owed = [kept_partial_price(current, s) + strided_partial_price(current, s) + chunked_gather_price(current, s)
+                for s in strategy.strategies]
         if not any(owed):
             return original(strategy, op_schema)
         priced = []
