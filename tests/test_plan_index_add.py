@@ -108,3 +108,23 @@ def test_declines_when_a_rank_holds_no_rows(enabled):
                                        [[Shard(0)], [R], [R]], mesh, n_grad=1)
     assert out_ok and grads_ok
     assert any(k in comms for k in MOVES_ACTIVATIONS), comms
+
+
+def test_compiled_matches_eager_and_one_device(enabled):
+    """Under torch.compile (fullgraph, aot_eager) the plan traces and gives eager's
+    shard, which is rank 0's rows of one device's result (fake process group: rank 0's
+    numbers are real where nothing moves)."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = device_mesh((4,))
+    x, src = _x(10, 6), _x(7, 6, seed=2)
+    dx = DTensor.from_local(x.tensor_split(4, 0)[0].contiguous(), mesh, [Shard(0)], run_check=False,
+                            shape=x.shape, stride=x.stride())
+    di = DTensor.from_local(INDEX, mesh, [R], run_check=False)
+    ds = DTensor.from_local(src, mesh, [R], run_check=False)
+    torch._dynamo.reset()
+    compiled = torch.compile(_out_of_place, backend="aot_eager", fullgraph=True)(dx, di, ds)
+    eager = _out_of_place(dx, di, ds)
+    assert compiled.placements == eager.placements == (Shard(0),)
+    assert torch.equal(compiled.to_local(), eager.to_local())
+    assert torch.allclose(eager.to_local(), x.index_add(0, INDEX, src, alpha=2.0)[:3], rtol=1e-12, atol=1e-12)
