@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from decompshard._compat import DTensor, TorchReplicate, TorchShard, local_tensor, placed_dtensor, slab_index
-from decompshard.runtime.row_reduce import Priced, Step, every_rank_holds_slab, moves_cost
+from decompshard.runtime.row_reduce import Priced, Step, every_rank_holds_slab, local_at, moves_cost
 
 __all__ = ["PLANS", "PRICES"]
 
@@ -49,13 +49,9 @@ class _Layout:
             return
         self.x, self.mesh, self.m = x, x.device_mesh, sharding[0]
         self.source_placements = tuple(TorchReplicate() if m == self.m else p for m, p in enumerate(x.placements))
-        self.moves = [(index, (TorchReplicate(),) * self.mesh.ndim), (source, self.source_placements)]
+        self.index_placements = (TorchReplicate(),) * self.mesh.ndim
+        self.moves = [(index, self.index_placements), (source, self.source_placements)]
         self.ok = True
-
-    def place(self, t: Any, placements: tuple) -> torch.Tensor:
-        if tuple(t.placements) != placements:
-            t = t.redistribute(self.mesh, placements)
-        return local_tensor(t)
 
 
 def _price(op_call: Any, args: tuple, kwargs: dict) -> Priced | None:
@@ -78,8 +74,8 @@ def _index_add(op_call: Any, args: tuple, kwargs: dict) -> Any:
     alpha = args[4] if len(args) > 4 else kwargs.get("alpha", 1)
     if not math.isfinite(alpha):  # alpha * the zero rows added for other slabs' indices would not be zero
         return None
-    idx, outside = slab_index(lay.place(index, lay.moves[0][1]), x.shape[lay.dim], lay.mesh, lay.m)
-    rows = lay.place(source, lay.source_placements)
+    idx, outside = slab_index(local_at(index, lay.mesh, lay.index_placements), x.shape[lay.dim], lay.mesh, lay.m)
+    rows = local_at(source, lay.mesh, lay.source_placements)
     mask_shape = [-1 if d == lay.dim else 1 for d in range(rows.dim())]
     rows = torch.where(outside.view(mask_shape), torch.zeros((), dtype=rows.dtype), rows)  # added at row 0: adds zero
     out = local_tensor(x).index_add(lay.dim, idx, rows, alpha=alpha)

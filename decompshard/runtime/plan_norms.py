@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from decompshard._compat import DTensor, TorchPartial, TorchReplicate, TorchShard, local_tensor, placed_dtensor
-from decompshard.runtime.row_reduce import Priced, Step, Stat, moves_cost, sharding_dims
+from decompshard.runtime.row_reduce import Priced, Step, Stat, local_at, moves_cost, sharding_dims
 
 __all__ = ["PLANS", "PRICES"]
 
@@ -52,11 +52,7 @@ class _Norm:
         self.ok = True
 
     def param(self, p: Any) -> torch.Tensor | None:
-        if p is None:
-            return None
-        if tuple(p.placements) != self.param_placements:
-            p = p.redistribute(self.mesh, self.param_placements)
-        return local_tensor(p)
+        return None if p is None else local_at(p, self.mesh, self.param_placements)
 
     def moves(self, *params: Any) -> list:
         return [(p, self.param_placements) for p in params if p is not None]
@@ -127,7 +123,7 @@ def _backward(op_call: Any, args: tuple, kwargs: dict) -> Any:
     if priced is None or not priced.taken(op_call, args, kwargs):
         return None
     norm, stats = priced.context
-    g, m, r = (local_tensor(t if tuple(t.placements) == pl else t.redistribute(norm.mesh, pl)) for t, pl in stats)
+    g, m, r = (local_at(t, norm.mesh, pl) for t, pl in stats)
     xhat = (local_tensor(x) - m) * r
     w = norm.param(weight)
     gw = g * w if w is not None else g

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from decompshard._compat import DTensor, TorchReplicate, TorchShard, local_tensor, placed_dtensor, slab_index
-from decompshard.runtime.row_reduce import Priced, Stat, Step, every_rank_holds_slab, moves_cost, reduce_scalars, scalars_cost, sharding_dims
+from decompshard.runtime.row_reduce import Priced, Stat, Step, every_rank_holds_slab, local_at, moves_cost, reduce_scalars, scalars_cost, sharding_dims
 
 __all__ = ["PLANS", "PRICES"]
 
@@ -58,18 +58,13 @@ class _Layout:
         self.moves = [(target, self.target_placements)] + ([(weight, self.rep)] if weight is not None else [])
         self.ok = True
 
-    def place(self, t: Any, placements: tuple) -> torch.Tensor:
-        if tuple(t.placements) != placements:
-            t = t.redistribute(self.mesh, placements)
-        return local_tensor(t)
-
     def picks(self, target: Any, weight: Any, ignore_index: int) -> tuple[torch.Tensor, ...]:
         """(local class index into this rank's slab, where it counts, w[target]) per row."""
-        t = self.place(target, self.target_placements)
+        t = local_at(target, self.mesh, self.target_placements)
         valid = t != ignore_index
         safe = torch.where(valid, t, 0)
         idx, outside = slab_index(safe, self.x.shape[self.c], self.mesh, self.m)
-        w = valid.to(self.x.dtype) if weight is None else torch.where(valid, self.place(weight, self.rep)[safe], 0.0)
+        w = valid.to(self.x.dtype) if weight is None else torch.where(valid, local_at(weight, self.mesh, self.rep)[safe], 0.0)
         return idx, valid & ~outside, w
 
 
@@ -138,9 +133,9 @@ def _backward(op_call: Any, args: tuple, kwargs: dict) -> Any:
         return None
     lay, grad_placements = priced.context
     idx, here, w = lay.picks(target, weight, ignore_index)
-    g = lay.place(grad, grad_placements)
+    g = local_at(grad, lay.mesh, grad_placements)
     if reduction == MEAN:
-        g = g / lay.place(total_weight, lay.rep)
+        g = g / local_at(total_weight, lay.mesh, lay.rep)
     value = torch.where(here, -w * g, 0.0)
     out = torch.zeros_like(local_tensor(x))
     out.scatter_(lay.c, idx.unsqueeze(lay.c), value.unsqueeze(lay.c).to(out.dtype))

@@ -32,11 +32,12 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from decompshard._compat import DTensor, TorchPartial, TorchReplicate, TorchShard, contiguous_spec, dtensor_planned_moves, redistribute_local_tensor
+from decompshard._compat import (DTensor, TorchPartial, TorchReplicate, TorchShard, contiguous_spec, dtensor_planned_moves,
+                                 local_tensor, redistribute_local_tensor)
 from decompshard.dispatch_modes.graph import freeze, map_leaves
 from decompshard.mesh.cost import Cost, bytes_key, redistribute_cost
 
-__all__ = ["Priced", "Stat", "Step", "cheaper_than_dtensor", "dtensor_cost", "every_rank_holds_slab", "forget_decisions", "moved_local", "moves_cost",
+__all__ = ["Priced", "Stat", "Step", "cheaper_than_dtensor", "dtensor_cost", "every_rank_holds_slab", "local_at", "forget_decisions", "moved_local", "moves_cost",
            "reduce_scalars",
            "row_placements", "scalars_cost", "sharding_dims"]
 
@@ -63,6 +64,14 @@ def every_rank_holds_slab(size: int, n: int) -> bool:
         return False
     chunk = -(-size // n)
     return -(-size // chunk) == n
+
+
+def local_at(t: Any, mesh: Any, placements: tuple) -> torch.Tensor:
+    """This rank's local tensor of DTensor `t` moved to `placements` (as it is where it is
+    there already): how a plan lays out an argument it reads whole or sharded its way."""
+    if tuple(t.placements) != tuple(placements):
+        t = t.redistribute(mesh, placements)
+    return local_tensor(t)
 
 
 def row_placements(placements: Sequence[Any], reduced: Iterable[int]) -> tuple[Any, ...]:
