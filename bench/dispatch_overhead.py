@@ -18,7 +18,7 @@ ratios decompshard / torch (below 1: decompshard is faster), with their median o
 Usage: python bench/dispatch_overhead.py [--repeat 5] [--calls 200] [--mesh 4 | 2x2] [--strided]
 
 --strided: warm per-call time of split / cat / slice of packed projections' blocks
-(runtime/strided_blocks.py: DTensor's answer overridden once per op schema, then cached)
+(runtime/steering/strided_blocks.py: DTensor's answer overridden once per op schema, then cached)
 against torch alone on the same shapes where its own answer is local too (the sharded dim
 not the one split: no data moved on either side), and against torch alone on the
 strided input itself (it all-gathers; the fake process group makes that cheap but not

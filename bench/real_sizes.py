@@ -24,7 +24,7 @@ Sizes (float32, batch 8 = one sample per rank in data parallel):
 Measured 2026-11-27, torch 2.13, the shared 2-core machine (times are ratios within the
 run): llama dp 0.46 MB = 1.00x DDP's bytes (23 collectives); llama tp 23.2 MB = 1.38x
 Megatron's (1.45x before Replicate -> Partial was priced in forward on 1-D meshes, see
-runtime/partial_pricing.py); resnet50 dp 102.4 MB = 1.00x DDP + SyncBatchNorm's (215
+runtime/steering/kept_partial.py); resnet50 dp 102.4 MB = 1.00x DDP + SyncBatchNorm's (215
 collectives, no activation moved). In float32 resnet50's verdict is WRONG at float32's
 tolerance on conv1.weight's gradient (max error 0.23 of 10.8), which one device's own
 float32 step shows against its float64 step (0.22): the depth of a randomly initialised

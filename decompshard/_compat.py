@@ -446,7 +446,7 @@ def dtensor_planned_moves(op_call: Any, args: tuple, kwargs: dict) -> list[tuple
     """DTensor's own plan for one call, not run: (current spec, the spec its chosen strategy
     moves it to) for each positional tensor argument; None where DTensor has no strategy
     (it would raise). For a handler that runs a cheaper plan only when DTensor's moves
-    more (runtime/collective_plans.py)."""
+    more (runtime/plans/install.py)."""
     dispatcher = DTensor._op_dispatcher
     op_info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
     try:

@@ -36,7 +36,7 @@ CASES = [
     Case("conv2d out-channels", F.conv2d, [(2, 3, 6, 6), (8, 3, 3, 3), (8,)], ["R", "S0", "S0"]),
     Case("conv2d channel-sharded input", F.conv2d, [(2, 8, 6, 6), (4, 8, 3, 3)], ["S1", "R"]),
     # weights larger than the activations: run channel-parallel on the shards
-    # (runtime/conv_channels.py), no weight all-gather; here on real collectives too
+    # (runtime/plans/conv_channels.py), no weight all-gather; here on real collectives too
     Case("conv2d colwise, large weight", F.conv2d, [(2, 8, 3, 3), (32, 8, 3, 3), (32,)], ["R", "S0", "S0"]),
     Case("conv2d rowwise with bias, large weight", F.conv2d, [(2, 32, 3, 3), (8, 32, 3, 3), (8,)], ["S1", "S1", "R"]),
 ]

@@ -1,5 +1,5 @@
 """`as_strided_` / `as_strided` on DTensors where they move no element
-(decompshard/runtime/as_strided.py): timm's ConvNeXt head pools a channels-last-strided map,
+(decompshard/runtime/support/as_strided.py): timm's ConvNeXt head pools a channels-last-strided map,
 which ATen's adaptive_avg_pool2d restrides with `as_strided_`."""
 
 from __future__ import annotations

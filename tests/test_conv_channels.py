@@ -1,4 +1,4 @@
-"""Channel-parallel convolution (decompshard/runtime/conv_channels.py): real DTensors on
+"""Channel-parallel convolution (decompshard/runtime/plans/conv_channels.py): real DTensors on
 simulated meshes against one device (float64), forward and backward, with the
 collectives counted: a colwise or rowwise conv whose weight outweighs its activations
 moves activations (Megatron's all-reduces) and never all-gathers its weight; one whose
@@ -141,7 +141,7 @@ def test_colwise_then_rowwise_moves_one_all_reduce_each_way():
 def test_not_channel_parallel_is_left_to_the_guard():
     """A batch-sharded conv (data parallel) or a layout outside the rules (weight
     Shard(1) with a Shard(0) input) is not taken: the guard's path, as before."""
-    from decompshard.runtime.conv_channels import channel_parallel
+    from decompshard.runtime.plans.conv_channels import channel_parallel
 
     mesh = device_mesh((4,))
     x, w, _ = _data(((4, 8, 3, 3), (8, 8, 3, 3), False))

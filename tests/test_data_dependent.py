@@ -1,5 +1,5 @@
 """Ops whose output size depends on values run replicated under `enable()`
-(decompshard/runtime/data_dependent.py); without it DTensor stops at them."""
+(decompshard/runtime/support/data_dependent.py); without it DTensor stops at them."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import decompshard
 from decompshard._compat import DTensor
-from decompshard.runtime.data_dependent import data_dependent_ops
+from decompshard.runtime.support.data_dependent import data_dependent_ops
 from decompshard.verify.dtensor_case import device_mesh, rank_locals
 
 aten = torch.ops.aten

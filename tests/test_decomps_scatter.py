@@ -352,7 +352,7 @@ def test_moe_combine_runs_with_no_collective(world):
 
 
 def test_in_place_scatter_reduce_stays_sharded(world):
-    """scatter_reduce_ runs its functional twin's derived strategy (decompshard/runtime/inplace.py):
+    """scatter_reduce_ runs its functional twin's derived strategy (decompshard/runtime/support/inplace.py):
     along a dim the scatter leaves alone, every input S(1), no collective, self still S(1)."""
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(6, 5, generator=gen, dtype=torch.float64)

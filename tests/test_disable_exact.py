@@ -29,7 +29,7 @@ import pytest
 
 import _dtensor_state as state
 import decompshard
-from decompshard.runtime import guard
+from decompshard.runtime.fences import guard
 
 SCRIPT = Path(__file__).with_name("_dtensor_state.py")
 

@@ -1,4 +1,4 @@
-"""`explain` for an op with a collective plan (explain/plans.py, runtime/plan_prices.py):
+"""`explain` for an op with a collective plan (explain/plans.py, runtime/plans/prices.py):
 what it says the plan all-reduces and which path enable() takes, held against what the
 same call does on simulated ranks under enable() (CommBytes counts its collectives and
 the bytes each rank puts in), and the outputs against one device.

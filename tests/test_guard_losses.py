@@ -1,4 +1,4 @@
-"""The native guard's mean-loss handler (decompshard/runtime/guard_losses.py): nll_loss_forward /
+"""The native guard's mean-loss handler (decompshard/runtime/fences/mean_loss.py): nll_loss_forward /
 nll_loss2d_forward with reduction='mean' on a batch-sharded target.
 
 DTensor's native strategy returns Partial(avg) of per-rank means: wrong with ignored
@@ -22,7 +22,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import _loss_cases as L
 import decompshard
-from decompshard.runtime.guard_table import KEPT_WHERE_RIGHT, wrong_here
+from decompshard.runtime.fences.table import KEPT_WHERE_RIGHT, wrong_here
 from decompshard.verify.dtensor_case import simulated_world
 
 W = 4
@@ -115,7 +115,7 @@ def test_without_the_guard_the_same_cases_are_as_measured(meshes):
 def test_vocab_sharded_logits_on_2x2(meshes, guard_on):
     """Logits S(0) on DP and S(1) (classes) on TP, targets S(0), R: DTensor alone gathers
     the classes over TP and averages per-rank means; under enable() the vocab-parallel
-    plan (runtime/plan_vocab_loss.py) runs ahead of the guard's handler: the loss is
+    plan (runtime/plans/vocab_loss.py) runs ahead of the guard's handler: the loss is
     right and the logits are not gathered."""
     x, t = L.logits(8, 4), L.targets(8, 4, [0, 1, 2])
     got = L.step(L.CE, x, t, {}, meshes["2x2"], [S0, Shard(1)], [S0, R])

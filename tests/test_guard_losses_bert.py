@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import decompshard
-from decompshard.runtime.guard_table import wrong_here
+from decompshard.runtime.fences.table import wrong_here
 from decompshard.verify.dtensor_case import simulated_world
 
 transformers = pytest.importorskip("transformers")

@@ -1,4 +1,4 @@
-"""The native guard's dim wrapping (decompshard/runtime/guard_dims.py): DTensor's `scan_strategy`
+"""The native guard's dim wrapping (decompshard/runtime/fences/negative_dims.py): DTensor's `scan_strategy`
 (cumsum, cumprod, logcumsumexp) compares `dim` unwrapped with the placements' dims, so
 `cumsum(-1)` on a Shard of the last dim scans each rank's part alone. Every case here
 is compared with one device (float64), forward and backward, on an uneven 1-D mesh of 3
@@ -23,7 +23,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 import decompshard
 from decompshard.coverage.native_variants import negative_dim_samples
 from decompshard.coverage.opinfo_samples import AtenSample
-from decompshard.runtime.guard_table import NEGATIVE_DIMS_UNWRAPPED, wrong_here
+from decompshard.runtime.fences.table import NEGATIVE_DIMS_UNWRAPPED, wrong_here
 from decompshard.verify.dtensor_case import device_mesh, rank_locals
 
 aten = torch.ops.aten
@@ -164,7 +164,7 @@ def test_the_audit_finds_cumsum_with_negative_dims_and_not_under_the_guard(monke
     """`coverage --verify-native` on an OpInfo-style cumsum sample with dim >= 0 (right
     in DTensor): its negative-dim variant is what the audit reports, and nothing is
     left of it with the guard (`--guard`), nor on a release where torch fixed it."""
-    from decompshard.runtime import guard
+    from decompshard.runtime.fences import guard
     from decompshard.coverage import native_audit, opinfo_samples
 
     x = torch.randn(5, 6, dtype=torch.float64)

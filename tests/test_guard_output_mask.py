@@ -1,4 +1,4 @@
-"""The guard's output-mask fix (runtime/guard_masks.py): the backward of a convolution
+"""The guard's output-mask fix (runtime/fences/output_mask.py): the backward of a convolution
 whose input needs no gradient (every network's first layer), on a 2-D mesh, matches one
 device. torch 2.14 and 2.15 alone raise there ("strategy position 0 mixes None with placements
 across mesh dims"): its single-dim strategy places grad_input although output_mask

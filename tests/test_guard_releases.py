@@ -22,7 +22,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 import decompshard
 from decompshard import _compat
 from decompshard.placements import P, R, S
-from decompshard.runtime.guard_table import KEPT_WHERE_RIGHT, TESTED_RELEASES, WRONG_ON, fenced, mask_key, wrong_here
+from decompshard.runtime.fences.table import KEPT_WHERE_RIGHT, TESTED_RELEASES, WRONG_ON, fenced, mask_key, wrong_here
 from decompshard.verify.dtensor_case import device_mesh, rank_locals
 from decompshard.verify.native_rules import run_on_dtensor
 

@@ -1,4 +1,4 @@
-"""In-place view ops on DTensors under `enable()` (decompshard/runtime/inplace_views.py):
+"""In-place view ops on DTensors under `enable()` (decompshard/runtime/support/inplace_views.py):
 `transpose_`, `unsqueeze_` and `t_` follow their out-of-place twin's native strategy on
 self's own local tensor. Without it DTensor has no strategy for them."""
 
@@ -13,7 +13,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tenso
 
 import decompshard
 from decompshard._compat import DTensor, local_tensor
-from decompshard.runtime.inplace_views import in_place_view_ops
+from decompshard.runtime.support.inplace_views import in_place_view_ops
 from decompshard.verify.dtensor_case import device_mesh, rank_locals
 
 aten = torch.ops.aten

@@ -1,5 +1,5 @@
 """In-place ops without a native strategy are computed out of place and written back
-into `self` (decompshard/runtime/inplace.py). Before, a derived strategy could move `self`:
+into `self` (decompshard/runtime/support/inplace.py). Before, a derived strategy could move `self`:
 DTensor ran the op on a redistributed copy and relabelled the untouched shard."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import decompshard
 from decompshard._compat import DTensor, custom_op_handlers
-from decompshard.runtime.inplace import written_back_ops
+from decompshard.runtime.support.inplace import written_back_ops
 from decompshard.verify.dtensor_case import device_mesh, rank_locals
 
 aten = torch.ops.aten

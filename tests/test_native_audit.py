@@ -22,7 +22,7 @@ import torch
 
 from decompshard import _compat
 from decompshard.cli import main
-from decompshard.runtime.guard_table import STATS_WRITTEN, TESTED_RELEASES, WRONG_ON
+from decompshard.runtime.fences.table import STATS_WRITTEN, TESTED_RELEASES, WRONG_ON
 from decompshard.verify.native_rules import run_on_dtensor
 from decompshard.verify.native_rules import DISPATCH, KERNEL_ERROR, RULE, WRONG_SHAPE, WRONG_VALUES, audit_native_op, audit_native_op_detailed
 from decompshard.placements import P, R, S

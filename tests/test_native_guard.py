@@ -1,4 +1,4 @@
-"""The native guard (decompshard/runtime/guard.py), on by default with `enable()`: it keeps
+"""The native guard (decompshard/runtime/fences/guard.py), on by default with `enable()`: it keeps
 DTensor away from native behaviour the audit proved wrong; opted out
 (`enable(guard_native=False)`, DECOMPSHARD_GUARD_NATIVE=0), DTensor is untouched.
 
@@ -18,11 +18,11 @@ from torch.distributed._local_tensor import LocalTensorMode
 
 import _conv_guard as C
 import decompshard
-from decompshard.runtime import guard
+from decompshard.runtime.fences import guard
 from decompshard._compat import DTensor, sharding_propagator
 from decompshard.verify.dtensor_case import simulated_world
 from decompshard.verify.native_rules import run_on_dtensor
-from decompshard.runtime.guard_table import HANDLERS_SKIPPING_REDISTRIBUTION, MEAN_OF_MEANS_LOSSES, NEGATIVE_DIMS_UNWRAPPED, READS_OF_ONE_RANKS_PART, STATS_WRITTEN, WRONG_RULES, fenced, wrong_here
+from decompshard.runtime.fences.table import HANDLERS_SKIPPING_REDISTRIBUTION, MEAN_OF_MEANS_LOSSES, NEGATIVE_DIMS_UNWRAPPED, READS_OF_ONE_RANKS_PART, STATS_WRITTEN, WRONG_RULES, fenced, wrong_here
 from decompshard.placements import P, R, S
 
 aten = torch.ops.aten
@@ -57,7 +57,11 @@ def _entries():
     handlers `enable()` installs with or without the guard (uneven_views.py,
     data_dependent.py, inplace.py, inplace_views.py, as_strided.py, collective_plans.py;
     each tested in its own file)."""
-    from decompshard.runtime import as_strided, collective_plans, data_dependent, inplace, inplace_views
+    from decompshard.runtime.support import as_strided
+    from decompshard.runtime.plans import install as collective_plans
+    from decompshard.runtime.support import data_dependent
+    from decompshard.runtime.support import inplace
+    from decompshard.runtime.support import inplace_views
     from decompshard._compat import view_family_ops
 
     sp = sharding_propagator()

@@ -12,8 +12,8 @@ import io
 import pytest
 import torch
 
-from decompshard.runtime import guard
-from decompshard.runtime.guard_table import wrong_here
+from decompshard.runtime.fences import guard
+from decompshard.runtime.fences.table import wrong_here
 from decompshard.coverage.native_audit import audit_samples
 from decompshard.coverage.native_variants import IGNORE, VARIANTS, variant_samples
 from decompshard.verify.dtensor_case import simulated_world

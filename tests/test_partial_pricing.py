@@ -1,5 +1,5 @@
 """DTensor's strategy choice with a Partial priced at the reduction it will cost
-(decompshard/runtime/partial_pricing.py).
+(decompshard/runtime/steering/kept_partial.py).
 
 Two Megatron blocks (column-parallel then row-parallel matmul, residual add, RMS norm)
 on a 2x2 mesh, batch Shard(0) on the data-parallel dim, float64, simulated ranks: the
@@ -229,7 +229,7 @@ def _routed_rows(price_chunks: bool, monkeypatch):
     """(loss and gradients right on every rank, bytes moved forward and backward, the
     routed rows' placements): tokens batch-sharded on a 2x2 mesh's first dim, rows picked
     at global indices (an MoE's routing), then a column-parallel matmul."""
-    import decompshard.runtime.partial_pricing as pricing
+    import decompshard.runtime.steering.kept_partial as pricing
 
     if not price_chunks:
         monkeypatch.setattr(pricing, "chunked_gather_price", lambda current, spec: 0.0)

@@ -1,4 +1,4 @@
-"""index_add into a tensor sharded along the indexed dim (runtime/plan_index_add.py):
+"""index_add into a tensor sharded along the indexed dim (runtime/plans/index_add.py):
 each rank adds the source rows whose global index falls in its own slab, nothing moved.
 
 Real DTensors on simulated meshes (1-D of 4 and 3 ranks with uneven slabs, 2x2 with the
@@ -88,7 +88,7 @@ def test_partial_source_reduced_not_gathered(enabled):
 
 def test_gathered_without_the_plan(enabled, monkeypatch):
     """enable()'s derived strategy alone keeps the indexed dim whole: self is gathered."""
-    from decompshard.runtime import collective_plans
+    from decompshard.runtime.plans import install as collective_plans
 
     monkeypatch.delitem(collective_plans.ACTIVE, torch.ops.aten.index_add.default)
     mesh = device_mesh((4,))

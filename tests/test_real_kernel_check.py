@@ -198,5 +198,5 @@ def test_t5_tensor_parallel_step_matches_one_device(world, monkeypatch):
     # attention, on every release; before keyword masks were moved, 3 reduce-scatters
     # more. torch 2.14 and 2.15 added 2 reduce-scatters in the backward (a summed gradient
     # kept Partial through a row-parallel layer's backward, handed on at its input's width)
-    # until enable() priced the Partial a strategy hands on (runtime/partial_pricing.py)
+    # until enable() priced the Partial a strategy hands on (runtime/steering/kept_partial.py)
     assert comm.counts == {"_c10d_functional::all_reduce": 5}, comm.counts

@@ -1,4 +1,4 @@
-"""A Partial gradient reduced once per backward node (decompshard/runtime/reduce_once.py).
+"""A Partial gradient reduced once per backward node (decompshard/runtime/steering/reduce_once.py).
 
 A block whose output feeds two column-parallel layers: its gradient arrives as the sum of
 two Partials and reaches the row-parallel layer's backward node Partial, where the input

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from decompshard.coverage.runtime_probe import PROBE_MESH, probe_placements
-from decompshard.runtime.data_dependent import data_dependent_ops
+from decompshard.runtime.support.data_dependent import data_dependent_ops
 from decompshard.verify.dtensor_case import run_case
 from decompshard.runtime.enable import switched
 

@@ -1,4 +1,4 @@
-"""Packed projections kept sharded (decompshard/runtime/strided_blocks.py): split of a
+"""Packed projections kept sharded (decompshard/runtime/steering/strided_blocks.py): split of a
 `_StridedShard(d, k)` into its blocks and cat of equal `Shard(d)` blocks back, on
 simulated ranks against one device, forward and backward, with the output placements
 and the collectives counted; every layout the rule does not compute exactly (an uneven

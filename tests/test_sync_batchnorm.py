@@ -1,4 +1,4 @@
-"""Batch norm on a batch-sharded input (decompshard/runtime/sync_batchnorm.py): real
+"""Batch norm on a batch-sharded input (decompshard/runtime/plans/batch_norm.py): real
 DTensors on simulated meshes against one device (float64), forward and backward, the
 running statistics included, and the collectives counted: per-channel all-reduces only,
 never an all-to-all or all-gather of the activations.
@@ -151,7 +151,7 @@ def test_tiny_activations_keep_dtensors_plan():
     as DTensor moves it than by all-reducing 2C statistics: the call goes to DTensor's
     path (the guard writing the running statistics back where it moves them), still one
     device's numbers."""
-    from decompshard.runtime.sync_batchnorm import layout_of, pays
+    from decompshard.runtime.plans.batch_norm import layout_of, pays
 
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 16, dtype=torch.float64, generator=g)
@@ -185,7 +185,7 @@ def test_layouts_not_taken():
     channels are not, a partial input."""
     from torch.distributed.tensor import Partial
 
-    from decompshard.runtime.sync_batchnorm import layout_of
+    from decompshard.runtime.plans.batch_norm import layout_of
 
     mesh = device_mesh((2,))
     with simulation(2):

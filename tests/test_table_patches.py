@@ -191,7 +191,7 @@ def test_enable_then_disable_leaves_every_dtensor_table_as_it_was():
     guard's included) and the decomposition fallback: the very same objects back."""
     import decompshard
     from decompshard._compat import DecompShardingStrategy, custom_op_handlers, sharding_propagator
-    from decompshard.runtime import guard
+    from decompshard.runtime.fences import guard
 
     sp = sharding_propagator()
 

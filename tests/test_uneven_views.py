@@ -1,4 +1,4 @@
-"""Uneven shards through DTensor's view strategies (decompshard/runtime/uneven_views.py).
+"""Uneven shards through DTensor's view strategies (decompshard/runtime/support/uneven_views.py).
 
 Without decompshard, `F.linear` on a [10, 8, 16] activation sharded S(0) over 4 ranks
 raises "Cannot flatten unevenly sharded tensor"; under `enable()` the input is

@@ -1,4 +1,4 @@
-"""The native guard on vision layers and models (decompshard/runtime/guard_conv.py): it must
+"""The native guard on vision layers and models (decompshard/runtime/fences/conv_handlers.py): it must
 never hand DTensor's conv handlers a layout they cannot take, nor warn about a call
 they compute right. Every case against one device, float64, on every simulated rank.
 """

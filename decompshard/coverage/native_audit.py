@@ -45,7 +45,7 @@ SCHEMA = "decompshard-native-audit/1"
 def audit_job(name: str, samples: Sequence[Sample], guarded: bool = False) -> dict[str, Any]:
     """One op's record (runs in a worker). `guarded`: audit DTensor as the native guard
     (`enable(guard_native=True)`) leaves it, so what remains is what the guard misses."""
-    from decompshard.runtime import guard
+    from decompshard.runtime.fences import guard
     from decompshard.op_names import resolve_op
     from decompshard.verify.native_rules import audit_native_op_detailed
 

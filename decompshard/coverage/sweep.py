@@ -99,11 +99,11 @@ def runtime_route(op: torch._ops.OpOverload) -> tuple[str, str] | None:
     functional twin; an in-place metadata op none of these takes is unsupported with
     its reason. None: derivation decides. A route other than unsupported is a claim only
     once `runtime_probe` ran it."""
-    from decompshard.runtime import as_strided
-    from decompshard.runtime.data_dependent import data_dependent_ops, replicated_reason
+    from decompshard.runtime.support import as_strided
+    from decompshard.runtime.support.data_dependent import data_dependent_ops, replicated_reason
     from decompshard.runtime.enable import reaches_decompshard
-    from decompshard.runtime.inplace import written_back_ops
-    from decompshard.runtime.inplace_views import in_place_view_ops
+    from decompshard.runtime.support.inplace import written_back_ops
+    from decompshard.runtime.support.inplace_views import in_place_view_ops
 
     if op in (as_strided.OP, as_strided.OUT_OF_PLACE):
         return "unsupported", as_strided.LIMITS

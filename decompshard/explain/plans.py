@@ -1,5 +1,5 @@
 """explain's view of a collective plan: for an op that `enable()` can run with small
-collectives inside (runtime/plan_prices.py), what the plan moves for this call, what
+collectives inside (runtime/plans/prices.py), what the plan moves for this call, what
 DTensor's single-op strategy moves, and which of the two `enable()` runs.
 
 Nothing is decided here: the call is rebuilt as DTensors (meta local tensors, no data)
@@ -20,8 +20,8 @@ from decompshard.errors import one_line
 from decompshard.mesh.cost import Cost
 from decompshard.mesh.lift import local_shape_nd
 from decompshard.runtime.enable import enabled
-from decompshard.runtime.plan_prices import PlanInfo, plan_info, price
-from decompshard.runtime.row_reduce import Priced
+from decompshard.runtime.plans.prices import PlanInfo, plan_info, price
+from decompshard.runtime.collectives import Priced
 from decompshard.verify.dtensor_case import device_mesh, simulated_world
 
 __all__ = ["PlanReport", "plan_report"]

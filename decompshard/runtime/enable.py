@@ -42,10 +42,19 @@ from decompshard.solve.derive import derive_rules
 from decompshard.mesh.lift import ranked
 from decompshard._compat import TorchReplicate
 from decompshard._compat import FakeTensorMode
-from decompshard.runtime import (as_strided, collective_plans, data_dependent, inplace, inplace_views, partial_pricing,
-                                 reduce_once, row_reduce, strided_blocks, uneven_views)
+from decompshard.runtime.support import as_strided
+from decompshard.runtime.plans import install as collective_plans
+from decompshard.runtime.support import data_dependent
+from decompshard.runtime.support import inplace
+from decompshard.runtime.support import inplace_views
+from decompshard.runtime.steering import kept_partial as partial_pricing
+from decompshard.runtime.steering import reduce_once
+from decompshard.runtime import collectives as row_reduce
+from decompshard.runtime.steering import strided_blocks
+from decompshard.runtime.support import uneven_views
 from decompshard._compat import DecompShardingStrategy
-from decompshard.runtime import fallbacks, guard
+from decompshard.runtime import fallbacks
+from decompshard.runtime.fences import guard
 from decompshard.errors import Indeterminate, UnsupportedOp, one_line
 from decompshard.solve.localcheck import strict_checks
 

@@ -17,6 +17,6 @@
     ranks         every simulated rank's value of a tensor (`rank_locals`, `every_rank_full`)
     placement_text  torch placements as placement-grammar text
 
-Below the runtime: the native guard (runtime/guard.py) proves torch's rules at a call's
+Below the runtime: the native guard (runtime/fences/guard.py) proves torch's rules at a call's
 shapes with rule_check before trusting them.
 """

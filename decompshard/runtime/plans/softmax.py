@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from decompshard._compat import DTensor, local_tensor, placed_dtensor
-from decompshard.runtime.row_reduce import Priced, Stat, Step, moves_cost, sharding_dims
+from decompshard.runtime.collectives import Priced, Stat, Step, moves_cost, sharding_dims
 
 __all__ = ["PLANS", "PRICES"]
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from decompshard._compat import DTensor, TorchPartial, TorchReplicate, TorchShard, local_tensor, placed_dtensor
-from decompshard.runtime.row_reduce import Priced, Step, Stat, local_at, moves_cost, sharding_dims
+from decompshard.runtime.collectives import Priced, Step, Stat, local_at, moves_cost, sharding_dims
 
 __all__ = ["PLANS", "PRICES"]
 

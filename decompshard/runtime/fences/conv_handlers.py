@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from decompshard._compat import DTensor, TorchPartial, TorchReplicate, TorchShard
-from decompshard.runtime.conv_channels import channel_parallel
+from decompshard.runtime.plans.conv_channels import channel_parallel
 
 __all__ = ["handler_layout", "redistributing_handler"]
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from decompshard._compat import DTensor, TorchReplicate, TorchShard, local_tensor, placed_dtensor, slab_index
-from decompshard.runtime.row_reduce import Priced, Stat, Step, every_rank_holds_slab, local_at, moves_cost, reduce_scalars, scalars_cost, sharding_dims
+from decompshard.runtime.collectives import Priced, Stat, Step, every_rank_holds_slab, local_at, moves_cost, reduce_scalars, scalars_cost, sharding_dims
 
 __all__ = ["PLANS", "PRICES"]
 

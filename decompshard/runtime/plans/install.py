@@ -27,7 +27,10 @@ from typing import Any, Callable, Iterator
 
 from decompshard._compat import custom_op_handlers, dtensor_default_dispatch
 from decompshard.op_names import resolve_op
-from decompshard.runtime import plan_index_add, plan_norms, plan_softmax, plan_vocab_loss
+from decompshard.runtime.plans import index_add as plan_index_add
+from decompshard.runtime.plans import layer_norm as plan_norms
+from decompshard.runtime.plans import softmax as plan_softmax
+from decompshard.runtime.plans import vocab_loss as plan_vocab_loss
 from decompshard.runtime.table_patches import Entry, WarnOnce, where_none
 
 __all__ = ["ACTIVE", "entries", "planned_or", "plan_ops"]

@@ -45,7 +45,7 @@ import torch
 
 from decompshard._compat import DTensor, TorchPartial, TorchReplicate, TorchShard, contiguous_spec
 from decompshard.mesh.cost import Cost, redistribute_cost
-from decompshard.runtime.row_reduce import Priced, Step, moved_local
+from decompshard.runtime.collectives import Priced, Step, moved_local
 
 __all__ = ["Layout", "backward_price", "batch_sharded_backward", "batch_sharded_forward", "forward_price", "layout_of",
            "pays"]

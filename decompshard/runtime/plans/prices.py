@@ -14,9 +14,13 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from decompshard.op_names import resolve_op
-from decompshard.runtime import plan_index_add, plan_norms, plan_softmax, plan_vocab_loss, sync_batchnorm
-from decompshard.runtime.guard_table import BATCH_SHARDED_NORM_BACKWARDS, BATCH_SHARDED_NORMS
-from decompshard.runtime.row_reduce import Priced, dtensor_cost
+from decompshard.runtime.plans import index_add as plan_index_add
+from decompshard.runtime.plans import layer_norm as plan_norms
+from decompshard.runtime.plans import softmax as plan_softmax
+from decompshard.runtime.plans import vocab_loss as plan_vocab_loss
+from decompshard.runtime.plans import batch_norm as sync_batchnorm
+from decompshard.runtime.fences.table import BATCH_SHARDED_NORM_BACKWARDS, BATCH_SHARDED_NORMS
+from decompshard.runtime.collectives import Priced, dtensor_cost
 
 __all__ = ["PlanInfo", "plan_info", "price"]
 
@@ -38,20 +42,20 @@ _ROWS = "a Shard of the reduced dim on some mesh dim, the other mesh dims Shard 
 def _table() -> dict[str, PlanInfo]:
     out: dict[str, PlanInfo] = {}
     for name, fn in plan_softmax.PRICES.items():
-        out[name] = PlanInfo("runtime/plan_softmax.py", "softmax / log_softmax over a sharded dim", _ROWS, fn)
+        out[name] = PlanInfo("runtime/plans/softmax.py", "softmax / log_softmax over a sharded dim", _ROWS, fn)
     for name, fn in plan_norms.PRICES.items():
-        out[name] = PlanInfo("runtime/plan_norms.py", "layer norm over a sharded hidden dim",
+        out[name] = PlanInfo("runtime/plans/layer_norm.py", "layer norm over a sharded hidden dim",
                              _ROWS + "; float32 or float64; weight and bias Shard or Replicate", fn)
     for name, fn in plan_vocab_loss.PRICES.items():
-        out[name] = PlanInfo("runtime/plan_vocab_loss.py", "nll_loss over a class-sharded input (vocab-parallel loss)",
+        out[name] = PlanInfo("runtime/plans/vocab_loss.py", "nll_loss over a class-sharded input (vocab-parallel loss)",
                              "the class dim sharded on exactly one mesh dim, every rank holding classes; the other "
                              "mesh dims Shard the batch or Replicate", fn)
     for name, fn in plan_index_add.PRICES.items():
-        out[name] = PlanInfo("runtime/plan_index_add.py", "index_add into a tensor sharded along the indexed dim "
+        out[name] = PlanInfo("runtime/plans/index_add.py", "index_add into a tensor sharded along the indexed dim "
                              "(each rank adds the rows it owns)",
                              "self Shard(dim) on exactly one mesh dim, every rank holding rows, the other mesh dims "
                              "Replicate or Shard of another dim; a 1-D index", fn)
-    bn = ("runtime/sync_batchnorm.py", "batch norm on a batch-sharded input (SyncBatchNorm's plan)",
+    bn = ("runtime/plans/batch_norm.py", "batch norm on a batch-sharded input (SyncBatchNorm's plan)",
           "the input Shard(0) on some mesh dim, the others Shard(1) or Replicate; every per-channel tensor "
           "Replicate or sharded with the channels")
     for name, training in BATCH_SHARDED_NORMS.items():

@@ -74,21 +74,21 @@ import torch
 from decompshard._compat import dtensor_default_dispatch
 from decompshard._compat import DTensor, DTensorSpec, OpSpec, OpStrategy, TensorMeta, TorchReplicate, clear_dtensor_caches, custom_op_handlers, from_torch_placement, generate_redistribute_costs, sharding_propagator
 from decompshard.dispatch_modes.graph import freeze, leaves
-from decompshard.runtime.guard_batchnorm import stats_writing_handler
-from decompshard.runtime.guard_dims import wrapping_op_strategy, wrapping_single_dim
-from decompshard.runtime.guard_masks import masking_single_dim
-from decompshard.runtime.guard_losses import mean_loss_handler
-from decompshard.runtime.sync_batchnorm import batch_sharded_backward, batch_sharded_forward
-from decompshard.runtime.guard_table import BATCH_SHARDED_NORM_BACKWARDS, BATCH_SHARDED_NORMS, CACHE_KEY_MISSES, HANDLERS_SKIPPING_REDISTRIBUTION, IN_PLACE_VIEWS_KEEPING_SHAPE, MEAN_OF_MEANS_LOSSES, NEGATIVE_DIMS_UNWRAPPED, OUTPUT_MASK_IGNORED, READ_BY_NAME_ONLY, READS_OF_ONE_RANKS_PART, SHARDS_MUST_LINE_UP, STATS_WRITTEN, WRONG_RULES, fenced, mask_key, wrong_here
-from decompshard.runtime.guard_aligned import aligned_op_strategy, aligned_single_dim
-from decompshard.runtime.guard_cache_keys import widened_keys
-from decompshard.runtime.guard_kwargs import naming_op_strategy, naming_single_dim
-from decompshard.runtime.inplace_views import in_place_view_handler
-from decompshard.runtime.collective_plans import planned_or
+from decompshard.runtime.fences.batch_norm_stats import stats_writing_handler
+from decompshard.runtime.fences.negative_dims import wrapping_op_strategy, wrapping_single_dim
+from decompshard.runtime.fences.output_mask import masking_single_dim
+from decompshard.runtime.fences.mean_loss import mean_loss_handler
+from decompshard.runtime.plans.batch_norm import batch_sharded_backward, batch_sharded_forward
+from decompshard.runtime.fences.table import BATCH_SHARDED_NORM_BACKWARDS, BATCH_SHARDED_NORMS, CACHE_KEY_MISSES, HANDLERS_SKIPPING_REDISTRIBUTION, IN_PLACE_VIEWS_KEEPING_SHAPE, MEAN_OF_MEANS_LOSSES, NEGATIVE_DIMS_UNWRAPPED, OUTPUT_MASK_IGNORED, READ_BY_NAME_ONLY, READS_OF_ONE_RANKS_PART, SHARDS_MUST_LINE_UP, STATS_WRITTEN, WRONG_RULES, fenced, mask_key, wrong_here
+from decompshard.runtime.fences.aligned_shards import aligned_op_strategy, aligned_single_dim
+from decompshard.runtime.fences.cache_keys import widened_keys
+from decompshard.runtime.fences.kwargs_by_name import naming_op_strategy, naming_single_dim
+from decompshard.runtime.support.inplace_views import in_place_view_handler
+from decompshard.runtime.plans.install import planned_or
 from decompshard.placements import SingleDimRule, format_rule
 from decompshard.runtime.table_patches import Entry, TablePatches, where_none
 from decompshard.op_names import resolve_op
-from decompshard.runtime.guard_conv import redistributing_handler
+from decompshard.runtime.fences.conv_handlers import redistributing_handler
 from decompshard.dispatch_modes.clean import clean_dispatch_state
 from decompshard.verify.native_rules import world_sizes_for
 from decompshard.verify.rule_check import check_rules_at
