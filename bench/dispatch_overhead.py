@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import decompshard
     from decompshard._compat import has_native_strategy
-    from decompshard.runtime.enable import DerivedStrategy
+    from decompshard.runtime.derived import DerivedStrategy
 
     shape = tuple(int(x) for x in args.mesh.split("x"))
     world = 1

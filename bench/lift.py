@@ -59,7 +59,7 @@ def selection(op, build, placements, shape: tuple[int, ...], calls: int) -> floa
     """Best seconds of the runtime's choice (`_first_runnable`) on a mesh of `shape` (derivation warmed up first)."""
     from torch.distributed.tensor import Replicate
 
-    from decompshard.runtime.enable import _first_runnable
+    from decompshard.runtime.derived import _first_runnable
 
     args = build()
     current = [(p,) + (Replicate(),) * (len(shape) - 1) for p in placements]

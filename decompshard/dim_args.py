@@ -6,7 +6,7 @@ strategy that compares a dim argument with a placement's dim before wrapping it 
 `cumsum(-1)` of a 1-D tensor on Shard(0) adds up each rank's part alone). The native
 audit makes negative-dim variants of OpInfo samples with these names
 (coverage/native_variants.py); the native guard wraps them for the ops it found wrong
-(guard_dims.py).
+(runtime/fences/negative_dims.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Plans with small collectives inside an op (decompshard/runtime/plans/install.py):
+"""Plans with small collectives inside an op (decompshard/runtime/plans/):
 softmax / log_softmax over a sharded dim, vocab-parallel nll_loss / cross-entropy, layer
 norm over a sharded hidden dim.
 

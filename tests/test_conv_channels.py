@@ -140,8 +140,9 @@ def test_colwise_then_rowwise_moves_one_all_reduce_each_way():
 
 def test_not_channel_parallel_is_left_to_the_guard():
     """A batch-sharded conv (data parallel) or a layout outside the rules (weight
-    Shard(1) with a Shard(0) input) is not taken: the guard's path, as before."""
-    from decompshard.runtime.plans.conv_channels import channel_parallel
+    Shard(1) with a Shard(0) input) is not the plan's (its price says it does not apply):
+    the op's chain goes on to the guard's path."""
+    from decompshard.runtime.plans import plan_for
 
     mesh = device_mesh((4,))
     x, w, _ = _data(((4, 8, 3, 3), (8, 8, 3, 3), False))
@@ -150,5 +151,5 @@ def test_not_channel_parallel_is_left_to_the_guard():
         for xp, wp in (([Shard(0)], [Replicate()]), ([Shard(0)], [Shard(1)]), ([Replicate()], [Replicate()])):
             dx, dw = distribute_tensor(x, mesh, xp), distribute_tensor(w, mesh, wp)
             args = (dx, dw, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
-            assert channel_parallel(aten.convolution.default, args, {}) is None, (xp, wp)
+            assert plan_for(aten.convolution.default).price(aten.convolution.default, args, {}) is None, (xp, wp)
     assert isinstance(dx, DTensor)

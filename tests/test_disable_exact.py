@@ -98,7 +98,7 @@ def test_the_guard_taken_out_alone_leaves_enable_and_then_nothing():
     guard.uninstall()  # under enable()'s entries: they come out and go back
     assert decompshard.is_enabled() and not guard.is_installed()
     assert isinstance(state.DTensor._op_dispatcher.sharding_propagator.decomp_strategy,
-                      decompshard.runtime.enable.DerivedStrategy)
+                      decompshard.runtime.derived.DerivedStrategy)
     decompshard.disable()
     assert _no_changes(before) == {}
 

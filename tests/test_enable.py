@@ -26,7 +26,7 @@ import _e2e_model as M
 import decompshard
 import decompshard.solve.derive
 from decompshard._compat import sharding_propagator
-from decompshard.runtime.enable import DerivedStrategy
+from decompshard.runtime.derived import DerivedStrategy
 
 aten = torch.ops.aten
 R, S0, S1 = Replicate(), Shard(0), Shard(1)

@@ -25,7 +25,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 import _e2e_model as M
 import decompshard
 from decompshard.mesh.lift import rank_strategies
-from decompshard.runtime.enable import _first_runnable
+from decompshard.runtime.derived import _first_runnable
 from decompshard.placements import format_rule
 
 aten = torch.ops.aten

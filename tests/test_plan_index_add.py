@@ -86,11 +86,9 @@ def test_partial_source_reduced_not_gathered(enabled):
     assert comms == {"all_reduce": 1}, comms  # the rows' Partial, as Megatron reduces it
 
 
-def test_gathered_without_the_plan(enabled, monkeypatch):
+def test_gathered_without_the_plan(enabled):
     """enable()'s derived strategy alone keeps the indexed dim whole: self is gathered."""
-    from decompshard.runtime.plans import install as collective_plans
-
-    monkeypatch.delitem(collective_plans.ACTIVE, torch.ops.aten.index_add.default)
+    decompshard.enable(plans=False)
     mesh = device_mesh((4,))
     # (in place: out of place, self's gradient would be the test's own replicated
     # output gradient, whose local tensor is not the simulation's)

@@ -129,20 +129,38 @@ def test_batch_norm_on_a_batch_sharded_input(mesh_shape, code, n, train):
         assert nbytes <= sharded_dims * 2 * local_c * 8, (nbytes, counts)
 
 
-def test_without_the_plan_the_activations_move():
-    """The comparison the plan exists for: DTensor's own batch norm (guard off) moves the
-    activations (all-to-all / all-gather) on the same case, and gets the same numbers
-    for the output and the gradients."""
+def test_the_plan_runs_with_the_guard_off():
+    """Plans are performance, the guard correctness, switched apart: with
+    `enable(guard_native=False)` the batch-sharded plan still runs (the per-channel
+    all-reduces and nothing else), every number one device's, running statistics too."""
     bn, x, cot = _data(6)
     want = _one_device(bn, x, cot, True)
     decompshard.enable(guard_native=False)
+    try:
+        got, placements, counts, nbytes = _sharded(bn, x, cot, (2,), "S", True)
+    finally:
+        decompshard.disable()
+    assert set(counts) == {"all_reduce"}, counts
+    assert nbytes == 4 * C * 8, nbytes
+    assert placements == {"out": (Shard(0),), "grad_input": (Shard(0),)}
+    for name, w in want.items():
+        assert all(torch.allclose(v, w, rtol=1e-10, atol=1e-10) for v in got[name].values()), name
+
+
+def test_without_the_plan_the_activations_move():
+    """The comparison the plan exists for: DTensor's own batch norm (plans off, the guard
+    writing its running statistics back) moves the activations (all-to-all / all-gather)
+    on the same case, and gets the same numbers."""
+    bn, x, cot = _data(6)
+    want = _one_device(bn, x, cot, True)
+    decompshard.enable(plans=False)
     try:
         got, _, counts, nbytes = _sharded(bn, x, cot, (2,), "S", True)
     finally:
         decompshard.disable()
     assert set(counts) - {"all_reduce"}, counts
     assert nbytes > 4 * C * 8
-    for name in ("out", "grad_input", "grad_weight", "grad_bias"):
+    for name in want:
         assert all(torch.allclose(v, want[name]) for v in got[name].values()), name
 
 

@@ -101,7 +101,7 @@ def runtime_route(op: torch._ops.OpOverload) -> tuple[str, str] | None:
     once `runtime_probe` ran it."""
     from decompshard.runtime.support import as_strided
     from decompshard.runtime.support.data_dependent import data_dependent_ops, replicated_reason
-    from decompshard.runtime.enable import reaches_decompshard
+    from decompshard.runtime.derived import reaches_decompshard
     from decompshard.runtime.support.inplace import written_back_ops
     from decompshard.runtime.support.inplace_views import in_place_view_ops
 

@@ -86,7 +86,7 @@ def _fallback_signature() -> Finding:
 
     from decompshard._compat import decomp_strategy_parameters
     from decompshard.errors import one_line
-    from decompshard.runtime.enable import DerivedStrategy
+    from decompshard.runtime.derived import DerivedStrategy
 
     name = "decomp_strategy.propagate_strategy signature"
     try:

@@ -5,7 +5,7 @@
               the nearest rules there and the cheapest redistribution that passes
     render    draws it as text (and builds the rows the HTML view shares)
     notebook  draws it as HTML (`_repr_html_`): tables, verdict, the blocking node marked
-    plans     an op's collective plan (runtime/plans/prices.py) priced for the call: its
+    plans     an op's collective plan (runtime/plans/__init__.py) priced for the call: its
               collectives, DTensor's strategy's bytes beside them, which one enable() runs
     api       the printable `Explanation` and `explain()`
     command   `decompshard explain` and its REPL

@@ -1,5 +1,5 @@
 """explain's view of a collective plan: for an op that `enable()` can run with small
-collectives inside (runtime/plans/prices.py), what the plan moves for this call, what
+collectives inside (runtime/plans/__init__.py), what the plan moves for this call, what
 DTensor's single-op strategy moves, and which of the two `enable()` runs.
 
 Nothing is decided here: the call is rebuilt as DTensors (meta local tensors, no data)
@@ -20,7 +20,8 @@ from decompshard.errors import one_line
 from decompshard.mesh.cost import Cost
 from decompshard.mesh.lift import local_shape_nd
 from decompshard.runtime.enable import enabled
-from decompshard.runtime.plans.prices import PlanInfo, plan_info, price
+from decompshard.runtime.plans import plan_for, price
+from decompshard.runtime.records import Plan
 from decompshard.runtime.collectives import Priced
 from decompshard.verify.dtensor_case import device_mesh, simulated_world
 
@@ -32,7 +33,7 @@ class PlanReport:
     """One op's collective plan for one call. `mesh_shape` None: no mesh was given, so
     nothing is priced (the plan's numbers depend on the mesh)."""
 
-    info: PlanInfo
+    info: Plan
     mesh_shape: tuple[int, ...] | None = None
     priced: Priced | None = None  # None: the plan does not apply to these placements
     dtensor: Cost | None = None  # DTensor's own strategy's moves; None: it has no strategy
@@ -58,7 +59,7 @@ def plan_report(op: Any, args: tuple, kwargs: dict, mesh_shape: Sequence[int] | 
     """The op's plan priced for these arguments on `mesh_shape` with the tensor inputs
     at `current` (torch placements per tensor input, flattened order); None where the
     op has no collective plan."""
-    info = plan_info(op)
+    info = plan_for(op)
     if info is None:
         return None
     report = PlanReport(info)

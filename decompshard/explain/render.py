@@ -89,7 +89,7 @@ def plan_lines(ex: Analysis) -> list[str]:
     """The op's collective plan (explain/plans.py): its collectives for this call, their
     bytes next to DTensor's strategy's, and which one enable() runs."""
     r = ex.plan
-    where = f"{r.info.module}" + ("; with the native guard, which enable() installs by default" if r.info.guard else "")
+    where = r.info.module
     out = _wrap(f"collective plan: {r.info.what} ({where})", 2)
     if r.mesh_shape is None:
         return out + _wrap("  not priced: its collectives depend on the mesh; give --mesh and --mesh-placements "

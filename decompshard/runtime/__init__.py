@@ -1,17 +1,19 @@
 """The runtime stage: what `decompshard.enable()` puts into DTensor, and takes out again.
 
-    enable            the hook: DTensor's decomposition fallback answered with the first
-                      strategy of lift.ranked DTensor can run (_first_runnable)
-    guard             the native guard: strategies proved wrong kept away (guard_table
-                      lists them; guard_batchnorm, guard_conv, guard_dims, guard_losses
-                      handle the ones that need more than a filtered rule list)
-    table_patches     the one patch mechanism: a record installs a declaration's
-                      (table, key, value) entries and puts back exactly what was there
-                      (enable holds one record, the guard another, under it;
-                      records unwind last in first out)
-    fallbacks         the record of every op run replicated instead of derived, and why
-                      (`recording_fallbacks()`: what check, check --model and the zoo read)
-    inplace, inplace_views, as_strided, uneven_views, data_dependent
-                      op families DTensor refuses or gets wrong, handled around it;
-                      each declares its entries (`entries(warn_once)`) for enable's record
+Every intervention is a declared record (records.py), kept in its kind's folder:
+
+    enable.py         enable() / disable() / enabled(): installs everything below, in one order
+    derived.py        derived strategies: DTensor's decomposition fallback answered by lift.ranked
+    records.py        the record types: Plan, Fence (and its Fix), Support, Steering
+    table_patches.py  the one patch mechanism: installs entries, puts back exactly what was there
+    collectives.py    what plans share: per-row statistics reduced across ranks, moves and
+                      their price in the cost model's unit (mesh/cost.Cost), DTensor's own price
+    fallbacks.py      the record of every op run replicated instead of derived, and why
+    plans/            collective plans (performance; `enable(plans=False)` turns them off)
+    fences/           the native guard (correctness; `enable(guard_native=False)` turns it off)
+    support/          ops DTensor refuses, run anyway
+    steering/         DTensor's own choices re-priced
+
+Where a plan and a fence share an op, the op's handler is one chain: the plan where it
+pays, else the fence's fix, else DTensor's own path (`records.Plan.handler`).
 """

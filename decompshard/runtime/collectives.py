@@ -37,10 +37,13 @@ from decompshard._compat import (DTensor, TorchPartial, TorchReplicate, TorchSha
 from decompshard.dispatch_modes.graph import freeze, map_leaves
 from decompshard.mesh.cost import Cost, bytes_key, redistribute_cost
 
-__all__ = ["Priced", "Stat", "Step", "cheaper_than_dtensor", "dtensor_cost", "every_rank_holds_slab", "local_at", "forget_decisions", "moved_local", "moves_cost",
+__all__ = ["ROWS_SHARDED", "Priced", "Stat", "Step", "cheaper_than_dtensor", "dtensor_cost", "every_rank_holds_slab", "local_at", "forget_decisions", "moved_local", "moves_cost",
            "reduce_scalars",
            "row_placements", "scalars_cost", "sharding_dims"]
 
+
+# what the per-row plans (softmax, layer norm) take, as `explain` prints it
+ROWS_SHARDED = "a Shard of the reduced dim on some mesh dim, the other mesh dims Shard of other dims or Replicate"
 
 def sharding_dims(placements: Sequence[Any], dims: Iterable[int]) -> tuple[int, ...] | None:
     """The mesh dims that shard any of the tensor `dims` (plain `Shard` only); None when

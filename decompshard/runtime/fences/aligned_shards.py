@@ -17,8 +17,9 @@ from typing import Any, Callable, Sequence
 from decompshard._compat import OpStrategy, TensorMeta, from_torch_placement
 from decompshard.dispatch_modes.graph import leaves
 from decompshard.placements import ShardPlaceholder
+from decompshard.runtime.records import Fix
 
-__all__ = ["aligned_op_strategy", "aligned_single_dim", "lined_up"]
+__all__ = ["FIX", "aligned_op_strategy", "aligned_single_dim", "lined_up"]
 
 
 def lined_up(inputs: Sequence[Any], shapes: Sequence[Sequence[int]]) -> bool:
@@ -82,3 +83,8 @@ def aligned_op_strategy(op: Any, fn: Callable, warn: Callable[[str, str], None])
 
     aligned.__wrapped__ = fn  # type: ignore[attr-defined]
     return aligned
+
+
+FIX = Fix("rules sharding inputs whose sizes differ on the sharded dim dropped at those shapes",
+          single=lambda op, fence, warn, func: aligned_single_dim(op, func, warn),
+          full=lambda op, fence, warn, fn: aligned_op_strategy(op, fn, warn))

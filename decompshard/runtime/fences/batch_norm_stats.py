@@ -24,8 +24,9 @@ from typing import Any, Callable
 import torch
 
 from decompshard._compat import DTensor, DTensorSpec, TorchPartial, TorchReplicate, TorchShard, contiguous_spec, redistribute_local_tensor
+from decompshard.runtime.records import Fix
 
-__all__ = ["stats_writing_handler"]
+__all__ = ["FIX", "stats_writing_handler"]
 
 aten = torch.ops.aten
 
@@ -103,3 +104,7 @@ def stats_writing_handler(op: torch._ops.OpOverload, written: tuple[int, ...], t
         return result
 
     return handler
+
+
+FIX = Fix("the moved running statistics written back after the kernel",
+          handler=lambda op, fence, warn, existing: stats_writing_handler(op, *fence.args, warn))

@@ -17,8 +17,9 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator
 
 from decompshard._compat import schema_info_slot, widened_schema_info
+from decompshard.runtime.records import Fix
 
-__all__ = ["widened_keys"]
+__all__ = ["FIX", "widened_keys"]
 
 
 def widened_keys(missing: dict[str, tuple[int | None, tuple[str, ...]]],
@@ -33,3 +34,7 @@ def widened_keys(missing: dict[str, tuple[int | None, tuple[str, ...]]],
         if slot is not None:
             table, info = slot
             yield table, op, widened_schema_info(info, argnum, kwargs)
+
+
+FIX = Fix("the op's RuntimeSchemaInfo widened to cover the argument",
+          entries=lambda op, fence: widened_keys({fence.op: fence.args}, lambda name: op))

@@ -24,9 +24,9 @@ layout first, in three steps:
 3. after the move, the propagator must agree with no further redistribution; if it
    does not, the call raises instead of letting the handler label a wrong result.
 
-Before all that, a call whose weight is sharded on its channels (a channel-parallel
-plan) runs on its shards as they are, with no handler (conv_channels.py): the weight
-all-gather the steps above would make is what such a plan exists to avoid.
+A call whose weight is sharded on its channels never gets here where the
+channel-parallel plan takes it (plans/conv_channels.py, in front of this fix in the op's
+chain): the weight all-gather the steps above would make is what that plan avoids.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from decompshard._compat import DTensor, TorchPartial, TorchReplicate, TorchShard
-from decompshard.runtime.plans.conv_channels import channel_parallel
+from decompshard.runtime.records import Fix
 
-__all__ = ["handler_layout", "redistributing_handler"]
+__all__ = ["FIX", "handler_layout", "redistributing_handler"]
 
 aten = torch.ops.aten
 
@@ -102,9 +102,6 @@ def redistributing_handler(op: torch._ops.OpOverload, original: Callable,
     backward = op == aten.convolution_backward.default
 
     def handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
-        result = channel_parallel(op_call, args, kwargs)
-        if result is not None:  # a channel-parallel layout: run on the shards as they are
-            return result
         args = list(args)
         if backward and isinstance(args[0], DTensor) and isinstance(args[1], DTensor):
             # the handler's own first move, made one DTensor allows (never *to* Partial)
@@ -147,3 +144,8 @@ def redistributing_handler(op: torch._ops.OpOverload, original: Callable,
 
 def _fmt(placements: Sequence[Any]) -> str:
     return "[" + ", ".join(str(p) for p in placements) + "]"
+
+
+FIX = Fix("the inputs moved to a layout DTensor's handler computes right before it runs",
+          handler=lambda op, fence, warn, existing: redistributing_handler(op, existing, warn),
+          wraps_dtensor_handler=True)

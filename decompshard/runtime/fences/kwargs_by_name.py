@@ -16,8 +16,9 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from decompshard._compat import OpSchema
+from decompshard.runtime.records import Fix
 
-__all__ = ["naming_op_strategy", "naming_single_dim"]
+__all__ = ["FIX", "naming_op_strategy", "naming_single_dim"]
 
 Warn = Callable[[str, str], None]
 
@@ -62,3 +63,8 @@ def naming_single_dim(op: Any, func: Callable, index: int, name: str, warn: Warn
 
     named.__wrapped__ = func  # type: ignore[attr-defined]
     return named
+
+
+FIX = Fix("the argument handed to the strategy by name",
+          single=lambda op, fence, warn, func: naming_single_dim(op, func, *fence.args, warn),
+          full=lambda op, fence, warn, fn: naming_op_strategy(op, fn, *fence.args, warn))

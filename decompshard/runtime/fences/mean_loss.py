@@ -26,8 +26,9 @@ from typing import Any, Callable
 import torch
 
 from decompshard._compat import TorchPartial, TorchReplicate, dtensor_default_dispatch, dtensor_local_results, dtensor_output_spec, unsharded_dtensor
+from decompshard.runtime.records import Fence, Fix
 
-__all__ = ["MEAN", "SUM", "mean_loss_handler"]
+__all__ = ["FIX", "MEAN", "SUM", "mean_loss_handler"]
 
 SUM, MEAN = 2, 1  # torch's Reduction enum (at::Reduction): None 0, Mean 1, Sum 2
 
@@ -67,3 +68,17 @@ def mean_loss_handler(warn: Callable[[Any], None]) -> Callable:
         return unsharded_dtensor(loss, mesh, rep), unsharded_dtensor(total_weight, mesh, rep)
 
     return handler
+
+
+def _fix(op: Any, fence: Fence, warn: Callable[[str, str], None], existing: Any) -> Callable:
+    """The handler; it warns only where DTensor alone was measured wrong (elsewhere it is
+    kept as the cheaper plan: the fence's `kept_where_right`)."""
+    def say(op_call: Any) -> None:
+        warn(f"mean-loss:{op_call}", (
+            f"decompshard guard: {op_call}: DTensor's native strategy averages per-rank means (wrong when ranks "
+            f"hold different numbers of counted targets or class weights); summing on each rank and dividing by "
+            f"the all-reduced total weight instead"))
+    return mean_loss_handler(say if fence.wrong_here() else lambda op_call: None)
+
+
+FIX = Fix("sum on each rank, divide by the all-reduced total weight", handler=_fix)

@@ -18,8 +18,9 @@ from typing import Any, Callable
 
 from decompshard._compat import OpSchema, OpStrategy, TensorMeta
 from decompshard.dim_args import dim_arguments, wrap_dims
+from decompshard.runtime.records import Fix
 
-__all__ = ["wrapping_op_strategy", "wrapping_single_dim"]
+__all__ = ["FIX", "wrapping_op_strategy", "wrapping_single_dim"]
 
 Warn = Callable[[str, str], None]
 
@@ -80,3 +81,8 @@ def wrapping_single_dim(op: Any, func: Callable, warn: Warn) -> Callable:
 
     wrapped.__wrapped__ = func  # type: ignore[attr-defined]
     return wrapped
+
+
+FIX = Fix("the strategy handed the dims wrapped to >= 0",
+          single=lambda op, fence, warn, func: wrapping_single_dim(op, func, warn),
+          full=lambda op, fence, warn, fn: wrapping_op_strategy(op, fn, warn))

@@ -15,8 +15,9 @@ No warning: no number changes, only a placement for a tensor that does not exist
 from __future__ import annotations
 
 from typing import Any, Callable
+from decompshard.runtime.records import Fix
 
-__all__ = ["masking_single_dim"]
+__all__ = ["FIX", "masking_single_dim"]
 
 
 def masking_single_dim(func: Callable, mask_index: int) -> Callable:
@@ -34,3 +35,7 @@ def masking_single_dim(func: Callable, mask_index: int) -> Callable:
 
     masked.__wrapped__ = func  # type: ignore[attr-defined]
     return masked
+
+
+FIX = Fix("outputs the mask leaves out get no placement",
+          single=lambda op, fence, warn, func: masking_single_dim(func, fence.args))

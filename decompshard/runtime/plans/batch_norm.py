@@ -31,24 +31,26 @@ DTensor's plan from global shapes and placements only (every rank chooses alike)
 all-reduces put 2 x C numbers per rank into collectives; DTensor's plan moves at least
 the input's local part (numel / R, R the ranks the batch is split over) and its output
 back. The batch-sharded plan is taken when 2 x C x R <= numel (in evaluation it moves
-nothing and is always taken); otherwise, and for every other layout, the call goes to
-`fallback` (DTensor's own path, or the guard's running-statistics handler).
+nothing and is always taken); otherwise, and for every other layout, the call goes on
+down its chain (the guard's running-statistics fence, or DTensor's own path).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from decompshard._compat import DTensor, TorchPartial, TorchReplicate, TorchShard, contiguous_spec
 from decompshard.mesh.cost import Cost, redistribute_cost
 from decompshard.runtime.collectives import Priced, Step, moved_local
+from decompshard.runtime.records import Plan
 
-__all__ = ["Layout", "backward_price", "batch_sharded_backward", "batch_sharded_forward", "forward_price", "layout_of",
-           "pays"]
+__all__ = ["FORWARD_OVERLOADS", "BACKWARD_OVERLOADS", "Layout", "PLANS", "backward_price", "forward_price",
+           "layout_of", "pays"]
 
 PAYS_RULE = "2 x C x R <= numel (R: the ranks the batch is split over), SyncBatchNorm's test; evaluation always"
 
@@ -251,35 +253,25 @@ def backward_price(op_call: Any, args: tuple, kwargs: dict) -> Priced | None:
     return Priced(steps, (a, layout, train, per_channel), verdict=pays(x, layout) if train else True, rule=PAYS_RULE)
 
 
-def batch_sharded_forward(fallback: Callable, training_default: bool | None = None) -> Callable:
-    """A DTensor custom handler for a batch-norm forward overload (native_batch_norm,
-    `_native_batch_norm_legit`, `_batch_norm_with_update`, ...): the batch-sharded plan
-    where it applies and pays, `fallback(op_call, args, kwargs)` otherwise.
-    `training_default`: the mode of an overload whose schema has no training flag."""
-
-    def handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
-        priced = forward_price(op_call, args, kwargs, training_default)
-        if priced is None or not priced.taken(op_call, args, kwargs):
-            return fallback(op_call, args, kwargs)
-        a, layout, train = priced.context
-        x, rm, rv = a["input"], a.get("running_mean"), a.get("running_var")
-        eps, local = a["eps"], x._local_tensor
-        w, b = _channel_local(a["weight"], layout), _channel_local(a["bias"], layout)
-        if not train:
-            mean = _channel_local(rm, layout).to(_opmath(x.dtype))
-            invstd = torch.rsqrt(_channel_local(rv, layout).to(mean.dtype) + eps)
-            out = _normalized(local, mean, invstd, w, b)
-            return _forward_outputs(op_call, x, layout, out, [mean.new_empty(0), mean.new_empty(0)])
-        mean, var = _moments(x, layout)
-        invstd = torch.rsqrt(var + eps)
+def _run_forward(op_call: Any, args: tuple, kwargs: dict, priced: Priced) -> Any:
+    """The batch-sharded forward (module doc), given its price's context."""
+    a, layout, train = priced.context
+    x, rm, rv = a["input"], a.get("running_mean"), a.get("running_var")
+    eps, local = a["eps"], x._local_tensor
+    w, b = _channel_local(a["weight"], layout), _channel_local(a["bias"], layout)
+    if not train:
+        mean = _channel_local(rm, layout).to(_opmath(x.dtype))
+        invstd = torch.rsqrt(_channel_local(rv, layout).to(mean.dtype) + eps)
         out = _normalized(local, mean, invstd, w, b)
-        if rm is not None and rv is not None:
-            count = x.numel() // x.shape[1]
-            unbiased = var * (count / (count - 1)) if count > 1 else var * float("nan")
-            _update_running([rm, rv], [mean, unbiased], a["momentum"], layout)
-        return _forward_outputs(op_call, x, layout, out, [mean, invstd])
-
-    return handler
+        return _forward_outputs(op_call, x, layout, out, [mean.new_empty(0), mean.new_empty(0)])
+    mean, var = _moments(x, layout)
+    invstd = torch.rsqrt(var + eps)
+    out = _normalized(local, mean, invstd, w, b)
+    if rm is not None and rv is not None:
+        count = x.numel() // x.shape[1]
+        unbiased = var * (count / (count - 1)) if count > 1 else var * float("nan")
+        _update_running([rm, rv], [mean, unbiased], a["momentum"], layout)
+    return _forward_outputs(op_call, x, layout, out, [mean, invstd])
 
 
 def _backward_outputs(x: Any, layout: Layout, mask: list[bool], grads: list[Any], partial: bool) -> Any:
@@ -294,27 +286,19 @@ def _backward_outputs(x: Any, layout: Layout, mask: list[bool], grads: list[Any]
     return DTensor._op_dispatcher.wrap(tuple(outs), tuple(specs))
 
 
-def batch_sharded_backward(fallback: Callable) -> Callable:
-    """A DTensor custom handler for `native_batch_norm_backward` / `batch_norm_backward`:
-    the batch-sharded plan where grad_out and input share a layout it takes, every
-    per-channel tensor is replicated or sharded with the channels (the forward took the
-    batch-sharded plan) and it pays; `fallback` otherwise."""
-
-    def handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
-        priced = backward_price(op_call, args, kwargs)
-        if priced is None or not priced.taken(op_call, args, kwargs):
-            return fallback(op_call, args, kwargs)
-        a, layout, train, per_channel = priced.context
-        x, dy = a["input"], a["grad_out"]
-        mask = list(a["output_mask"])
-        w, mean, stat = (_channel_local(t, layout) for t in per_channel)
-        if not train:  # running statistics: everything local, the parameter gradients partial sums
-            grads = _eval_grads(x, dy._local_tensor, w, mean, stat, a["eps"])
-            return _backward_outputs(x, layout, mask, grads, partial=True)
-        return _backward_outputs(x, layout, mask, _train_grads(x, layout, dy._local_tensor, w, mean, stat),
-                                 partial=False)
-
-    return handler
+def _run_backward(op_call: Any, args: tuple, kwargs: dict, priced: Priced) -> Any:
+    """The batch-sharded backward (module doc), given its price's context: grad_out and
+    input share a layout the plan takes, every per-channel tensor is replicated or
+    sharded with the channels (the forward took the batch-sharded plan)."""
+    a, layout, train, per_channel = priced.context
+    x, dy = a["input"], a["grad_out"]
+    mask = list(a["output_mask"])
+    w, mean, stat = (_channel_local(t, layout) for t in per_channel)
+    if not train:  # running statistics: everything local, the parameter gradients partial sums
+        grads = _eval_grads(x, dy._local_tensor, w, mean, stat, a["eps"])
+        return _backward_outputs(x, layout, mask, grads, partial=True)
+    return _backward_outputs(x, layout, mask, _train_grads(x, layout, dy._local_tensor, w, mean, stat),
+                             partial=False)
 
 
 def _train_grads(x: Any, layout: Layout, gl: torch.Tensor, w: Any, mean: torch.Tensor,
@@ -348,3 +332,26 @@ def _eval_grads(x: Any, gl: torch.Tensor, w: Any, rm: torch.Tensor, rv: torch.Te
     scale = invstd if w is None else invstd * w.to(acc)
     wdtype = x.dtype if w is None else w.dtype
     return [(g * _per_channel(scale, n)).to(x.dtype), (g * xhat).sum(reduce).to(wdtype), g.sum(reduce).to(wdtype)]
+
+
+# Forward overloads -> the training mode of an overload whose schema has no `training`
+# flag (None: it has one).
+FORWARD_OVERLOADS: dict[str, bool | None] = {
+    "aten.native_batch_norm.default": None,
+    "aten._native_batch_norm_legit.default": None,
+    "aten._native_batch_norm_legit.no_stats": None,
+    "aten._native_batch_norm_legit_no_training.default": False,
+    "aten._batch_norm_with_update.default": True,
+}
+BACKWARD_OVERLOADS: tuple[str, ...] = (
+    "aten.native_batch_norm_backward.default",
+    "aten.batch_norm_backward.default",
+)
+_WHAT = "batch norm on a batch-sharded input (SyncBatchNorm's plan)"
+_APPLIES = ("the input Shard(0) on some mesh dim, the others Shard(1) or Replicate; every per-channel tensor "
+            "Replicate or sharded with the channels")
+PLANS = (
+    *(Plan((name,), _WHAT, _APPLIES, functools.partial(forward_price, training_default=training), _run_forward)
+      for name, training in FORWARD_OVERLOADS.items()),
+    Plan(BACKWARD_OVERLOADS, _WHAT, _APPLIES, backward_price, _run_backward),
+)

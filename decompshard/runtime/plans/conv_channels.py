@@ -1,6 +1,6 @@
 """Channel-parallel convolution: a conv whose weight is sharded on its channels runs on
 its local shards, as Megatron's column- and row-parallel layers do, instead of having
-its weight all-gathered (guard_conv.py's handler layout, the only one DTensor's conv
+its weight all-gathered (fences/conv_handlers.py's handler layout, the only one DTensor's conv
 handlers compute right).
 
 DTensor's convolution strategies (torch 2.13-2.15, `_ops/_conv_ops.py`) have a batch
@@ -29,7 +29,8 @@ grad_weight and grad_bias Partial(sum). Moves of grad_output go through DTensor'
 collectives. The channel-parallel form is taken where it moves no more bytes than the
 weight all-gathers it replaces (`_pays`). Any other layout (a dim sharded on two mesh
 dims alike, spatial dims, transposed convolutions, an uneven grouped split, no channel
-sharding at all) returns None: the caller's path, as before.
+sharding at all) is not the plan's: the call goes on down its chain (the guard's
+redistributing fence, or DTensor's own handler).
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ import torch
 
 from decompshard._compat import DTensor, TorchPartial, TorchReplicate, TorchShard, contiguous_spec, redistribute_local_tensor
 from decompshard.placements import shard_size
+from decompshard.runtime.collectives import Priced
+from decompshard.runtime.records import Plan
 
-__all__ = ["channel_parallel"]
+__all__ = ["PLANS"]
 
 aten = torch.ops.aten
 _R = TorchReplicate()
@@ -120,7 +123,7 @@ def _numel(shape: Any, placements: Any, mesh: Any, dtype: torch.dtype) -> int:
 
 def _pays(kinds: list[str], x: Any, w: Any, out_shape: Any) -> bool:
     """Whether the channel-parallel run moves no more than the weight all-gathers it
-    replaces (guard_conv.py's layout), priced in the zoo's unit (comm_bytes.py: bytes
+    replaces (fences/conv_handlers.py's layout), priced in the zoo's unit (comm_bytes.py: bytes
     a rank puts into a collective), forward and backward together, from global metadata:
 
     * colwise: the backward all-reduce of grad_input (the input's size) against the
@@ -190,12 +193,35 @@ def _local_groups(groups: int, kinds: list[str], mesh: Any) -> int:
     return groups
 
 
-def _forward(args: tuple, kwargs: dict) -> Any:
+_PAYS_RULE = ("the bytes a rank puts into collectives, forward and backward together, no more than the weight "
+              "all-gathers DTensor's layout would make (`_pays`); grouped (depthwise): always")
+
+
+def _forward_price(op_call: Any, args: tuple, kwargs: dict) -> Priced | None:
+    """Where the forward's layout is one of the rules: the plan, taken where it pays."""
+    if len(args) != 9:
+        return None
     x, w, b, stride, padding, dilation, transposed, output_padding, groups = args
     kinds = _kinds(x, w, groups, transposed)
-    if kinds is None or kwargs or (b is not None and (not isinstance(b, DTensor) or b.device_mesh != x.device_mesh)) \
-            or not _pays(kinds, x, w, _out_shape(x, w, stride, padding, dilation)):
+    if kinds is None or kwargs or (b is not None and (not isinstance(b, DTensor) or b.device_mesh != x.device_mesh)):
         return None
+    return Priced((), kinds, verdict=_pays(kinds, x, w, _out_shape(x, w, stride, padding, dilation)), rule=_PAYS_RULE)
+
+
+def _backward_price(op_call: Any, args: tuple, kwargs: dict) -> Priced | None:
+    """Where the backward's layout is one of the rules: the plan, taken where it pays."""
+    if len(args) != 11:
+        return None
+    dy, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask = args
+    kinds = _kinds(x, w, groups, transposed)
+    if kinds is None or kwargs or not isinstance(dy, DTensor) or dy.device_mesh != x.device_mesh:
+        return None
+    return Priced((), kinds, verdict=_pays(kinds, x, w, dy.shape), rule=_PAYS_RULE)
+
+
+def _forward(op_call: Any, args: tuple, kwargs: dict, priced: Priced) -> Any:
+    x, w, b, stride, padding, dilation, transposed, output_padding, groups = args
+    kinds = priced.context
     mesh = x.device_mesh
     want = [tuple(_FORWARD[k][0][i] for k in kinds) for i in range(3)]
     local = aten.convolution.default(_local(x, want[0]), _local(w, want[1]), _local(b, want[2]), stride, padding,
@@ -205,12 +231,9 @@ def _forward(args: tuple, kwargs: dict) -> Any:
     return DTensor._op_dispatcher.wrap(local, spec)
 
 
-def _backward(args: tuple, kwargs: dict) -> Any:
+def _backward(op_call: Any, args: tuple, kwargs: dict, priced: Priced) -> Any:
     dy, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask = args
-    kinds = _kinds(x, w, groups, transposed)
-    if kinds is None or kwargs or not isinstance(dy, DTensor) or dy.device_mesh != x.device_mesh \
-            or not _pays(kinds, x, w, dy.shape):
-        return None
+    kinds = priced.context
     mesh = x.device_mesh
     inputs = [tuple(_FORWARD[k][0][i] for k in kinds) for i in range(2)]
     local_w = _local(w, inputs[1])
@@ -228,11 +251,11 @@ def _backward(args: tuple, kwargs: dict) -> Any:
     return DTensor._op_dispatcher.wrap(tuple(grads), tuple(specs))
 
 
-def channel_parallel(op_call: Any, args: tuple, kwargs: dict) -> Any:
-    """The call run channel-parallel on its local shards (module doc), or None where
-    its layout is not one of the rules (the caller's own path then)."""
-    if op_call == aten.convolution.default and len(args) == 9:
-        return _forward(tuple(args), kwargs)
-    if op_call == aten.convolution_backward.default and len(args) == 11:
-        return _backward(tuple(args), kwargs)
-    return None
+_WHAT = "convolution with its weight sharded on its channels, run on the shards as they are (channel-parallel)"
+_APPLIES = ("the weight sharded on its output channels (colwise), input channels (rowwise) or groups (depthwise) on "
+            "one mesh dim, the activations laid out to match; the batch Shard(0) or Replicate on the others")
+PLANS = (
+    Plan(("aten.convolution.default",), _WHAT, _APPLIES, _forward_price, _forward, over_dtensor_handler=True),
+    Plan(("aten.convolution_backward.default",), _WHAT, _APPLIES, _backward_price, _backward,
+         over_dtensor_handler=True),
+)

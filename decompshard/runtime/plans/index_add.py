@@ -27,9 +27,10 @@ from typing import Any
 import torch
 
 from decompshard._compat import DTensor, TorchReplicate, TorchShard, local_tensor, placed_dtensor, slab_index
+from decompshard.runtime.records import Plan
 from decompshard.runtime.collectives import Priced, Step, every_rank_holds_slab, local_at, moves_cost
 
-__all__ = ["PLANS", "PRICES"]
+__all__ = ["PLANS"]
 
 
 class _Layout:
@@ -65,10 +66,7 @@ def _price(op_call: Any, args: tuple, kwargs: dict) -> Priced | None:
                         "sharding self there); no collective", moves_cost(lay.moves), x.dtype.itemsize),), lay)
 
 
-def _index_add(op_call: Any, args: tuple, kwargs: dict) -> Any:
-    priced = _price(op_call, args, kwargs)
-    if priced is None or not priced.taken(op_call, args, kwargs):
-        return None
+def _index_add(op_call: Any, args: tuple, kwargs: dict, priced: Priced) -> Any:
     lay = priced.context
     x, _, index, source = args[:4]
     alpha = args[4] if len(args) > 4 else kwargs.get("alpha", 1)
@@ -82,5 +80,8 @@ def _index_add(op_call: Any, args: tuple, kwargs: dict) -> Any:
     return placed_dtensor(out, lay.mesh, x.placements, x.shape)
 
 
-PLANS = {"aten.index_add.default": _index_add}
-PRICES = {"aten.index_add.default": _price}
+PLANS = (
+    Plan(("aten.index_add.default",), "index_add into a tensor sharded along the indexed dim (each rank adds the rows "
+         "it owns)", "self Shard(dim) on exactly one mesh dim, every rank holding rows, the other mesh dims Replicate "
+         "or Shard of another dim; a 1-D index", _price, _index_add),
+)

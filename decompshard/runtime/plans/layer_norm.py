@@ -21,9 +21,10 @@ from typing import Any
 import torch
 
 from decompshard._compat import DTensor, TorchPartial, TorchReplicate, TorchShard, local_tensor, placed_dtensor
-from decompshard.runtime.collectives import Priced, Step, Stat, local_at, moves_cost, sharding_dims
+from decompshard.runtime.collectives import ROWS_SHARDED, Priced, Step, Stat, local_at, moves_cost, sharding_dims
+from decompshard.runtime.records import Plan
 
-__all__ = ["PLANS", "PRICES"]
+__all__ = ["PLANS"]
 
 
 class _Norm:
@@ -96,11 +97,8 @@ def _backward_price(op_call: Any, args: tuple, kwargs: dict) -> Priced | None:
                   (norm, stats))
 
 
-def _forward(op_call: Any, args: tuple, kwargs: dict) -> Any:
+def _forward(op_call: Any, args: tuple, kwargs: dict, priced: Priced) -> Any:
     x, normalized_shape, weight, bias, eps = args[:5]
-    priced = _forward_price(op_call, args, kwargs)
-    if priced is None or not priced.taken(op_call, args, kwargs):
-        return None
     norm = priced.context
     xl = local_tensor(x)
     mean = norm.stat.reduce(xl.sum(norm.reduced, keepdim=True), "sum") / norm.count
@@ -117,11 +115,8 @@ def _forward(op_call: Any, args: tuple, kwargs: dict) -> Any:
             norm.wrap(rstd, norm.stat.placements, norm.stat.shape))
 
 
-def _backward(op_call: Any, args: tuple, kwargs: dict) -> Any:
+def _backward(op_call: Any, args: tuple, kwargs: dict, priced: Priced) -> Any:
     grad, x, normalized_shape, mean, rstd, weight, bias, mask = args[:8]
-    priced = _backward_price(op_call, args, kwargs)
-    if priced is None or not priced.taken(op_call, args, kwargs):
-        return None
     norm, stats = priced.context
     g, m, r = (local_at(t, norm.mesh, pl) for t, pl in stats)
     xhat = (local_tensor(x) - m) * r
@@ -143,11 +138,9 @@ def _backward(op_call: Any, args: tuple, kwargs: dict) -> Any:
             None if grad_bias is None else norm.wrap(grad_bias, norm.grad_param_placements, shape))
 
 
-PLANS = {
-    "aten.native_layer_norm.default": _forward,
-    "aten.native_layer_norm_backward.default": _backward,
-}
-PRICES = {
-    "aten.native_layer_norm.default": _forward_price,
-    "aten.native_layer_norm_backward.default": _backward_price,
-}
+_WHAT = "layer norm over a sharded hidden dim"
+_APPLIES = ROWS_SHARDED + "; float32 or float64; weight and bias Shard or Replicate"
+PLANS = (
+    Plan(("aten.native_layer_norm.default",), _WHAT, _APPLIES, _forward_price, _forward),
+    Plan(("aten.native_layer_norm_backward.default",), _WHAT, _APPLIES, _backward_price, _backward),
+)

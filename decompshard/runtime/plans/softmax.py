@@ -16,9 +16,10 @@ from typing import Any
 import torch
 
 from decompshard._compat import DTensor, local_tensor, placed_dtensor
-from decompshard.runtime.collectives import Priced, Stat, Step, moves_cost, sharding_dims
+from decompshard.runtime.collectives import ROWS_SHARDED, Priced, Stat, Step, moves_cost, sharding_dims
+from decompshard.runtime.records import Plan
 
-__all__ = ["PLANS", "PRICES"]
+__all__ = ["PLANS"]
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -72,11 +73,8 @@ def _backward_price(op_call: Any, args: tuple, kwargs: dict) -> Priced | None:
 
 
 def _forward(log: bool):
-    def plan(op_call: Any, args: tuple, kwargs: dict) -> Any:
+    def plan(op_call: Any, args: tuple, kwargs: dict, priced: Priced) -> Any:
         x, _, half_to_float = _forward_args(args, kwargs)
-        priced = _forward_price(op_call, args, kwargs)
-        if priced is None or not priced.taken(op_call, args, kwargs):
-            return None
         d, stat = priced.context
         local = local_tensor(x)
         comp = local.float() if local.dtype in _LOW else local
@@ -90,11 +88,8 @@ def _forward(log: bool):
 
 
 def _backward(log: bool):
-    def plan(op_call: Any, args: tuple, kwargs: dict) -> Any:
+    def plan(op_call: Any, args: tuple, kwargs: dict, priced: Priced) -> Any:
         grad, out, _, input_dtype = args[:4]
-        priced = _backward_price(op_call, args, kwargs)
-        if priced is None or not priced.taken(op_call, args, kwargs):
-            return None
         d, stat = priced.context
         if tuple(grad.placements) != tuple(out.placements):
             grad = grad.redistribute(out.device_mesh, out.placements)
@@ -108,15 +103,10 @@ def _backward(log: bool):
     return plan
 
 
-PLANS = {
-    "aten._softmax.default": _forward(log=False),
-    "aten._log_softmax.default": _forward(log=True),
-    "aten._softmax_backward_data.default": _backward(log=False),
-    "aten._log_softmax_backward_data.default": _backward(log=True),
-}
-PRICES = {
-    "aten._softmax.default": _forward_price,
-    "aten._log_softmax.default": _forward_price,
-    "aten._softmax_backward_data.default": _backward_price,
-    "aten._log_softmax_backward_data.default": _backward_price,
-}
+_WHAT = "softmax / log_softmax over a sharded dim"
+PLANS = (
+    Plan(("aten._softmax.default",), _WHAT, ROWS_SHARDED, _forward_price, _forward(log=False)),
+    Plan(("aten._log_softmax.default",), _WHAT, ROWS_SHARDED, _forward_price, _forward(log=True)),
+    Plan(("aten._softmax_backward_data.default",), _WHAT, ROWS_SHARDED, _backward_price, _backward(log=False)),
+    Plan(("aten._log_softmax_backward_data.default",), _WHAT, ROWS_SHARDED, _backward_price, _backward(log=True)),
+)

@@ -1,7 +1,7 @@
 """nll_loss over a class-sharded input: the loss half of vocab-parallel cross-entropy.
 
 A column-parallel `lm_head` leaves the logits `Shard(-1)` on the vocabulary; cross-entropy
-is `log_softmax` (plan_softmax.py: two per-row all-reduces) then `nll_loss_forward`,
+is `log_softmax` (softmax.py: two per-row all-reduces) then `nll_loss_forward`,
 whose DTensor strategies keep the class dim whole, so the logits were all-gathered
 (torch 2.13-2.15 alike). torch's `loss_parallel()` context avoids that by hand; this is
 the same idea without the context: each rank picks the target's log-probability where
@@ -27,9 +27,10 @@ from typing import Any
 import torch
 
 from decompshard._compat import DTensor, TorchReplicate, TorchShard, local_tensor, placed_dtensor, slab_index
+from decompshard.runtime.records import Plan
 from decompshard.runtime.collectives import Priced, Stat, Step, every_rank_holds_slab, local_at, moves_cost, reduce_scalars, scalars_cost, sharding_dims
 
-__all__ = ["PLANS", "PRICES"]
+__all__ = ["PLANS"]
 
 NONE, MEAN, SUM = 0, 1, 2  # at::Reduction
 
@@ -103,11 +104,8 @@ def _backward_price(op_call: Any, args: tuple, kwargs: dict) -> Priced | None:
                         x.dtype.itemsize),), (lay, grad_placements))
 
 
-def _forward(op_call: Any, args: tuple, kwargs: dict) -> Any:
+def _forward(op_call: Any, args: tuple, kwargs: dict, priced: Priced) -> Any:
     x, target, weight, reduction, ignore_index = args[:5]
-    priced = _forward_price(op_call, args, kwargs)
-    if priced is None or not priced.taken(op_call, args, kwargs):
-        return None
     lay, rows = priced.context
     idx, here, w = lay.picks(target, weight, ignore_index)
     picked = torch.gather(local_tensor(x), lay.c, idx.unsqueeze(lay.c)).squeeze(lay.c)
@@ -126,11 +124,8 @@ def _forward(op_call: Any, args: tuple, kwargs: dict) -> Any:
     return placed_dtensor(loss, lay.mesh, lay.rep, ()), placed_dtensor(total_weight.clone(), lay.mesh, lay.rep, ())
 
 
-def _backward(op_call: Any, args: tuple, kwargs: dict) -> Any:
+def _backward(op_call: Any, args: tuple, kwargs: dict, priced: Priced) -> Any:
     grad, x, target, weight, reduction, ignore_index, total_weight = args[:7]
-    priced = _backward_price(op_call, args, kwargs)
-    if priced is None or not priced.taken(op_call, args, kwargs):
-        return None
     lay, grad_placements = priced.context
     idx, here, w = lay.picks(target, weight, ignore_index)
     g = local_at(grad, lay.mesh, grad_placements)
@@ -142,15 +137,12 @@ def _backward(op_call: Any, args: tuple, kwargs: dict) -> Any:
     return placed_dtensor(out, lay.mesh, x.placements, x.shape)
 
 
-PLANS = {
-    "aten.nll_loss_forward.default": _forward,
-    "aten.nll_loss2d_forward.default": _forward,
-    "aten.nll_loss_backward.default": _backward,
-    "aten.nll_loss2d_backward.default": _backward,
-}
-PRICES = {
-    "aten.nll_loss_forward.default": _forward_price,
-    "aten.nll_loss2d_forward.default": _forward_price,
-    "aten.nll_loss_backward.default": _backward_price,
-    "aten.nll_loss2d_backward.default": _backward_price,
-}
+_WHAT = "nll_loss over a class-sharded input (vocab-parallel loss)"
+_APPLIES = ("the class dim sharded on exactly one mesh dim, every rank holding classes; the other mesh dims Shard "
+            "the batch or Replicate")
+PLANS = (
+    Plan(("aten.nll_loss_forward.default", "aten.nll_loss2d_forward.default"), _WHAT, _APPLIES, _forward_price,
+         _forward),
+    Plan(("aten.nll_loss_backward.default", "aten.nll_loss2d_backward.default"), _WHAT, _APPLIES, _backward_price,
+         _backward),
+)

@@ -1,1 +1,28 @@
-"""support"""
+"""Support: valid programs DTensor refuses (raises on), run anyway.
+
+    uneven_views     view-family ops on uneven shards, redistributed instead of refused
+    data_dependent   ops whose output size depends on values (nonzero, unique), run replicated
+    inplace          in-place ops with no native strategy: the out-of-place result written back
+    as_strided       `as_strided_` and friends where they move no element
+    inplace_views    in-place view ops (`transpose_`, `unsqueeze_`) as their twin's view
+
+Each module declares the table entries its ops need (`entries(warn)`); `SUPPORT` lists
+them in the order `enable()` installs them.
+"""
+
+from __future__ import annotations
+
+from decompshard.runtime.records import Support
+from decompshard.runtime.support import as_strided, data_dependent, inplace, inplace_views, uneven_views
+
+__all__ = ["SUPPORT"]
+
+SUPPORT: tuple[Support, ...] = (
+    Support("uneven_views", "view-family ops on uneven shards redistribute instead of raising", uneven_views.entries),
+    Support("data_dependent", "ops whose output size depends on values run replicated", data_dependent.entries),
+    Support("inplace", "in-place ops without a native strategy write an out-of-place result back into self",
+            inplace.entries),
+    Support("as_strided", "as_strided_ runs where it moves no element", as_strided.entries),
+    Support("inplace_views", "in-place view ops follow their out-of-place twin's native strategy",
+            inplace_views.entries),
+)

@@ -23,7 +23,7 @@ which is the wrong registration above (a replicated [5, 4] `t_()` left a DTensor
 shape [5, 4] over [4, 5] locals; a sharded one refused), so the handler takes `t_` too.
 `squeeze_` has a strategy of its own, as wrong (a [4, 1, 6] `squeeze_()` left [4, 1, 6]
 over [4, 6] locals on 2.13 to 2.15): the native guard gives it this handler, measured
-per release (guard_table.IN_PLACE_VIEWS_KEEPING_SHAPE). `resize_`, `set_` and
+per release (fences/table.py). `resize_`, `set_` and
 `as_strided_` have no such twin (`as_strided_` has its own module). `disable()`
 removes the handlers.
 """
