@@ -8,7 +8,7 @@ cost model never overrides ours), and widen `has_decomp` to the
 decompositions decompshard registers itself. Ops with native strategies never reach it.
 DTensor moves only positional tensors; `enable()` also routes keyword tensors (SDPA's
 keyword-only `attn_mask`) to the placements our strategy names
-(`_compat.kwarg_routing_entries`), so slicing a replicated mask, which is free,
+(`support/kwarg_routing.kwarg_routing_entries`), so slicing a replicated mask, which is free,
 wins over moving q, k and v. `out=` and other written keyword tensors stay put.
 
 If the op cannot be derived (data-dependent, random, no meta kernel), or has no
@@ -32,12 +32,13 @@ from typing import Any, Iterator
 import torch
 
 from decompshard._compat import tree_flatten, tree_unflatten
-from decompshard._compat import DTensorSpec, OpSpec, OpStrategy, TensorMeta, clear_dtensor_caches, inferred_schema_info, kwarg_routing_entries, sharding_propagator, stage_kwarg_targets
+from decompshard._compat import DTensorSpec, OpSpec, OpStrategy, TensorMeta, clear_dtensor_caches, inferred_schema_info, sharding_propagator
+from decompshard.runtime.support.kwarg_routing import kwarg_routing_entries, stage_kwarg_targets
 from decompshard.dispatch_modes.clean import clean_dispatch_state
 from decompshard.dispatch_modes.tracing import has_decomposition
 from decompshard.runtime.table_patches import Entry, TablePatches, locked
 from decompshard.dispatch_modes.reference import check_reference, reference_of
-from decompshard._compat import kwarg_routing_active
+from decompshard.runtime.support.kwarg_routing import kwarg_routing_active
 from decompshard.solve.derive import derive_rules
 from decompshard.mesh.lift import ranked
 from decompshard._compat import TorchReplicate
@@ -175,7 +176,7 @@ def _check_reference(op, flat, spec, mesh) -> None:
 def _kwarg_tensors(op_schema: Any, n_args: int, n_specs: int) -> tuple[dict[str, int], frozenset[int]]:
     """({keyword: its index among the op's tensors} for the keyword tensors DTensor will
     move to the chosen strategy's placements, indices of the tensors that must keep
-    theirs). Keyword tensors move through `_compat.kwarg_routing_entries`
+    theirs). Keyword tensors move through `kwarg_routing_entries`
     (installed by `enable()`); without it, or inside a keyword list, they stay. An `out=`
     or otherwise written keyword argument always stays: the op must write into the
     caller's tensor, not into a redistributed copy of it."""

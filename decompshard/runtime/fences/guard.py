@@ -72,7 +72,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from decompshard._compat import dtensor_default_dispatch
-from decompshard._compat import DTensor, DTensorSpec, OpSpec, OpStrategy, TensorMeta, TorchReplicate, clear_dtensor_caches, custom_op_handlers, from_torch_placement, generate_redistribute_costs, sharding_propagator
+from decompshard._compat import DTensor, DTensorSpec, OpSpec, OpStrategy, TensorMeta, TorchReplicate, clear_dtensor_caches, custom_op_handlers, generate_redistribute_costs, sharding_propagator
+from decompshard.torch_placements import from_torch_placement
 from decompshard.dispatch_modes.graph import freeze, leaves
 from decompshard.runtime.fences.batch_norm_stats import stats_writing_handler
 from decompshard.runtime.fences.negative_dims import wrapping_op_strategy, wrapping_single_dim
