@@ -1,7 +1,7 @@
 """The doctor's capability probes: every hook point decompshard patches or reads, and the
 shapes of DTensor's strategy registries, asked of the running torch through `_compat`.
 
-`decompshard doctor` asks the running torch for every hook point above, by feature
+`decompshard doctor` asks the running torch for each hook point by feature
 detection (an attribute, a signature, an import), never by its version number: on a
 release nobody has tested, what is found is what counts. Each probe returns one line
 describing what it found, or raises with the reason it is not there in the shape
