@@ -1,6 +1,6 @@
 """The one DTensor runner's engine (verify/dtensor_case.py), shared by the check
 (`run_case`) and the native audit (`native_rules.run_on_dtensor`): the one judge's
-numbers (verify/judge.py), its simulation context and the chunk mend that lives in _compat."""
+numbers (verify/judge.py), its simulation context and the chunk mend (verify/per_rank.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch._utils as tutils
 
-from decompshard._compat import TorchShard, make_local_tensor, per_rank_call, simulating_ranks, simulator_chunks
+from decompshard._compat import TorchShard, make_local_tensor, simulating_ranks
+from decompshard.verify.per_rank import per_rank_call, simulator_chunks
 from decompshard.placements import S
 from decompshard.verify.dtensor_case import device_mesh, every_rank_full, mesh_coords, simulation
 from decompshard.verify.judge import max_error

@@ -188,7 +188,7 @@ def _torch_single_dim_rules(op, *metas):
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._dtensor_spec import TensorMeta
 
-    from decompshard._compat import from_torch_placement
+    from decompshard.torch_placements import from_torch_placement
     from decompshard.placements import SingleDimRule
 
     sp = DTensor._op_dispatcher.sharding_propagator

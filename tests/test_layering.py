@@ -5,10 +5,11 @@
 
 Every import counts, wherever it sits (module level, inside a function, under
 TYPE_CHECKING): an import hidden in a function is still a dependency, and hiding one to
-dodge a circle is what this test exists to stop. It also holds the two rules that keep
-the stages' insides private: no module imports another module's private name, and only
-`_compat.py` imports torch's private modules (so the next torch release breaks in one
-listed place).
+dodge a circle is what this test exists to stop. It also holds the rules that keep the
+stages' insides private: no module imports another module's private name, and only the
+`_compat` package (base) imports torch's private modules or reads a DTensor's private
+attributes (`._local_tensor`, `._spec`, `._op_dispatcher`, a LocalTensor's
+`._local_tensors`), so the next torch release breaks in one listed place.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ import decompshard
 PACKAGE = Path(decompshard.__file__).parent
 STAGES = ["base", "dispatch_modes", "rules", "solve", "mesh", "verify", "runtime", "commands"]
 COMMANDS = {"coverage", "check", "explain", "doctor", "cli", "__main__", "__init__"}
+BASE_PACKAGES = {"_compat"}  # packages of the base stage (the version shims)
+COMPAT = "decompshard._compat"
+PRIVATE_DTENSOR_ATTRIBUTES = {"_local_tensor", "_spec", "_op_dispatcher", "_local_tensors"}
 
 
 def _module_name(path: Path) -> str:
@@ -37,6 +41,8 @@ def stage_of(module: str) -> str:
     parts = module.split(".")[1:] or ["__init__"]
     if parts[0] in COMMANDS:
         return "commands"
+    if parts[0] in BASE_PACKAGES:
+        return "base"
     return parts[0] if len(parts) > 1 or parts[0] in STAGES else "base"
 
 
@@ -144,14 +150,51 @@ def test_no_private_name_crosses_a_module_boundary():
     assert crossing == []
 
 
+def _in_compat(module: str) -> bool:
+    return module == COMPAT or module.startswith(COMPAT + ".")
+
+
+def _is_private_torch(dotted: str) -> bool:
+    parts = dotted.split(".")
+    return parts[0] == "torch" and any(p.startswith("_") and not p.startswith("__") for p in parts)
+
+
+def private_torch_imports(module: str) -> list[str]:
+    """Every import of a private torch module or name in `module`: import statements, and
+    `importlib.import_module` / `__import__` of a constant module path."""
+    found = [f"{module}:{line} imports {base}" + (f".{name}" if name else "")
+             for base, name, line in _imports(module) if _is_private_torch(f"{base}.{name}" if name else base)]
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str) and _is_private_torch(node.args[0].value)
+                and ast.unparse(node.func) in ("importlib.import_module", "import_module", "__import__")):
+            found.append(f"{module}:{node.lineno} imports {node.args[0].value}")
+    return found
+
+
+def private_dtensor_attributes(module: str) -> list[str]:
+    """Every read or write of a DTensor's (or a LocalTensor's) private attributes in
+    `module`, on any object: `x._spec`, and `getattr(x, "_spec", ...)` / `setattr` /
+    `hasattr` with the name as a constant."""
+    found = []
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.Attribute) and node.attr in PRIVATE_DTENSOR_ATTRIBUTES:
+            found.append(f"{module}:{node.lineno} reads .{node.attr}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) >= 2
+              and isinstance(node.args[1], ast.Constant) and node.args[1].value in PRIVATE_DTENSOR_ATTRIBUTES):
+            found.append(f"{module}:{node.lineno} reads .{node.args[1].value} by {node.func.id}")
+    return found
+
+
 def test_only_compat_imports_private_torch_modules():
-    leaks = [
-        f"{m}:{line} imports {base}" + (f".{name}" if name else "")
-        for m in MODULES if m != "decompshard._compat"
-        for base, name, line in _imports(m)
-        if base.split(".")[0] == "torch" and any(p.startswith("_") for p in [*base.split("."), name or ""])
-    ]
+    leaks = [leak for m in MODULES if not _in_compat(m) for leak in private_torch_imports(m)]
     assert leaks == []
+
+
+def test_only_compat_reads_private_dtensor_attributes():
+    reads = [read for m in MODULES if not _in_compat(m) for read in private_dtensor_attributes(m)]
+    assert reads == []
 
 
 # ------------------------------------------------------------------ the checker itself
@@ -163,7 +206,8 @@ def test_the_cycle_finder_finds_a_circle_and_only_real_ones():
 
 
 @pytest.mark.parametrize("module, stage", [
-    ("decompshard._compat", "base"), ("decompshard.placements", "base"),
+    ("decompshard._compat", "base"), ("decompshard._compat.dtensor", "base"), ("decompshard.placements", "base"),
+    ("decompshard.runtime.support.kwarg_routing", "runtime"),
     ("decompshard.dispatch_modes.decomps.scatter", "dispatch_modes"), ("decompshard.solve.derive", "solve"),
     ("decompshard.runtime.enable", "runtime"), ("decompshard.coverage.command", "commands"),
     ("decompshard.cli", "commands"), ("decompshard", "commands"),
@@ -179,3 +223,47 @@ def test_a_function_level_import_counts(tmp_path, monkeypatch):
     fake.write_text(src.read_text() + "\n\ndef _late():\n    from decompshard.runtime import enable\n")
     monkeypatch.setitem(MODULES, "decompshard.solve.derive", fake)
     assert "decompshard.runtime.enable" in import_graph()["decompshard.solve.derive"]
+
+
+def _planted(tmp_path, monkeypatch, module: str, code: str) -> str:
+    """`module` with `code` appended, standing in for the real file in MODULES."""
+    fake = tmp_path / (module.rpartition(".")[2] + ".py")
+    fake.write_text(MODULES[module].read_text() + "\n\n" + code)
+    monkeypatch.setitem(MODULES, module, fake)
+    return module
+
+
+def test_a_planted_private_torch_import_is_found(tmp_path, monkeypatch):
+    m = _planted(tmp_path, monkeypatch, "decompshard.runtime.plans.softmax", (
+        "def _late():\n"
+        "    import torch.distributed._local_tensor\n"
+        "    from torch.distributed.tensor._ops import utils\n"
+        "    from torch.distributed.tensor import _dispatch\n"
+        "    import importlib\n"
+        "    return importlib.import_module('torch.distributed.tensor._sharding_prop')\n"))
+    found = " ".join(private_torch_imports(m))
+    for path in ("torch.distributed._local_tensor", "torch.distributed.tensor._ops.utils",
+                 "torch.distributed.tensor._dispatch", "torch.distributed.tensor._sharding_prop"):
+        assert f"imports {path}" in found, (path, found)
+    assert private_torch_imports("decompshard.runtime.enable") == []  # public torch only
+
+
+def test_a_planted_private_attribute_read_is_found(tmp_path, monkeypatch):
+    m = _planted(tmp_path, monkeypatch, "decompshard.check.model", (
+        "def _late(dt, lt, DTensor):\n"
+        "    dt._local_tensor.mul_(2)\n"
+        "    spec = dt._spec\n"
+        "    DTensor._op_dispatcher.wrap(None, spec)\n"
+        "    dt._spec = spec\n"
+        "    return lt._local_tensors, getattr(dt, '_spec', None)\n"))
+    found = private_dtensor_attributes(m)
+    for attr in ("._local_tensor", "._spec", "._op_dispatcher", "._local_tensors", "._spec by getattr"):
+        assert any(f.endswith(f"reads {attr}") for f in found), (attr, found)
+    assert len([f for f in found if f.endswith("reads ._spec")]) == 2  # the read and the write
+
+
+def test_compat_itself_is_exempt_and_would_be_caught_elsewhere():
+    """The shims do what no other module may: the checks see it, and skip only `_compat`."""
+    assert private_torch_imports("decompshard._compat.dtensor") and private_dtensor_attributes("decompshard._compat.dtensor")
+    assert all(_in_compat(m) for m in ("decompshard._compat", "decompshard._compat.simulation"))
+    assert not _in_compat("decompshard._compatible") and not _in_compat("decompshard.runtime.support.kwarg_routing")

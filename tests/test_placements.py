@@ -134,7 +134,7 @@ def _explain_rows(text, shapes, ndim):
 
 def _rule_rows(text, shapes, ndim):
     # each mesh dim's column, the tensors' placement texts as written, as a rule string
-    from decompshard._compat import to_torch_placement
+    from decompshard.torch_placements import to_torch_placement
     from decompshard.placements import split_top_level
 
     rows = [split_top_level(r, ",") for r in text.split(";")]
@@ -182,7 +182,7 @@ def test_local_shape_is_torchs_on_every_placement_kind():
     # uneven, against torch's _compute_local_shape_and_global_offset
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-    from decompshard._compat import to_torch_placement
+    from decompshard.torch_placements import to_torch_placement
 
     rng = random.Random(3)
     for _ in range(300):

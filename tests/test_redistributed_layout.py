@@ -1,5 +1,5 @@
 """A tensor DTensor redistributes for an op is laid out as its spec claims
-(decompshard/_compat.py `_densify_moved_args`).
+(decompshard/runtime/support/kwarg_routing.py `_densify_moved_args`).
 
 Moving an uneven Shard(a) to Shard(b) pads both dims around the all-to-all and narrows
 the result, so the last rank holds a slice of a padded buffer while the DTensor says

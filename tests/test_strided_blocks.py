@@ -16,7 +16,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import decompshard
-from decompshard._compat import sharding_overrides
+from decompshard.runtime.support.kwarg_routing import sharding_overrides
 from decompshard.dispatch_modes.comm_bytes import CommBytes
 from decompshard.verify.dtensor_case import device_mesh, make_dtensor, simulation
 

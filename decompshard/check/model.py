@@ -505,9 +505,9 @@ def own_copies(d: Any, n: int) -> Any:
     A DTensor whose local is already per rank is returned as it is."""
     from torch.distributed.tensor import DTensor
 
-    from decompshard._compat import make_local_tensor, rank_tensors
+    from decompshard._compat import local_tensor, make_local_tensor, rank_tensors
 
-    local = d._local_tensor
+    local = local_tensor(d)
     if rank_tensors(local) is not None:
         return d
     per_rank = make_local_tensor({r: local.clone() for r in range(n)})

@@ -46,7 +46,7 @@ import torch
 from decompshard._compat import OpOverload
 from decompshard._compat import tree_flatten, tree_map
 
-from decompshard._compat import to_torch_placement
+from decompshard.torch_placements import to_torch_placement
 from decompshard.errors import one_line
 from decompshard.placements import (
     PARTIALS,
@@ -137,7 +137,7 @@ def _torch_placement_types():
 def from_torch_placement(p: Any) -> MaybePlacement:
     """Torch -> ours, for judging torch's claims as generously as they can be read:
     _StridedShard reads as S(d) and a p-norm partial with p in {0, 1, +-inf} as the
-    reduction it is (the engine's own conversion, `_compat.from_torch_placement`,
+    reduction it is (the engine's own conversion, `torch_placements.from_torch_placement`,
     refuses both). Raises UnrepresentablePlacement for e.g. `_NormPartial(2)`."""
     TShard, TStrided, TReplicate, TPartial = _torch_placement_types()
     if p is None:

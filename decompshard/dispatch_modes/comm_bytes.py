@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import torch
 
 from decompshard._compat import TorchDispatchMode
-from decompshard._compat import tree_leaves
+from decompshard._compat import rank_tensors, tree_leaves
 
 __all__ = ["CommBytes", "Collective"]
 
@@ -95,7 +95,7 @@ def _arg_bytes(args: Sequence[Any]) -> int:
     LocalTensor's ranks may hold different sizes: uneven shards)."""
     for a in tree_leaves(args):
         if isinstance(a, torch.Tensor):
-            per_rank = getattr(a, "_local_tensors", None)
+            per_rank = rank_tensors(a)
             ts = list(per_rank.values()) if per_rank else [a]
             return max(t.numel() * t.element_size() for t in ts)
     return 0
@@ -105,7 +105,7 @@ def _arg_shape(args: Sequence[Any]) -> tuple[int, ...]:
     """The local shape of the first tensor argument on the rank that holds the most."""
     for a in tree_leaves(args):
         if isinstance(a, torch.Tensor):
-            per_rank = getattr(a, "_local_tensors", None)
+            per_rank = rank_tensors(a)
             ts = list(per_rank.values()) if per_rank else [a]
             return tuple(max(ts, key=lambda t: t.numel()).shape)
     return ()

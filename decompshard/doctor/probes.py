@@ -1,6 +1,6 @@
 """The doctor's static checks: the environment, DTensor's hook points, its registries.
 
-Everything torch-private is asked through `_compat`'s capability probes (feature
+Everything torch-private is asked through the capability probes (doctor/hook_points.py, over `_compat`) (feature
 detection: an attribute, a signature, an import). If `_compat` itself does not import
 (a torch that lacks a private API decompshard needs at import), that is the one finding,
 and nothing else can be checked."""
@@ -65,14 +65,14 @@ def environment(head: dict[str, Any]) -> tuple[list[Finding], bool]:
 def hook_points() -> Iterator[Finding]:
     """Every hook point decompshard patches or reads, then whether torch's fallback
     takes the arguments enable()'s replacement accepts."""
-    from decompshard import _compat
+    from decompshard.doctor.hook_points import hook_probes
     from decompshard.torch_notices import no_cuda_runtime_notice
 
     # importing OpInfo's database on a CUDA build without a GPU logs "No CUDA runtime is
     # found" (torch.utils.cpp_extension): not a finding
     with no_cuda_runtime_notice(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        probes = _compat.hook_probes()
+        probes = hook_probes()
     for name, found, detail in probes:
         yield Finding(HOOKS, name, OK if found else MISSING, detail)
     yield _fallback_signature()
@@ -101,7 +101,7 @@ def _fallback_signature() -> Finding:
 
 
 def registries() -> Iterator[Finding]:
-    from decompshard import _compat
+    from decompshard.doctor.hook_points import registry_probes
 
-    for name, found, detail in _compat.registry_probes():
+    for name, found, detail in registry_probes():
         yield Finding(REGISTRIES, name, OK if found else MISSING, detail)

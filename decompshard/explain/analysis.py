@@ -26,7 +26,8 @@ from typing import Any, Sequence
 import torch
 
 from decompshard._compat import tree_flatten_with_path, tree_map
-from decompshard._compat import TensorMeta, from_torch_placement
+from decompshard._compat import TensorMeta
+from decompshard.torch_placements import from_torch_placement
 from decompshard.op_names import resolve_op
 from decompshard.solve.derive import DerivedRules, derive_rules, native_rules, traced, unsupported_inputs
 from decompshard.dispatch_modes.graph import PrimGraph, PrimNode
@@ -34,7 +35,7 @@ from decompshard.solve.localcheck import LocalVerdict, check_local
 from decompshard.placements import MaybePlacement, P, Partial, Placement, R, Replicate, ShardPlaceholder, SingleDimRule, StridedShard, check_placement_rows, format_rule, parse_mesh_shape, parse_placement, parse_placement_rows, parse_placements
 from decompshard.solve.propagate import Propagation, Survivor, input_alphabet, propagate
 from decompshard.rules import rules_for
-from decompshard._compat import to_torch_placement
+from decompshard.torch_placements import to_torch_placement
 from decompshard.mesh.lift import rank_strategies
 from decompshard.explain.plans import PlanReport, plan_report
 

@@ -17,7 +17,8 @@ from typing import Any, Sequence
 import torch
 
 from decompshard._compat import tree_map
-from decompshard._compat import TensorMeta, from_torch_placement
+from decompshard._compat import TensorMeta
+from decompshard.torch_placements import from_torch_placement
 from decompshard.dispatch_modes.graph import PrimGraph, PrimNode
 from decompshard.placements import MaybePlacement, Placement, R, format_placement, format_rule
 from decompshard.solve.propagate import input_alphabet

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from decompshard._compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, TensorMeta, TupleStrategy, fake_one_rank_mesh, from_torch_placement, op_strategy_func, to_torch_placement
+from decompshard._compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, TensorMeta, TupleStrategy, fake_one_rank_mesh, op_strategy_func
+from decompshard.torch_placements import from_torch_placement, to_torch_placement
 from decompshard.dispatch_modes.graph import PrimNode
 from decompshard.placements import R, SingleDimRule, alphabet
 

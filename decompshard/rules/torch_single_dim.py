@@ -7,7 +7,8 @@ is only right for even shards, so its sharded rules carry the [even] condition.
 
 from __future__ import annotations
 
-from decompshard._compat import from_torch_placement, single_dim_strategy_info
+from decompshard._compat import single_dim_strategy_info
+from decompshard.torch_placements import from_torch_placement
 from decompshard.dispatch_modes.graph import PrimNode
 from decompshard.placements import SingleDimRule, is_shard
 

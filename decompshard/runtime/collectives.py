@@ -33,7 +33,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from decompshard._compat import (DTensor, TorchPartial, TorchReplicate, TorchShard, contiguous_spec, dtensor_planned_moves,
-                                 local_tensor, redistribute_local_tensor)
+                                 dtensor_spec, local_tensor, redistribute_local_tensor)
 from decompshard.dispatch_modes.graph import freeze, map_leaves
 from decompshard.mesh.cost import Cost, bytes_key, redistribute_cost
 
@@ -163,7 +163,7 @@ def moves_cost(moves: Iterable[tuple[Any, Sequence[Any]]]) -> Cost:
     """The price of redistributing DTensors to placements: (DTensor or spec, placements)."""
     total = Cost()
     for x, target in moves:
-        spec = getattr(x, "_spec", x)
+        spec = dtensor_spec(x) if isinstance(x, DTensor) else x
         if tuple(spec.placements) == tuple(target):
             continue
         meta = spec.tensor_meta
@@ -207,7 +207,7 @@ _MAX_DECISIONS = 4096
 
 def _spec_or_value(x: Any) -> Any:
     if isinstance(x, DTensor):
-        return x._spec  # global shape, strides, dtype, placements, mesh: all the decision reads
+        return dtensor_spec(x)  # global shape, strides, dtype, placements, mesh: all the decision reads
     if isinstance(x, torch.Tensor):
         raise TypeError("a plain tensor has no value key")
     return x

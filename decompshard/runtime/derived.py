@@ -32,14 +32,14 @@ from typing import Any
 import torch
 
 from decompshard._compat import (DTensorSpec, FakeTensorMode, OpSpec, OpStrategy, TensorMeta, TorchReplicate,
-                                 inferred_schema_info, kwarg_routing_active, stage_kwarg_targets, tree_flatten,
-                                 tree_unflatten)
+                                 inferred_schema_info, tree_flatten, tree_unflatten)
 from decompshard.dispatch_modes.clean import clean_dispatch_state
 from decompshard.dispatch_modes.reference import check_reference, reference_of
 from decompshard.dispatch_modes.tracing import has_decomposition
 from decompshard.errors import Indeterminate, UnsupportedOp, one_line
 from decompshard.mesh.lift import ranked
 from decompshard.runtime import fallbacks
+from decompshard.runtime.support.kwarg_routing import kwarg_routing_active, stage_kwarg_targets
 from decompshard.runtime.table_patches import TablePatches
 from decompshard.solve.derive import derive_rules
 from decompshard.solve.localcheck import strict_checks
@@ -164,7 +164,7 @@ def _check_reference(op, flat, spec, mesh) -> None:
 def _kwarg_tensors(op_schema: Any, n_args: int, n_specs: int) -> tuple[dict[str, int], frozenset[int]]:
     """({keyword: its index among the op's tensors} for the keyword tensors DTensor will
     move to the chosen strategy's placements, indices of the tensors that must keep
-    theirs). Keyword tensors move through `_compat.kwarg_routing_entries`
+    theirs). Keyword tensors move through support/kwarg_routing.py
     (installed by `enable()`); without it, or inside a keyword list, they stay. An `out=`
     or otherwise written keyword argument always stays: the op must write into the
     caller's tensor, not into a redistributed copy of it."""

@@ -39,8 +39,10 @@ import torch
 from decompshard._compat import tree_flatten, tree_unflatten
 from decompshard._compat import (
     TorchPartial, TorchReplicate, TorchShard, TorchStridedShard, fake_store, local_tensor_mode, make_local_tensor,
-    simulating_ranks, simulator_chunks, to_torch_placement,
+    simulating_ranks,
 )
+from decompshard.torch_placements import to_torch_placement
+from decompshard.verify.per_rank import simulator_chunks
 from decompshard.errors import one_line
 from decompshard.verify.judge import PLAIN, Verdict, judge
 from decompshard.verify.placement_text import format_placements
@@ -117,7 +119,7 @@ def device_mesh(shape: Sequence[int]) -> Any:
 @contextlib.contextmanager
 def simulation(n: int, *, mend_chunks: bool = True) -> Iterator[None]:
     """Every one of `n` ranks simulated in this process (LocalTensorMode), with the chunk
-    mend (`_compat.simulator_chunks`) unless `mend_chunks=False` (the native audit runs
+    mend (`per_rank.simulator_chunks`) unless `mend_chunks=False` (the native audit runs
     DTensor as torch ships it)."""
     with simulator_chunks() if mend_chunks else contextlib.nullcontext(), local_tensor_mode(frozenset(range(n))):
         yield

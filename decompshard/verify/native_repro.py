@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
-from decompshard._compat import tree_flatten, tree_unflatten
+from decompshard._compat import SIMULATED_SCRIPT_IMPORTS, tree_flatten, tree_unflatten
 
 from decompshard.verify.rank_sim import make_local, promote
 from decompshard.placements import MaybePlacement, Partial, Replicate, ShardPlaceholder
@@ -98,16 +98,7 @@ def _value_code(x: Any, names: dict[int, str]) -> str:
     return repr(x)
 
 
-_IMPORTS = (
-    "import torch",
-    "import torch.distributed as dist",
-    "from torch.distributed._local_tensor import LocalTensor, LocalTensorMode",
-    "from torch.distributed.device_mesh import DeviceMesh",
-    "from torch.distributed.tensor import DTensor, Partial, Replicate, Shard",
-    "from torch.testing._internal.distributed.fake_pg import FakeStore",
-    "from torch.utils._pytree import tree_flatten",
-    "",
-)
+_IMPORTS = (*SIMULATED_SCRIPT_IMPORTS, "")
 
 # The script's second half: run the op on the DTensors built from each rank's pieces
 # (after the warm-up call, if any) and judge the outputs against `expected` (the one-device

@@ -41,7 +41,8 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from decompshard._compat import tree_flatten, tree_unflatten
-from decompshard._compat import make_local_tensor, op_strategy_func, single_dim_strategy_info, to_torch_placement
+from decompshard._compat import make_local_tensor, op_strategy_func, single_dim_strategy_info
+from decompshard.torch_placements import to_torch_placement
 from decompshard.verify.rank_sim import OpCase, input_alphabet, leaves_equal, make_local
 from decompshard.dispatch_modes.clean import clean_dispatch_state
 from decompshard.errors import one_line

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from decompshard._compat import TorchPartial, from_torch_placement
+from decompshard._compat import TorchPartial
+from decompshard.torch_placements import from_torch_placement
 from decompshard.placements import Partial, format_placement_rows
 
 __all__ = ["format_placements"]

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from decompshard._compat import OpStrategy, TensorMeta, from_torch_placement
+from decompshard._compat import OpStrategy, TensorMeta
+from decompshard.torch_placements import from_torch_placement
 from decompshard.dispatch_modes.graph import leaves
 from decompshard.placements import ShardPlaceholder
 from decompshard.runtime.records import Fix

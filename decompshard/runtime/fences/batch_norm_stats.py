@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from decompshard._compat import DTensor, DTensorSpec, TorchPartial, TorchReplicate, TorchShard, contiguous_spec, redistribute_local_tensor
+from decompshard._compat import DTensorSpec, TorchPartial, TorchReplicate, TorchShard, contiguous_spec, op_dispatcher, redistribute_local_tensor
 from decompshard.runtime.records import Fix
 
 __all__ = ["FIX", "stats_writing_handler"]
@@ -76,7 +76,7 @@ def stats_writing_handler(op: torch._ops.OpOverload, written: tuple[int, ...], t
     memory of their own and written back after the kernel."""
 
     def handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
-        dispatcher = DTensor._op_dispatcher
+        dispatcher = op_dispatcher()
         training = True if training_at is None else bool(args[training_at])
         op_info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
         dispatcher.sharding_propagator.propagate(op_info)

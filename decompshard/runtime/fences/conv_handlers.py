@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from decompshard._compat import DTensor, TorchPartial, TorchReplicate, TorchShard
+from decompshard._compat import DTensor, TorchPartial, TorchReplicate, TorchShard, op_dispatcher
 from decompshard.runtime.records import Fix
 
 __all__ = ["FIX", "handler_layout", "redistributing_handler"]
@@ -75,7 +75,7 @@ def _own_move_target(input_placements: Sequence[Any]) -> tuple[Any, ...]:
 
 
 def _propagate(op_call: Any, args: tuple, kwargs: dict) -> Any:
-    dispatcher = DTensor._op_dispatcher
+    dispatcher = op_dispatcher()
     op_info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
     dispatcher.sharding_propagator.propagate(op_info)
     return op_info.output_sharding

@@ -16,11 +16,12 @@ from typing import Any, Callable
 
 import torch
 
-from decompshard._compat import DTensorSpec, OpSpec, OpStrategy, TensorMeta, TorchReplicate, from_torch_placement, generate_redistribute_costs
+from decompshard._compat import DTensorSpec, OpSpec, OpStrategy, TensorMeta, TorchReplicate, generate_redistribute_costs
 from decompshard.dispatch_modes.clean import clean_dispatch_state
 from decompshard.dispatch_modes.graph import freeze, leaves, map_leaves
 from decompshard.placements import SingleDimRule, format_rule
 from decompshard.runtime.records import Fix
+from decompshard.torch_placements import from_torch_placement
 from decompshard.runtime.table_patches import WarnOnce
 from decompshard.verify.native_rules import world_sizes_for
 from decompshard.verify.rule_check import check_rules_at

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from decompshard._compat import DTensor, TorchPartial, TorchReplicate, TorchShard, contiguous_spec
+from decompshard._compat import DTensor, TorchPartial, TorchReplicate, TorchShard, contiguous_spec, local_tensor, wrap_local_results
 from decompshard.mesh.cost import Cost, redistribute_cost
 from decompshard.runtime.collectives import Priced, Step, moved_local
 from decompshard.runtime.records import Plan
@@ -134,7 +134,7 @@ def _channel_local(t: Any, layout: Layout) -> Any:
     """This rank's channels of a per-channel DTensor (a local slice where it is replicated)."""
     if t is None:
         return None
-    return _moved(t._local_tensor, layout, t.shape, tuple(t.placements), layout.per_channel())
+    return _moved(local_tensor(t), layout, t.shape, tuple(t.placements), layout.per_channel())
 
 
 def _opmath(dtype: torch.dtype) -> torch.dtype:
@@ -149,7 +149,7 @@ def _moments(x: Any, layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
     """The global per-channel mean and biased variance of a batch-sharded `x` (this rank's
     channels), every rank alike: two all-reduces of C numbers each (the sums, then the
     centred sums of squares)."""
-    local, channels = x._local_tensor, x.shape[1]
+    local, channels = local_tensor(x), x.shape[1]
     count = x.numel() // channels
     reduce = [0, *range(2, x.ndim)]
     acc = _opmath(x.dtype)
@@ -181,7 +181,7 @@ def _forward_outputs(op_call: Any, x: Any, layout: Layout, out: torch.Tensor, st
     if len(op_call._schema.returns) == 4:
         stats = [*stats, torch.empty(0, dtype=torch.uint8, device=out.device)]
         specs.append(contiguous_spec(mesh, rep, (0,), torch.uint8))
-    return DTensor._op_dispatcher.wrap(tuple([out, *stats]), tuple(specs))
+    return wrap_local_results(tuple([out, *stats]), tuple(specs))
 
 
 def _update_running(bufs: list[Any], values: list[torch.Tensor], momentum: float, layout: Layout) -> None:
@@ -200,7 +200,7 @@ def _update_running(bufs: list[Any], values: list[torch.Tensor], momentum: float
                               (TorchReplicate(),) * layout.mesh.ndim)
             value = full[i]
         with torch.no_grad():
-            buf._local_tensor.mul_(1 - momentum).add_((value * momentum).to(buf.dtype))
+            local_tensor(buf).mul_(1 - momentum).add_((value * momentum).to(buf.dtype))
 
 
 def _all_reduce_cost(layout: Layout, shape: tuple, dtype: torch.dtype) -> Cost:
@@ -257,7 +257,7 @@ def _run_forward(op_call: Any, args: tuple, kwargs: dict, priced: Priced) -> Any
     """The batch-sharded forward (module doc), given its price's context."""
     a, layout, train = priced.context
     x, rm, rv = a["input"], a.get("running_mean"), a.get("running_var")
-    eps, local = a["eps"], x._local_tensor
+    eps, local = a["eps"], local_tensor(x)
     w, b = _channel_local(a["weight"], layout), _channel_local(a["bias"], layout)
     if not train:
         mean = _channel_local(rm, layout).to(_opmath(x.dtype))
@@ -283,7 +283,7 @@ def _backward_outputs(x: Any, layout: Layout, mask: list[bool], grads: list[Any]
               for g in grads[1:]]
     outs = [g if m else None for g, m in zip(grads, mask)]
     specs = [s if m else None for s, m in zip(specs, mask)]
-    return DTensor._op_dispatcher.wrap(tuple(outs), tuple(specs))
+    return wrap_local_results(tuple(outs), tuple(specs))
 
 
 def _run_backward(op_call: Any, args: tuple, kwargs: dict, priced: Priced) -> Any:
@@ -295,9 +295,9 @@ def _run_backward(op_call: Any, args: tuple, kwargs: dict, priced: Priced) -> An
     mask = list(a["output_mask"])
     w, mean, stat = (_channel_local(t, layout) for t in per_channel)
     if not train:  # running statistics: everything local, the parameter gradients partial sums
-        grads = _eval_grads(x, dy._local_tensor, w, mean, stat, a["eps"])
+        grads = _eval_grads(x, local_tensor(dy), w, mean, stat, a["eps"])
         return _backward_outputs(x, layout, mask, grads, partial=True)
-    return _backward_outputs(x, layout, mask, _train_grads(x, layout, dy._local_tensor, w, mean, stat),
+    return _backward_outputs(x, layout, mask, _train_grads(x, layout, local_tensor(dy), w, mean, stat),
                              partial=False)
 
 
@@ -309,7 +309,7 @@ def _train_grads(x: Any, layout: Layout, gl: torch.Tensor, w: Any, mean: torch.T
     count = x.numel() // channels
     reduce = [0, *range(2, n)]
     acc = mean.dtype
-    xhat = (x._local_tensor.to(acc) - _per_channel(mean, n)) * _per_channel(invstd, n)
+    xhat = (local_tensor(x).to(acc) - _per_channel(mean, n)) * _per_channel(invstd, n)
     g = gl.to(acc)
     sums = _all_reduced(torch.stack([g.sum(reduce), (g * xhat).sum(reduce)]), layout, (2, channels))
     sum_dy, sum_dy_xhat = sums[0], sums[1]
@@ -328,7 +328,7 @@ def _eval_grads(x: Any, gl: torch.Tensor, w: Any, rm: torch.Tensor, rv: torch.Te
     acc = _opmath(x.dtype)
     invstd = torch.rsqrt(rv.to(acc) + eps)
     g = gl.to(acc)
-    xhat = (x._local_tensor.to(acc) - _per_channel(rm.to(acc), n)) * _per_channel(invstd, n)
+    xhat = (local_tensor(x).to(acc) - _per_channel(rm.to(acc), n)) * _per_channel(invstd, n)
     scale = invstd if w is None else invstd * w.to(acc)
     wdtype = x.dtype if w is None else w.dtype
     return [(g * _per_channel(scale, n)).to(x.dtype), (g * xhat).sum(reduce).to(wdtype), g.sum(reduce).to(wdtype)]

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from decompshard._compat import DTensor, TorchPartial, TorchReplicate, TorchShard, contiguous_spec, redistribute_local_tensor
+from decompshard._compat import DTensor, TorchPartial, TorchReplicate, TorchShard, contiguous_spec, local_tensor, redistribute_local_tensor, wrap_local_results
 from decompshard.placements import shard_size
 from decompshard.runtime.collectives import Priced
 from decompshard.runtime.records import Plan
@@ -165,10 +165,10 @@ def _local(t: Any, want: tuple) -> torch.Tensor | None:
     if t is None:
         return None
     if tuple(t.placements) == want:
-        return t._local_tensor
+        return local_tensor(t)
     src = contiguous_spec(t.device_mesh, t.placements, t.shape, t.dtype, t.stride())
     dst = contiguous_spec(t.device_mesh, want, t.shape, t.dtype, t.stride())
-    return redistribute_local_tensor(t._local_tensor, src, dst)
+    return redistribute_local_tensor(local_tensor(t), src, dst)
 
 
 def _reduced(local: torch.Tensor, mesh: Any, placements: tuple, shape: Any) -> tuple[torch.Tensor, Any]:
@@ -228,7 +228,7 @@ def _forward(op_call: Any, args: tuple, kwargs: dict, priced: Priced) -> Any:
                                      dilation, transposed, output_padding, _local_groups(groups, kinds, mesh))
     shape = (x.shape[0], w.shape[0], *local.shape[2:])  # spatial dims are never sharded here
     local, spec = _reduced(local, mesh, tuple(_FORWARD[k][1] for k in kinds), shape)
-    return DTensor._op_dispatcher.wrap(local, spec)
+    return wrap_local_results(local, spec)
 
 
 def _backward(op_call: Any, args: tuple, kwargs: dict, priced: Priced) -> Any:
@@ -248,7 +248,7 @@ def _backward(op_call: Any, args: tuple, kwargs: dict, priced: Priced) -> Any:
             specs[i] = contiguous_spec(mesh, tuple(_BACKWARD[k][1][i] for k in kinds), shapes[i], g.dtype)
     if grads[0] is not None:
         grads[0], specs[0] = _reduced(grads[0], mesh, specs[0].placements, x.shape)
-    return DTensor._op_dispatcher.wrap(tuple(grads), tuple(specs))
+    return wrap_local_results(tuple(grads), tuple(specs))
 
 
 _WHAT = "convolution with its weight sharded on its channels, run on the shards as they are (channel-parallel)"

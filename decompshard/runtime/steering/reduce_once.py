@@ -45,7 +45,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from decompshard._compat import (current_autograd_node, dispatch_args_in_flight, dispatch_redistribute_slot, in_backward,
-                                 is_fake, on_backward_end, rank_tensors, tree_leaves)
+                                 is_fake, local_tensor, on_backward_end, rank_tensors, tree_leaves)
 from decompshard.runtime.table_patches import Entry, WarnOnce
 
 __all__ = ["entries", "reduced_dims"]
@@ -154,7 +154,7 @@ def _owner(local: torch.Tensor) -> Any:
     args = dispatch_args_in_flight()
     if args is None:
         return None
-    return next((a for a in tree_leaves(args) if isinstance(a, DTensor) and a._local_tensor is local), None)
+    return next((a for a in tree_leaves(args) if isinstance(a, DTensor) and local_tensor(a) is local), None)
 
 
 def entries(warn: WarnOnce) -> Iterator[Entry]:

@@ -44,7 +44,8 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from decompshard._compat import (DTensorSpec, TorchPartial, TorchReplicate, TorchShard, TorchStridedShard, block_spec,
-                                 local_call_sharding, sharding_overrides)
+                                 local_call_sharding)
+from decompshard.runtime.support.kwarg_routing import sharding_overrides
 from decompshard.runtime.table_patches import Entry, WarnOnce
 
 __all__ = ["entries"]

@@ -5,6 +5,8 @@
     inplace          in-place ops with no native strategy: the out-of-place result written back
     as_strided       `as_strided_` and friends where they move no element
     inplace_views    in-place view ops (`transpose_`, `unsqueeze_`) as their twin's view
+    kwarg_routing    keyword tensors (SDPA's `attn_mask`) moved to the placements a derived
+                     strategy names (DTensor moves only positional ones); installed last
 
 Each module declares the table entries its ops need (`entries(warn)`); `SUPPORT` lists
 them in the order `enable()` installs them.
