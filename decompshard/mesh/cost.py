@@ -55,6 +55,8 @@ from typing import Any, Sequence
 from torch.distributed.tensor.placement_types import Placement, Shard
 
 from decompshard._compat import TorchStridedShard as _StridedShard
+from decompshard._compat import collective_cost_model as _torch_collective_cost_model
+from decompshard._compat import redistribute_cost as _torch_redistribute_cost
 
 ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL = (
     "all_gather", "reduce_scatter", "all_reduce", "all_to_all")
@@ -823,3 +825,23 @@ def lower_bound_model(global_shape: tuple[int, ...], itemsize: int, src: Sequenc
             unsupported = unsupported or b.unsupported
             seconds, colls, nbytes = seconds + b.seconds, colls + b.collectives, nbytes + b.bytes
     return CostBound(unsupported, seconds, colls, nbytes)
+
+
+# ---------------------------------------------------------------- DTensor's own estimates
+#
+# Every decision decompshard makes is priced here. Two kinds of number leave this module:
+# `Cost` (this model: what decompshard itself compares), and DTensor's own estimates,
+# for a number that goes into DTensor's own comparison among its strategies (the
+# steering's surcharges, the uneven views' candidates): DTensor picks the least of its
+# `redistribute_cost` matrix, so a term added there must be in DTensor's unit. They are
+# reached through these two names only, never beside `redistribute_cost` above.
+
+
+def dtensor_redistribute_cost(current_spec: Any, target_spec: Any) -> float:
+    """DTensor's own estimate of one redistribution, in its unit (torch's cost model)."""
+    return _torch_redistribute_cost(current_spec, target_spec)
+
+
+def dtensor_collective_cost_model() -> Any:
+    """DTensor's own per-collective pricing, in its unit (`_compat.collective_cost_model`)."""
+    return _torch_collective_cost_model()

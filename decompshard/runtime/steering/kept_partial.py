@@ -89,9 +89,10 @@ import functools
 import math
 from typing import Any, Callable, Iterator
 
-from decompshard._compat import (TorchStridedShard, collective_cost_model, in_backward, strategy_cost_slots,
+from decompshard._compat import (TorchStridedShard, in_backward, strategy_cost_slots,
                                  strategy_selection_slot)
 from decompshard.runtime.table_patches import Entry, WarnOnce
+from decompshard.mesh.cost import dtensor_collective_cost_model
 
 __all__ = ["MARGIN", "entries", "kept_partial_price", "strided_floor", "strided_partial_price", "surcharge"]
 
@@ -114,7 +115,7 @@ def surcharge(cur: Any, tgt: Any, mesh_topo: Any, mesh_dim: int, comm_bytes_gb: 
     scattered = cur.is_partial() and tgt.is_shard()
     if not (deferred or scattered):
         return 0.0
-    m = collective_cost_model()
+    m = dtensor_collective_cost_model()
     target = (1 + MARGIN) * m.allreduce_cost(comm_bytes_gb, mesh_topo, mesh_dim)
     paid = m.reduce_scatter_cost(comm_bytes_gb, mesh_topo, mesh_dim) if scattered else 0.0
     return max(0.0, target - paid)
@@ -127,7 +128,7 @@ def strided_floor(cur: Any, tgt: Any, mesh_topo: Any, mesh_dim: int, comm_bytes_
     hands on) at 0, so DTensor chose to gather a packed weight rather than its input."""
     if type(cur) is not TorchStridedShard or cur == tgt or not _plain(comm_bytes_gb):
         return 0.0
-    return collective_cost_model().allgather_cost(comm_bytes_gb, mesh_topo, mesh_dim)
+    return dtensor_collective_cost_model().allgather_cost(comm_bytes_gb, mesh_topo, mesh_dim)
 
 
 def _step_cost(original: Callable) -> Callable:
@@ -154,7 +155,7 @@ def _spec_cost(original: Callable) -> Callable:
         cost = original(current, target)
         if not _plain(cost) or current.mesh != target.mesh or current.tensor_meta is None:
             return cost
-        m = collective_cost_model()
+        m = dtensor_collective_cost_model()
         gb = m.spec_to_bytes(current) / current.num_shards / 1024**3
         topo = m.MeshTopoInfo.build_from_mesh(current.mesh)
         pairs = list(enumerate(zip(current.placements, target.placements)))
@@ -174,7 +175,7 @@ def _local_gb(spec: Any) -> Any:
     """The bytes one rank holds of `spec`, in GiB (None without a tensor meta)."""
     if spec is None or getattr(spec, "tensor_meta", None) is None:
         return None
-    return collective_cost_model().spec_to_bytes(spec) / spec.num_shards / 1024**3
+    return dtensor_collective_cost_model().spec_to_bytes(spec) / spec.num_shards / 1024**3
 
 
 def _outputs(spec: Any) -> tuple:
@@ -185,7 +186,7 @@ def _outputs(spec: Any) -> tuple:
 def _owed_reductions(outs: tuple, dim: int, topo: Any, owes: Callable[[float], bool]) -> float:
     """(1 + MARGIN) all-reduces on mesh dim `dim` of each output handed on Partial there
     whose local size in GiB `owes` accepts (outputs without sizes owe nothing)."""
-    m = collective_cost_model()
+    m = dtensor_collective_cost_model()
     owed = 0.0
     for out in outs:
         gb = _local_gb(out) if out is not None and out.placements[dim].is_partial() else None
@@ -228,7 +229,7 @@ def kept_partial_price(current: list, spec: Any) -> float:
         return 0.0
     moved = [j for j, (c, t) in enumerate(zip(current, inputs))
              if any(_communicates(a, b) for a, b in zip(c.placements, t.placements))]
-    outs, topo = _outputs(spec), collective_cost_model().MeshTopoInfo.build_from_mesh(current[0].mesh)
+    outs, topo = _outputs(spec), dtensor_collective_cost_model().MeshTopoInfo.build_from_mesh(current[0].mesh)
     owed = 0.0
     for dim in range(current[0].mesh.ndim):
         on_dim = _kept_on_dim(current, inputs, moved, outs, dim, topo)
@@ -248,7 +249,7 @@ def strided_partial_price(current: list, spec: Any) -> float:
     inputs = spec.input_specs
     if inputs is None or len(inputs) != len(current) or not current:
         return 0.0
-    outs, topo = _outputs(spec), collective_cost_model().MeshTopoInfo.build_from_mesh(current[0].mesh)
+    outs, topo = _outputs(spec), dtensor_collective_cost_model().MeshTopoInfo.build_from_mesh(current[0].mesh)
     return sum(_owed_reductions(outs, dim, topo, lambda gb: True) for dim in range(current[0].mesh.ndim)
                if any(type(c.placements[dim]) is TorchStridedShard and t.placements[dim] == c.placements[dim]
                       for c, t in zip(current, inputs)))
@@ -267,7 +268,7 @@ def chunked_gather_price(current: list, spec: Any) -> float:
     inputs = spec.input_specs
     if inputs is None or len(inputs) != len(current) or not current:
         return 0.0
-    m = collective_cost_model()
+    m = dtensor_collective_cost_model()
     topo = m.MeshTopoInfo.build_from_mesh(current[0].mesh)
     owed = 0.0
     for c, t in zip(current, inputs):

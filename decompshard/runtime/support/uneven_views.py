@@ -19,7 +19,7 @@ Under `enable()` each view-family entry of DTensor's strategy table is wrapped:
 2. Otherwise the sharded mesh dims are moved, the fewest first: each to Replicate or to
    Shard of another tensor dim, keeping only what the native strategy accepts and what
    passes the same local-shape check (all-Replicate always does). Every survivor is
-   priced by DTensor's own `redistribute_cost`: the move from the input's current layout
+   priced by DTensor's own estimate (`mesh/cost.dtensor_redistribute_cost`): the move from the input's current layout
    plus the move back to it, and DTensor takes the cheapest, then redistributes the
    input as it does for any op.
 
@@ -63,11 +63,12 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from decompshard._compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, TorchReplicate, TorchShard, TorchStridedShard, redistribute_cost, sharding_propagator, view_family_ops, view_shape_arg_index
+from decompshard._compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, TorchReplicate, TorchShard, TorchStridedShard, sharding_propagator, view_family_ops, view_shape_arg_index
 from decompshard.mesh.lift import local_shape_nd
 from decompshard.errors import one_line
 from decompshard.runtime.table_patches import Entry, WarnOnce
 from decompshard.dispatch_modes.clean import clean_dispatch_state
+from decompshard.mesh.cost import dtensor_redistribute_cost
 
 __all__ = ["entries"]
 
@@ -144,7 +145,7 @@ def _redistributed(op: Any, op_schema: Any, native: Callable, spec: Any) -> list
                         continue
                     seen.add(key)
                     back = DTensorSpec(spec.mesh, tuple(target.placements), tensor_meta=spec.tensor_meta)
-                    cost = redistribute_cost(spec, target) + redistribute_cost(back, spec)
+                    cost = dtensor_redistribute_cost(spec, target) + dtensor_redistribute_cost(back, spec)
                     found.append(OpSpec(s.output_specs, input_specs=s.input_specs, redistribute_cost=[[cost]]))
         if found:
             return found
