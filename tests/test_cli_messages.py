@@ -1,0 +1,43 @@
+"""The messages a newcomer meets (issue 36): each one clear line on stderr, the right
+exit code, never a traceback from inside torch. In-process (`main(argv)`) where that is
+the same as a real run; a real process where the point is what reaches the terminal."""
+
+from __future__ import annotations
+
+import pytest
+
+from decompshard.cli import main
+from decompshard.op_names import resolve_op
+
+
+def cli(capsys, *argv):
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def one_error_line(err: str, command: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"decompshard {command}: error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+ADDMV = ("aten.addmv.default", "--shapes", "4;4,12;12")
+
+
+# ------------------------------------------------------------------ unknown op names
+
+
+def test_unknown_op_names_the_nearest_overloads(capsys):
+    with pytest.raises(ValueError, match=r"unknown op 'aten.addmvv.default'.*did you mean aten\.addmv\.default"):
+        resolve_op("aten.addmvv.default")
+    with pytest.raises(ValueError, match=r"did you mean aten\.mm\.default"):
+        resolve_op("aten.mmm")
+    # a namespace torch does not know gets the --import hint, not aten names
+    with pytest.raises(ValueError) as e:
+        resolve_op("mylib.fused.default")
+    assert "did you mean" not in str(e.value) and "--import MODULE" in str(e.value)
+    rc, out, err = cli(capsys, "explain", "aten.addmvv.default", "--shapes", "4;4,12;12")
+    assert rc == 2 and not out
+    assert "did you mean aten.addmv.default" in one_error_line(err, "explain")
