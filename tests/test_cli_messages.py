@@ -41,3 +41,17 @@ def test_unknown_op_names_the_nearest_overloads(capsys):
     rc, out, err = cli(capsys, "explain", "aten.addmvv.default", "--shapes", "4;4,12;12")
     assert rc == 2 and not out
     assert "did you mean aten.addmv.default" in one_error_line(err, "explain")
+
+
+# ------------------------------------------------------------------ mesh shapes
+
+
+def test_a_bad_mesh_lists_the_forms_and_aliases_accepted(capsys):
+    rc, out, err = cli(capsys, "check", "--mesh", "4d", "--ops", "aten.addmv.default", "-j", "0")
+    line = one_error_line(err, "check")
+    assert rc == 2 and not out
+    assert "malformed mesh '4d'" in line and "6, 2x3 or 2x2x2" in line
+    assert "1d (= 6), 2d (= 2x3), 3d (= 2x2x2)" in line  # check's aliases
+    rc, out, err = cli(capsys, "explain", *ADDMV, "--mesh", "4d", "--mesh-placements", "R;R;R")
+    line = one_error_line(err, "explain")
+    assert rc == 2 and "malformed mesh '4d'" in line and "6, 2x3 or 2x2x2" in line

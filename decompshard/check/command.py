@@ -84,9 +84,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _meshes(text: str) -> list[tuple[int, ...]]:
-    from decompshard.verify.dtensor_case import parse_mesh
+    """--mesh: comma-separated shapes or aliases; a bad one names every accepted form."""
+    from decompshard.errors import UsageError
+    from decompshard.verify.dtensor_case import MESHES, parse_mesh
 
-    return [parse_mesh(part.strip()) for part in text.split(",") if part.strip()]
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        try:
+            out.append(parse_mesh(part))
+        except ValueError as e:
+            aliases = ", ".join(f"{k} (= {'x'.join(map(str, v))})" for k, v in MESHES.items())
+            raise UsageError(f"--mesh: {e}, or an alias: {aliases}") from None
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
