@@ -55,3 +55,14 @@ def test_a_bad_mesh_lists_the_forms_and_aliases_accepted(capsys):
     rc, out, err = cli(capsys, "explain", *ADDMV, "--mesh", "4d", "--mesh-placements", "R;R;R")
     line = one_error_line(err, "explain")
     assert rc == 2 and "malformed mesh '4d'" in line and "6, 2x3 or 2x2x2" in line
+
+
+# ------------------------------------------------------------------ doctor --model
+
+
+def test_doctor_refuses_an_unknown_model_even_without_the_smoke_run(capsys):
+    for extra in (["--no-smoke"], []):
+        rc, out, err = cli(capsys, "doctor", "--model", "nosuch", *extra)
+        line = one_error_line(err, "doctor")
+        assert rc == 2 and not out, extra
+        assert "unknown model 'nosuch'; known: mlp, llama" in line
