@@ -66,3 +66,53 @@ def test_doctor_refuses_an_unknown_model_even_without_the_smoke_run(capsys):
         line = one_error_line(err, "doctor")
         assert rc == 2 and not out, extra
         assert "unknown model 'nosuch'; known: mlp, llama" in line
+
+
+# ------------------------------------------------------------------ a missing model library
+
+
+def _not_installed(name: str):
+    def missing(*args, **kwargs):
+        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+    return missing
+
+
+def test_check_zoo_without_transformers_says_install_it(capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if it were not installed
+    rc, out, err = cli(capsys, "check", "--model", "llama", "--sharding", "dp", "-j", "0")
+    line = one_error_line(err, "check")
+    assert rc == 2 and not out  # no table of ERROR rows, nothing counted against decompshard
+    assert "the zoo's llama needs transformers, and transformers is not installed: pip install transformers" in line
+    assert "pip install -e '.[test,torch2" in line
+    rc, out, err = cli(capsys, "check", "--model", "Qwen2ForCausalLM", "--sharding", "dp", "-j", "0")
+    assert rc == 2 and "transformers is not installed" in one_error_line(err, "check")
+
+
+def test_transformers_does_not_need_torchvision(monkeypatch):
+    """The doctor on 2.13 said 'transformers is not installed (No module named
+    'torchvision')': transformers was refused for want of a library it does not need."""
+    from decompshard.check import ecosystem
+    from decompshard.doctor.smoke import pick_model
+
+    monkeypatch.setattr(ecosystem, "import_torchvision", _not_installed("torchvision"))
+    assert ecosystem.import_transformers().__name__ == "transformers"
+    entry, line = pick_model("llama")
+    assert entry.name == "llama" and line.status == "OK" and "not installed" not in line.detail
+
+
+def test_doctor_names_the_package_that_is_missing(monkeypatch):
+    from decompshard.check import ecosystem
+    from decompshard.doctor.smoke import MLP, pick_model
+
+    monkeypatch.setattr(ecosystem, "import_torchvision", _not_installed("torchvision"))
+    entry, line = pick_model("resnet")
+    assert entry is MLP and line.status == "OK"
+    assert line.detail.startswith("torchvision is not installed (pip install torchvision, or in a decompshard "
+                                  "checkout pip install -e '.[test,torch2")
+    assert "instead of the zoo's resnet" in line.detail
+    # transformers there, but a package it imports missing: that package is the one named
+    monkeypatch.setattr(ecosystem, "import_transformers", _not_installed("tokenizers"))
+    entry, line = pick_model("llama")
+    assert entry is MLP and line.detail.startswith("tokenizers is not installed (pip install tokenizers")
