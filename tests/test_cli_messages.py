@@ -116,3 +116,30 @@ def test_doctor_names_the_package_that_is_missing(monkeypatch):
     monkeypatch.setattr(ecosystem, "import_transformers", _not_installed("tokenizers"))
     entry, line = pick_model("llama")
     assert entry is MLP and line.detail.startswith("tokenizers is not installed (pip install tokenizers")
+
+
+# ------------------------------------------------------------------ a model that fails on one device
+
+LINEAR_16 = """
+import torch
+
+
+def build():
+    return torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+"""
+
+
+def test_a_model_that_fails_on_one_device_is_one_line(tmp_path):
+    """Input shapes that do not fit the model: the model's own error, once, no `[rank0]`
+    traceback (check) and no FakeTensor log (coverage)."""
+    from tests._cli import run_cli
+
+    (tmp_path / "mymodule.py").write_text(LINEAR_16)
+    spec = f"{tmp_path / 'mymodule.py'}:build"
+    for argv in (["check", "--model", spec, "--input-shapes", "8,17", "--mesh", "2"],
+                 ["coverage", "--model", spec, "--input-shapes", "8,17", "-j", "1", "--opinfo-samples", "1"]):
+        got = run_cli(*argv, cache_dir=tmp_path)
+        line = one_error_line(got.stderr, argv[0])
+        assert got.returncode == 2 and not got.stdout, argv
+        assert "Sequential fails on one device, before any sharding, with input shapes 8,17: RuntimeError: " \
+               "mat1 and mat2 shapes cannot be multiplied (8x17 and 16x8)" in line
