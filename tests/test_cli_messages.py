@@ -4,9 +4,12 @@ the same as a real run; a real process where the point is what reaches the termi
 
 from __future__ import annotations
 
+from io import StringIO
+
 import pytest
 
 from decompshard.cli import main
+from decompshard.explain.command import ExplainShell, build_call
 from decompshard.op_names import resolve_op
 
 
@@ -143,3 +146,24 @@ def test_a_model_that_fails_on_one_device_is_one_line(tmp_path):
         assert got.returncode == 2 and not got.stdout, argv
         assert "Sequential fails on one device, before any sharding, with input shapes 8,17: RuntimeError: " \
                "mat1 and mat2 shapes cannot be multiplied (8x17 and 16x8)" in line
+
+
+# ------------------------------------------------------------------ commas in explain's 1-D placements
+
+
+def test_explain_refuses_commas_between_single_dim_placements(capsys):
+    """In check (and --mesh-placements) ',' separates mesh dims and ';' tensors; explain
+    read 'R,S(1),S(0)' as three tensors, silently. Now it says which separator to use."""
+    rc, out, err = cli(capsys, "explain", *ADDMV, "-p", "R,S(1),S(0)")
+    line = one_error_line(err, "explain")
+    assert rc == 2 and not out
+    assert "separate the tensor inputs' placements with ';' ('R;S(1);S(0)')" in line
+    assert "--mesh-placements" in line
+    rc, out, err = cli(capsys, "explain", *ADDMV, "-p", "R;S(1),S(0);R")
+    assert rc == 2 and "a ',' separates mesh dims" in one_error_line(err, "explain")
+    rc, out, err = cli(capsys, "explain", *ADDMV, "-p", "R;S(1);S(0)", "-q")
+    assert rc == 3 and not err and "REJECTED" in out
+    shell_out = StringIO()
+    shell = ExplainShell(build_call(*ADDMV[:1], ADDMV[2]), stdin=StringIO(), stdout=shell_out)
+    shell.onecmd("R,S(1),S(0)")  # the REPL too
+    assert shell_out.getvalue().startswith("error: placements 'R,S(1),S(0)': separate")

@@ -85,7 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", help="dtype of every tensor (default float32)")
     parser.add_argument(
         "--placements", "-p",
-        help="one single-dim placement per tensor input, ';'-separated: R, S(d), P(sum|avg|max|min)",
+        help="one single-dim placement per tensor input, ';'-separated: R, S(d), P(sum|avg|max|min), "
+        "e.g. 'R;S(1);S(0)'. A ',' is refused: it separates mesh dims, as in --mesh-placements and check",
     )
     parser.add_argument(
         "--all", dest="show_all", action="store_true",
@@ -122,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
     from decompshard.explain.api import explain
 
     call = build_call(args.op, args.shapes, args.op_args, args.dtype, args.op_kwargs)
+    if args.placements is not None:
+        single_dim_placements(args.placements, "--placements")
     t0 = time.perf_counter()
     ex = explain(
         call.op, *call.args, placements=args.placements, mesh=args.mesh,
@@ -137,6 +140,19 @@ def run(args: argparse.Namespace) -> int:
         text = text.split("\n\n", 1)[0].rstrip("\n") + "\n"
     sys.stdout.write(text)
     return exit_code(ex.verdict)
+
+
+def single_dim_placements(text: str, what: str) -> str:
+    """The 1-D candidate's text, unless it has a ',' between placements: ';' separates the
+    tensor inputs and ',' the mesh dims (check, --mesh-placements), so 'R,S(1),S(0)' could
+    mean three inputs or one input on a 3-D mesh. Never guessed: a UsageError says which."""
+    from decompshard.placements import split_top_level
+
+    if all(len(split_top_level(part, ",")) < 2 for part in text.split(";")):
+        return text
+    semi = "" if ";" in text else f" ({';'.join(p.strip() for p in split_top_level(text, ','))!r})"
+    raise UsageError(f"{what} {text!r}: separate the tensor inputs' placements with ';'{semi}; a ',' separates "
+                     "mesh dims, as in check --placements: for an N-D mesh use --mesh and --mesh-placements")
 
 
 def exit_code(verdict: str) -> int:
@@ -503,6 +519,7 @@ class ExplainShell(cmd.Cmd):
         call = self._need_call()
         if not arg.strip():
             raise UsageError("placements: expected e.g. R;S(1);S(0)")
+        single_dim_placements(arg.strip(), "placements")
         from decompshard.explain.api import explain
 
         ex = explain(call.op, *call.args, placements=arg, show_all=self.show_all, **call.kwargs)
