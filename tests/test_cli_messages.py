@@ -167,3 +167,39 @@ def test_explain_refuses_commas_between_single_dim_placements(capsys):
     shell = ExplainShell(build_call(*ADDMV[:1], ADDMV[2]), stdin=StringIO(), stdout=shell_out)
     shell.onecmd("R,S(1),S(0)")  # the REPL too
     assert shell_out.getvalue().startswith("error: placements 'R,S(1),S(0)': separate")
+
+
+# ------------------------------------------------------------------ explain: one coherent answer
+
+
+MM = ("aten.mm.default", "--shapes", "4,6;6,8")
+
+
+def test_explain_an_op_only_dtensor_s_own_strategy_decides(capsys):
+    """aten.mm has a strategy of DTensor's and no decomposition: the answer is that
+    strategy's, not 'unsupported' (exit 1) after saying DTensor runs the candidate."""
+    rc, out, err = cli(capsys, "explain", *MM, "--placements", "S(0);R")
+    assert rc == 0 and not err
+    assert "unsupported" not in out and "neither a decomposition" not in out
+    text = " ".join(out.split())
+    assert "DTensor has its own strategy for this op" in text
+    assert "decompshard derives nothing to compare it with (no decomposition)" in text
+    assert "verdict: ACCEPTED by DTensor's own strategy, no redistribution needed: S(0), R -> S(0)" in text
+    rc, out, err = cli(capsys, "explain", *MM, "--placements", "S(1);S(1)", "-q")
+    assert rc == 3 and not err  # as for a rejected candidate: it needs redistribution
+    assert "verdict: REDISTRIBUTED first by DTensor: none of its own rules takes (S(1), S(1)) as it is; " \
+           "the nearest: S(1), S(0) -> P(sum)" in " ".join(out.split())
+    assert "DTensor's own rules" not in out  # -q: the verdict lines only
+
+
+def test_explain_mesh_quiet_prints_the_verdict_and_exits_as_the_1d_form(capsys):
+    mesh = ("--mesh", "2x4", "--mesh-placements")
+    rc, out, err = cli(capsys, "explain", *ADDMV, *mesh, "R,S(0);S(1),S(0);S(0),R", "-q")
+    assert rc == 3 and not err  # the chosen strategy moves self: needs redistribution, as -p "R;S(1);S(0)"
+    assert " ".join(out.split()).endswith(
+        "verdict: on mesh 2x4: REDISTRIBUTE first: the cheapest strategy (#1, 0.00 µs modeled) moves "
+        "self (R, S(0)) -> (P(sum), S(0))")
+    rc, out, err = cli(capsys, "explain", *ADDMV, *mesh, "S(0),S(0);S(0),S(0);R,R", "-q")
+    assert rc == 0 and not err
+    assert "verdict: on mesh 2x4: ACCEPTED, no redistribution needed" in " ".join(out.split())
+    assert len(out.splitlines()) <= 3  # the header and the verdict, no tables

@@ -16,9 +16,12 @@ Tensor[] argument), or an empty entry for a non-tensor argument whose value come
 further positional arguments. Tensors are meta tensors of `--dtype`.
 
 Exit codes: 0 the placements are accepted as they are (or none were given), 3 they are
-rejected or refused (they need redistribution; the trace says where), 1 the op cannot be
-derived (the reason is printed), 2 bad input (one line on stderr), 130 interrupted.
-`-q` prints only the verdict; `-v` adds the derivation's size and time on stderr.
+rejected or refused (they need redistribution; the trace says where; with --mesh: the
+cheapest N-D strategy moves an input), 1 the op cannot be derived (the reason is
+printed), 2 bad input (one line on stderr), 130 interrupted. For an op DTensor has its
+own strategy for and decompshard derives nothing to compare (aten.mm), that strategy
+decides: 0 it takes the placements as they are, 3 DTensor redistributes first.
+`-q` prints only the verdict lines; `-v` adds the derivation's size and time on stderr.
 
 The REPL (`-i`) edits lines and keeps a history (readline; the history file is
 `explain_history` in $DECOMPSHARD_CACHE_DIR, else ~/.cache/decompshard); Ctrl-C cancels
@@ -139,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     if verbosity < 0:  # the verdict block only: everything up to the first blank line
         text = text.split("\n\n", 1)[0].rstrip("\n") + "\n"
     sys.stdout.write(text)
-    return exit_code(ex.verdict)
+    return exit_code(ex.verdict, ex.mesh_verdict)
 
 
 def single_dim_placements(text: str, what: str) -> str:
@@ -155,11 +158,12 @@ def single_dim_placements(text: str, what: str) -> str:
                      "mesh dims, as in check --placements: for an N-D mesh use --mesh and --mesh-placements")
 
 
-def exit_code(verdict: str) -> int:
-    """0 accepted (or nothing asked), 3 rejected/refused, 1 unsupported."""
+def exit_code(verdict: str, mesh_verdict: str | None = None) -> int:
+    """0 accepted (or nothing asked), 3 rejected/refused (the single-dim candidate, or the
+    N-D one: the cheapest strategy moves an input), 1 unsupported."""
     if verdict == "unsupported":
         return EXIT_UNSUPPORTED
-    return EXIT_NEEDS_REDISTRIBUTION if verdict in ("rejected", "refused") else 0
+    return EXIT_NEEDS_REDISTRIBUTION if verdict in ("rejected", "refused") or mesh_verdict == "rejected" else 0
 
 
 def terminal_width(stream: Any) -> int:
