@@ -7,6 +7,8 @@ registry resolve names, and none of them should have to import the solver to do 
 
 from __future__ import annotations
 
+import difflib
+
 import torch
 
 from decompshard._compat import is_dispatchable
@@ -40,8 +42,30 @@ def resolve_op(op: OpOverload | str) -> OpOverload:
         hint = "" if ns in ("aten", "prims") else (
             " (a custom op exists once the module defining it is imported: decompshard's commands take "
             "--import MODULE)")
+        close = did_you_mean(f"{ns}.{packet}.{overload}")
+        if close:
+            hint = f"; did you mean {_one_of(close)}?" + hint
         raise ValueError(f"unknown op {op!r}: no such operator overload in torch.ops{hint}") from None
     return _dispatchable(resolved, op)
+
+
+def did_you_mean(name: str, n: int = 3) -> list[str]:
+    """The registered overloads of `name`'s namespace nearest to it ('ns.packet.overload'):
+    what a misspelled op name most likely meant."""
+    known = [_dotted(x) for x in torch._C._dispatch_get_all_op_names()]
+    ns = name.split(".", 1)[0] + "."
+    mine = [k for k in known if k.startswith(ns)]
+    return difflib.get_close_matches(name, mine, n=n, cutoff=0.6)
+
+
+def _one_of(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def _dotted(qualified: str) -> str:
+    """'aten::addmv.out' -> 'aten.addmv.out'; 'aten::addmv' -> 'aten.addmv.default'."""
+    ns, _, rest = qualified.partition("::")
+    return f"{ns}.{rest}" if "." in rest else f"{ns}.{rest}.default"
 
 
 def _dispatchable(op: OpOverload, name: str) -> OpOverload:

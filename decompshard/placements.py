@@ -332,6 +332,9 @@ def split_top_level(text: str, sep: str) -> list[str]:
     return parts
 
 
+MESH_FORMS = "expected one size per mesh dim, joined by x, e.g. 6, 2x3 or 2x2x2"
+
+
 def parse_mesh_shape(mesh: Sequence[int] | str) -> tuple[int, ...]:
     """'2x4' (or a sequence of ints) -> the mesh shape; ValueError otherwise."""
     if isinstance(mesh, str):
@@ -339,11 +342,11 @@ def parse_mesh_shape(mesh: Sequence[int] | str) -> tuple[int, ...]:
         try:
             sizes = tuple(int(p) for p in parts)
         except ValueError:
-            raise ValueError(f"malformed mesh {mesh!r}: expected sizes like 2x4") from None
+            raise ValueError(f"malformed mesh {mesh!r}: {MESH_FORMS}") from None
     else:
         sizes = tuple(int(s) for s in mesh)
     if not sizes or any(s < 1 for s in sizes):
-        raise ValueError(f"malformed mesh {mesh!r}: sizes must be positive integers")
+        raise ValueError(f"malformed mesh {mesh!r}: sizes must be positive integers; {MESH_FORMS}")
     return sizes
 
 

@@ -16,7 +16,8 @@ P(sum|avg|max|min), _S(d,k) (_StridedShard(d, split_factor=k); SS(d,k) is read t
 Exit codes: 0 nothing counts against decompshard (no WRONG, no error where torch's own
 fallback runs the case or --no-torch skipped it, no internal error of decompshard's
 that enable() caught and ran the op replicated for), 3 something does (each failure
-printed with a reproducer), 2 bad arguments. The zoo (--model NAME|all): 3 when any
+printed with a reproducer), 2 bad arguments (or a model library that is not installed:
+the line names the package). The zoo (--model NAME|all): 3 when any
 case with enable() is WRONG or an ERROR (an internal error included), whatever torch
 alone does. Every op that ran replicated instead of derived is reported, with why.
 """
@@ -84,9 +85,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _meshes(text: str) -> list[tuple[int, ...]]:
-    from decompshard.verify.dtensor_case import parse_mesh
+    """--mesh: comma-separated shapes or aliases; a bad one names every accepted form."""
+    from decompshard.errors import UsageError
+    from decompshard.verify.dtensor_case import MESHES, parse_mesh
 
-    return [parse_mesh(part.strip()) for part in text.split(",") if part.strip()]
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        try:
+            out.append(parse_mesh(part))
+        except ValueError as e:
+            aliases = ", ".join(f"{k} (= {'x'.join(map(str, v))})" for k, v in MESHES.items())
+            raise UsageError(f"--mesh: {e}, or an alias: {aliases}") from None
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -118,10 +128,13 @@ def _zoo(args: argparse.Namespace) -> int:
     from decompshard.check.zoo import get_entry
     from decompshard.check.zoo_run import against_us, comm_lines, expand_names, render, run_zoo
 
+    from decompshard.check.ecosystem import import_library
+
     names = expand_names(args.model)
-    for n in names:
+    for n in names:  # an unknown name or a missing library is a usage error before any worker starts
         if ":" not in n:
-            get_entry(n)  # an unknown name is a usage error before any worker starts
+            entry = get_entry(n)
+            import_library(entry.family, f"the zoo's {entry.name}")
     shardings = [s.strip() for s in (args.sharding or ",".join(SHARDINGS)).split(",") if s.strip()]
     quiet = getattr(args, "verbosity", 0) < 0
 

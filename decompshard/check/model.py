@@ -83,17 +83,7 @@ def run_model_check(module: torch.nn.Module, inputs: Sequence[torch.Tensor], mes
     in_pl, param_pl = _split_placements(placements, len(inputs), len(mesh_shape), params, inputs)
 
     # one device
-    ref_in = [x.clone().requires_grad_(x.dtype.is_floating_point) for x in inputs]
-    rec = RecordCallOutputs()
-    with rec:
-        out = ref_model(*ref_in)
-    outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
-    g = torch.Generator().manual_seed(seed)
-    cots = [torch.randn(o.shape, dtype=o.dtype, generator=g) for o in outs]
-    rec.phase = "backward"
-    with rec:
-        torch.autograd.backward(outs, cots)
-    reference = rec.calls
+    reference, cots = _one_device(ref_model, inputs, seed)
 
     # DTensor
     mesh = device_mesh(mesh_shape)
@@ -104,6 +94,28 @@ def run_model_check(module: torch.nn.Module, inputs: Sequence[torch.Tensor], mes
         res = _dtensor_calls(dmodel, param_pl, in_pl, inputs, cots, mesh, reference, seed)
     res.fallbacks = log.as_json()
     return res
+
+
+def _one_device(ref_model: torch.nn.Module, inputs: list, seed: int) -> tuple[list, list]:
+    """The step on one device: its recorded calls, and the cotangents drawn for the outputs.
+    A model that fails here is a usage error (its inputs do not fit it), in one line."""
+    from decompshard.coverage.model_audit import model_failed
+    from decompshard.errors import UsageError
+
+    ref_in = [x.clone().requires_grad_(x.dtype.is_floating_point) for x in inputs]
+    rec = RecordCallOutputs()
+    try:
+        with rec:
+            out = ref_model(*ref_in)
+        outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+        g = torch.Generator().manual_seed(seed)
+        cots = [torch.randn(o.shape, dtype=o.dtype, generator=g) for o in outs]
+        rec.phase = "backward"
+        with rec:
+            torch.autograd.backward(outs, cots)
+    except Exception as e:  # noqa: BLE001 - the user's model, before any sharding
+        raise UsageError(model_failed(ref_model, inputs, e)) from None
+    return rec.calls, cots
 
 
 def _dtensor_calls(dmodel: torch.nn.Module, param_pl: dict, in_pl: list, inputs: list, cots: list, mesh: Any,

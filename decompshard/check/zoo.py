@@ -83,13 +83,11 @@ def build(entry: ZooEntry, batch: int, seed: int = 0) -> Built:
 
 
 def _transformers() -> Any:
-    """`import transformers`, which imports torchvision when it is installed: through
-    ecosystem.import_torchvision, which loads PyPI's CUDA-built wheel on CPU torch."""
-    from decompshard.check.ecosystem import import_torchvision
+    """`import transformers` (ecosystem.import_transformers: torchvision first when it is
+    installed, which loads PyPI's CUDA-built wheel on CPU torch)."""
+    from decompshard.check import ecosystem
 
-    import_torchvision()
-    import transformers
-    return transformers
+    return ecosystem.import_transformers()
 
 
 def _hf_loss(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -303,12 +301,13 @@ def resolve_model(name: str) -> ZooEntry:
     for entry in ZOO.values():  # a class the zoo already has: its entry
         if entry.note.split(",")[0].split(" ")[0] in (name, name.replace("Config", "ForCausalLM")):
             return entry
-    try:
-        T = _transformers()
-    except ImportError:
+    if not (name.endswith("Config") or name.endswith("ForCausalLM")):
         T = None
-    if T is not None and (name.endswith("Config") or name.endswith("ForCausalLM")) and \
-            hasattr(T, name.replace("ForCausalLM", "Config")):
+    else:  # a transformers class name: transformers must be there to say
+        from decompshard.check.ecosystem import import_library
+
+        T = import_library("transformers", f"model {name!r}")
+    if T is not None and hasattr(T, name.replace("ForCausalLM", "Config")):
         config = name.replace("ForCausalLM", "Config")
         return ZooEntry(name, "transformers", _causal_lm(config), f"{name} (tiny config, causal LM)")
     raise ValueError(f"unknown model {name!r}: expected one of {', '.join(ZOO)}, a transformers "

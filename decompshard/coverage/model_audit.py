@@ -12,7 +12,9 @@ the traced arguments are shapes, not values.
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Sequence
+import contextlib
+import logging
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -24,7 +26,8 @@ from decompshard.coverage.report import Progress
 from decompshard.coverage.sample_pick import pick_diverse
 from decompshard.coverage.sweep import records_for
 
-__all__ = ["audit_model", "build_model", "load_callable", "parse_shapes", "trace_calls"]
+__all__ = ["audit_model", "build_model", "load_callable", "model_failed", "one_device_failure", "parse_shapes",
+           "trace_calls"]
 
 
 def load_callable(spec: str) -> Callable[[], Any]:
@@ -86,6 +89,38 @@ def build_model(spec: str, input_shapes: str | None) -> tuple[torch.nn.Module, t
     return module, (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,))
 
 
+def one_device_failure(module: torch.nn.Module, inputs: Sequence[Any]) -> str | None:
+    """None when the model's forward runs on one device with these inputs, else one line
+    saying that it fails there, with which input shapes, and torch's own error."""
+    try:
+        with torch.no_grad():
+            module(*inputs)
+    except Exception as e:  # noqa: BLE001 - the user's model, any error: reported, not raised
+        return model_failed(module, inputs, e)
+    return None
+
+
+def model_failed(module: torch.nn.Module, inputs: Sequence[Any], e: BaseException) -> str:
+    """The one line for a model that fails on one device, before any sharding: not
+    decompshard's doing (a usage error: the inputs, most often, do not fit the model)."""
+    shapes = "; ".join(",".join(map(str, x.shape)) or "()" for x in inputs if isinstance(x, torch.Tensor))
+    return (f"--model: {type(module).__name__} fails on one device, before any sharding, with input shapes "
+            f"{shapes}: {one_line(e, 300)}")
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log() -> Iterator[None]:
+    """FakeTensor logs the traceback of a failing meta kernel at ERROR level and then
+    raises: the error is reported once, as one line, by the caller."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    before = log.disabled
+    log.disabled = True
+    try:
+        yield
+    finally:
+        log.disabled = before
+
+
 def _step(module: torch.nn.Module) -> Callable[..., Any]:
     """forward, then backward of sum(floating outputs), as a function of the parameters,
     buffers and inputs (so make_fx lifts them all to fake tensors)."""
@@ -121,8 +156,12 @@ def trace_calls(module: torch.nn.Module, inputs: Sequence[Any]) -> tuple[collect
     params = dict(module.named_parameters())
     buffers = dict(module.named_buffers())
     try:
-        gm = make_fx(_step(module), tracing_mode="fake", decomposition_table={})(params, buffers, list(inputs))
+        with _quiet_fake_tensor_log():  # torch logs a traceback of its own before raising
+            gm = make_fx(_step(module), tracing_mode="fake", decomposition_table={})(params, buffers, list(inputs))
     except Exception as e:
+        failed = one_device_failure(module, inputs)  # the model's own error says it best
+        if failed is not None:
+            raise UsageError(failed) from None
         raise UsageError(f"--model: tracing forward + backward failed: {one_line(e)}") from None
     counts: collections.Counter = collections.Counter()
     calls: dict[Any, dict[str, tuple]] = collections.defaultdict(dict)

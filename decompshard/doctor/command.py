@@ -40,8 +40,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.timeout <= 0:
         raise UsageError("--timeout must be > 0")
-    if not args.no_smoke:
-        _check_model_name(args.model)
+    _check_model_name(args.model)  # with --no-smoke too: a misspelled name is never silently ignored
     head = header()
     stream = args.format == "text" and not args.output
     out = _Printer(stream)
@@ -64,13 +63,19 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_model_name(name: str) -> None:
     """An unknown --model is a usage error (exit 2) before anything runs."""
+    from decompshard.errors import UsageError
+
     if name == "mlp":
         return
     try:
-        from decompshard.check.zoo import get_entry
+        from decompshard.check.zoo import ZOO, get_entry
     except Exception:  # torch or decompshard does not import: the report says so
         return
-    get_entry(name)  # ValueError for a name that is no model
+    try:
+        get_entry(name)
+    except ValueError:
+        raise UsageError(f"unknown model {name!r}; known: mlp, {', '.join(ZOO)}, or a transformers "
+                         "config/causal-LM class name (e.g. LlamaConfig)") from None
 
 
 def _gather(args: argparse.Namespace, head: dict, out: _Printer) -> list:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from decompshard.check.ecosystem import install_hint, missing_package
 from decompshard.check.zoo import Built, ZooEntry, build, get_entry
 from decompshard.doctor.findings import FAILED, OK, Finding
 from decompshard.errors import one_line
@@ -119,9 +120,11 @@ def pick_model(name: str) -> tuple[ZooEntry, Finding]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             build(entry, 2)
-    except ImportError as e:
-        return MLP, Finding(SMOKE, "model", OK, f"{entry.family} is not installed ({one_line(e, 120)}): the steps "
-                            f"use {MLP.note} instead of the zoo's {entry.name}")
+    except ImportError as e:  # the package missing, named: transformers' own, or one it imports
+        package = missing_package(e)
+        why = (f"{package} is not installed ({install_hint(package)})" if package and isinstance(e, ModuleNotFoundError)
+               else f"{entry.family} does not import ({one_line(e, 120)})")
+        return MLP, Finding(SMOKE, "model", OK, f"{why}: the steps use {MLP.note} instead of the zoo's {entry.name}")
     except Exception as e:
         return MLP, Finding(SMOKE, "model", FAILED, f"the zoo's {entry.name} does not build here "
                             f"({one_line(e, 200)}); the steps use {MLP.note}")

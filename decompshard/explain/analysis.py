@@ -126,6 +126,15 @@ class MeshReport:
     def chosen(self):
         return next((s for s in self.strategies if s.valid), None)
 
+    @property
+    def moves(self) -> list[int]:
+        """The tensor inputs the chosen strategy needs elsewhere than they are."""
+        chosen = self.chosen
+        if chosen is None:
+            return []
+        return [i for i, (have, need) in enumerate(zip(self.current, chosen.input_placements))
+                if tuple(have) != tuple(need)]
+
 
 @dataclass
 class Analysis:
@@ -183,10 +192,25 @@ class Analysis:
         return [r for r in self.derived.rules if r.inputs == self.placements]
 
     @property
+    def native_decides(self) -> bool:
+        """DTensor's own strategy decides the op and decompshard derives nothing to compare
+        with it (no decomposition): the verdict is that strategy's."""
+        return bool(self.native) and self.graph is None and self.native_rules is not None
+
+    @property
+    def native_takes(self) -> bool:
+        """DTensor's own strategy runs the requested placements as they are."""
+        return self.placements is not None and (all(p == R for p in self.placements) or bool(self.native_accepts))
+
+    @property
     def verdict(self) -> str:
-        """'unsupported', 'accepted', 'refused' (local-shape check), 'rejected', or
-        'none' (no candidate given)."""
-        if self.unsupported_reason:
+        """The single-dim candidate's: 'unsupported', 'accepted', 'refused' (local-shape
+        check), 'rejected', or 'none' (no candidate given). Where DTensor's own strategy
+        decides (`native_decides`): 'accepted' when it takes the placements as they are,
+        else 'rejected' (DTensor redistributes first)."""
+        if self.native_decides and self.placements is not None:
+            return "accepted" if self.native_takes else "rejected"
+        if self.unsupported_reason and not self.native_decides:
             return "unsupported"
         if self.placements is None:
             return "none"
@@ -199,6 +223,15 @@ class Analysis:
     @property
     def accepted(self) -> bool:
         return self.verdict == "accepted"
+
+    @property
+    def mesh_verdict(self) -> str | None:
+        """With a mesh: 'accepted' when the cheapest valid N-D strategy takes every input
+        where it is, 'rejected' when it moves one (or there is none); else None (no mesh,
+        or DTensor's own strategy decides: the ranking knows only derived strategies)."""
+        if self.mesh is None or self.native_decides:
+            return None
+        return "accepted" if self.mesh.chosen is not None and not self.mesh.moves else "rejected"
 
     @property
     def local_refusal(self) -> str | None:

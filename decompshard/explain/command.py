@@ -16,9 +16,12 @@ Tensor[] argument), or an empty entry for a non-tensor argument whose value come
 further positional arguments. Tensors are meta tensors of `--dtype`.
 
 Exit codes: 0 the placements are accepted as they are (or none were given), 3 they are
-rejected or refused (they need redistribution; the trace says where), 1 the op cannot be
-derived (the reason is printed), 2 bad input (one line on stderr), 130 interrupted.
-`-q` prints only the verdict; `-v` adds the derivation's size and time on stderr.
+rejected or refused (they need redistribution; the trace says where; with --mesh: the
+cheapest N-D strategy moves an input), 1 the op cannot be derived (the reason is
+printed), 2 bad input (one line on stderr), 130 interrupted. For an op DTensor has its
+own strategy for and decompshard derives nothing to compare (aten.mm), that strategy
+decides: 0 it takes the placements as they are, 3 DTensor redistributes first.
+`-q` prints only the verdict lines; `-v` adds the derivation's size and time on stderr.
 
 The REPL (`-i`) edits lines and keeps a history (readline; the history file is
 `explain_history` in $DECOMPSHARD_CACHE_DIR, else ~/.cache/decompshard); Ctrl-C cancels
@@ -85,7 +88,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", help="dtype of every tensor (default float32)")
     parser.add_argument(
         "--placements", "-p",
-        help="one single-dim placement per tensor input, ';'-separated: R, S(d), P(sum|avg|max|min)",
+        help="one single-dim placement per tensor input, ';'-separated: R, S(d), P(sum|avg|max|min), "
+        "e.g. 'R;S(1);S(0)'. A ',' is refused: it separates mesh dims, as in --mesh-placements and check",
     )
     parser.add_argument(
         "--all", dest="show_all", action="store_true",
@@ -122,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
     from decompshard.explain.api import explain
 
     call = build_call(args.op, args.shapes, args.op_args, args.dtype, args.op_kwargs)
+    if args.placements is not None:
+        single_dim_placements(args.placements, "--placements")
     t0 = time.perf_counter()
     ex = explain(
         call.op, *call.args, placements=args.placements, mesh=args.mesh,
@@ -136,14 +142,28 @@ def run(args: argparse.Namespace) -> int:
     if verbosity < 0:  # the verdict block only: everything up to the first blank line
         text = text.split("\n\n", 1)[0].rstrip("\n") + "\n"
     sys.stdout.write(text)
-    return exit_code(ex.verdict)
+    return exit_code(ex.verdict, ex.mesh_verdict)
 
 
-def exit_code(verdict: str) -> int:
-    """0 accepted (or nothing asked), 3 rejected/refused, 1 unsupported."""
+def single_dim_placements(text: str, what: str) -> str:
+    """The 1-D candidate's text, unless it has a ',' between placements: ';' separates the
+    tensor inputs and ',' the mesh dims (check, --mesh-placements), so 'R,S(1),S(0)' could
+    mean three inputs or one input on a 3-D mesh. Never guessed: a UsageError says which."""
+    from decompshard.placements import split_top_level
+
+    if all(len(split_top_level(part, ",")) < 2 for part in text.split(";")):
+        return text
+    semi = "" if ";" in text else f" ({';'.join(p.strip() for p in split_top_level(text, ','))!r})"
+    raise UsageError(f"{what} {text!r}: separate the tensor inputs' placements with ';'{semi}; a ',' separates "
+                     "mesh dims, as in check --placements: for an N-D mesh use --mesh and --mesh-placements")
+
+
+def exit_code(verdict: str, mesh_verdict: str | None = None) -> int:
+    """0 accepted (or nothing asked), 3 rejected/refused (the single-dim candidate, or the
+    N-D one: the cheapest strategy moves an input), 1 unsupported."""
     if verdict == "unsupported":
         return EXIT_UNSUPPORTED
-    return EXIT_NEEDS_REDISTRIBUTION if verdict in ("rejected", "refused") else 0
+    return EXIT_NEEDS_REDISTRIBUTION if verdict in ("rejected", "refused") or mesh_verdict == "rejected" else 0
 
 
 def terminal_width(stream: Any) -> int:
@@ -503,6 +523,7 @@ class ExplainShell(cmd.Cmd):
         call = self._need_call()
         if not arg.strip():
             raise UsageError("placements: expected e.g. R;S(1);S(0)")
+        single_dim_placements(arg.strip(), "placements")
         from decompshard.explain.api import explain
 
         ex = explain(call.op, *call.args, placements=arg, show_all=self.show_all, **call.kwargs)

@@ -51,6 +51,8 @@ def render_html(ex: Analysis) -> str:
     bg, fg = VERDICT_COLORS[verdict]
     if verdict == "unsupported":
         headline = f"UNSUPPORTED: {ex.unsupported_reason}"
+    elif verdict == "none" and ex.native_decides:
+        headline = f"no candidate given: DTensor's own strategy has {len(ex.native_rules)} rules for this call"
     elif verdict == "none":
         headline = f"no candidate given: {len(ex.derived.rules)} derived rules (all-Replicate implied)"
     else:
@@ -60,7 +62,7 @@ def render_html(ex: Analysis) -> str:
     out.append(_tag("div", headline, cls=f"verdict verdict-{verdict}",
                     style=f"background:{bg};color:{fg};font-weight:bold;padding:4px 8px;margin:4px 0;"
                     "border-radius:4px"))
-    if verdict == "unsupported":
+    if verdict == "unsupported" or ex.graph is None:  # nothing derived to draw (DTensor's own strategy decides)
         out.append("</div>")
         return "".join(out)
 

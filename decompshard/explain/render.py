@@ -20,7 +20,7 @@ from decompshard._compat import tree_map
 from decompshard._compat import TensorMeta
 from decompshard.torch_placements import from_torch_placement
 from decompshard.dispatch_modes.graph import PrimGraph, PrimNode
-from decompshard.placements import MaybePlacement, Placement, R, format_placement, format_rule
+from decompshard.placements import MaybePlacement, Placement, R, SingleDimRule, format_placement, format_rule
 from decompshard.solve.propagate import input_alphabet
 from decompshard.rules import rules_for
 from decompshard.explain.analysis import Analysis
@@ -29,7 +29,8 @@ from decompshard.rules.registry import source_of
 from decompshard.mesh.cost import MeshShape, redistribute_cost
 
 __all__ = ["DEFAULT_WIDTH", "came_from", "decomposition_heading", "decomposition_lines", "display_env",
-           "display_path", "input_rows", "node_rows", "plan_lines", "render_lines", "verdict_line"]
+           "display_path", "input_rows", "mesh_verdict_line", "node_rows", "plan_lines", "render_lines",
+           "verdict_line"]
 
 DEFAULT_WIDTH = 120  # str(explanation); the CLI passes the terminal's width
 CALL_WIDTH = 58  # a primitive call in a one-line mention is cut here
@@ -57,14 +58,18 @@ def _render_lines(ex: Analysis) -> list[str]:
     out += _wrap(f"explain {ex.op}({sig})", 8)
     if ex.native:
         out += _wrap("native:    " + _native_line(ex), 11)
-    if ex.unsupported_reason:
+    if ex.unsupported_reason and not ex.native_decides:
         out.append(f"unsupported: {ex.unsupported_reason}")
         return out
     graph = ex.graph
     if ex.placements is not None:
         out += _wrap("candidate: " + ", ".join(map(str, ex.placements)), 11)
         out += _wrap("verdict:   " + _verdict_line(ex), 11)
+    if ex.mesh is not None:  # the N-D verdict: does the cheapest strategy move an input
+        out += _wrap("verdict:   " + mesh_verdict_line(ex), 11)
     out.append("")
+    if ex.native_decides:  # nothing derived to trace: DTensor's own rules are the answer
+        return out + _native_rules_section(ex)
 
     if ex.placements is not None:
         env = display_env(ex)
@@ -190,6 +195,9 @@ def _native_line(ex: Analysis) -> str:
     head = (f"DTensor has its own strategy for this op ({ex.native}) and uses it; decompshard.enable() "
             + ("never replaces it." if ex.plan is None else
                "replaces it only with the collective plan at the end, where that moves less."))
+    if ex.native_decides:  # the verdict below is that strategy's
+        why = ex.unsupported_reason.split(": ", 1)[0]  # e.g. 'no decomposition'
+        return head + f" decompshard derives nothing to compare it with ({why})."
     tail = " Below, for comparison only: what decompshard derives from the op's decomposition."
     if ex.native_rules is None:
         return head + " (decompshard cannot read that strategy.)" + tail
@@ -209,6 +217,14 @@ def verdict_line(ex: Analysis) -> str:
 
 def _verdict_line(ex: Analysis) -> str:
     v = ex.verdict
+    if ex.native_decides:
+        if v == "accepted":
+            took = "; ".join(format_rule(r) for r in ex.native_accepts) or "all-Replicate"
+            return f"ACCEPTED by DTensor's own strategy, no redistribution needed: {took}"
+        cand = ", ".join(map(str, ex.placements))
+        near = _native_nearest(ex)
+        return (f"REDISTRIBUTED first by DTensor: none of its own rules takes ({cand}) as it is"
+                + (f"; the nearest: {format_rule(near[0])}" if near else ""))
     if v == "accepted":
         rules = "; ".join(format_rule(r) for r in ex.rules)
         return f"ACCEPTED, no redistribution needed: {rules}"
@@ -219,6 +235,45 @@ def _verdict_line(ex: Analysis) -> str:
         return "REJECTED: " + (b.reason if b else "no rule matches")
     arriving = ", ".join("?" if p is None else str(p) for p in b.arriving)
     return f"REJECTED at node {b.node.index} ({b.node.op}): no rule accepts ({arriving})"
+
+
+def mesh_verdict_line(ex: Analysis) -> str:
+    """The N-D verdict: the cheapest valid strategy, and the inputs it moves, if any."""
+    m = ex.mesh
+    size = "x".join(map(str, m.mesh_shape))
+    if ex.native_decides:
+        return (f"on mesh {size}: DTensor's own strategy decides, mesh dim by mesh dim from the rules below; "
+                "decompshard ranks only the strategies it derives, and derives none here")
+    chosen = m.chosen
+    if chosen is None:
+        return f"on mesh {size}: REJECTED, no valid N-D strategy"
+    if not m.moves:
+        return f"on mesh {size}: ACCEPTED, no redistribution needed: the cheapest strategy (#1) takes every input as it is"
+    moved = "; ".join(f"{ex.input_names[i]} {_p_row(m.current[i])} -> {_p_row(chosen.input_placements[i])}"
+                      for i in m.moves)
+    cost = "" if chosen.cost is None else f", {_us(chosen.cost.total_seconds)} µs modeled"
+    return f"on mesh {size}: REDISTRIBUTE first: the cheapest strategy (#1{cost}) moves {moved}"
+
+
+def _native_rules_section(ex: Analysis) -> list[str]:
+    """DTensor's own rules for this call, nearest to the candidate first (fewest inputs
+    that differ): what DTensor picks from when it redistributes."""
+    rules = _native_nearest(ex)
+    shown = rules if ex.show_all else rules[:MAX_MESH_SHOWN]
+    out = [f"DTensor's own rules for this call ({len(rules)}, all-Replicate implied"
+           + (", nearest to the candidate first" if ex.placements is not None else "") + "):"]
+    out += [f"  {format_rule(r)}" for r in shown]
+    if len(shown) < len(rules):
+        out.append(f"  ... {len(rules) - len(shown)} more (use --all / show_all=True)")
+    return out + [""]
+
+
+def _native_nearest(ex: Analysis) -> list[SingleDimRule]:
+    """DTensor's own rules but all-Replicate, fewest inputs unlike the candidate first."""
+    rules = [r for r in ex.native_rules or [] if not r.is_trivial()]
+    if ex.placements is not None:
+        rules.sort(key=lambda r: sum(a != b for a, b in zip(r.inputs, ex.placements)))
+    return rules
 
 
 def display_env(ex: Analysis) -> dict[int, MaybePlacement]:
