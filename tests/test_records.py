@@ -120,3 +120,13 @@ def test_the_environment_turns_plans_off_and_the_argument_wins(monkeypatch):
     with decompshard.enabled(plans=True):
         assert _chain(loss)[0] == "plan"
     assert _chain(loss) == ["fence"]  # as it was before the block
+
+
+def test_records_for_an_op_in_chain_order():
+    from decompshard.runtime.records import Fence, Plan
+    from decompshard.runtime.registry import records_for
+
+    kinds = [type(r) for r in records_for("aten.convolution_backward.default")]
+    assert kinds == [Plan, Fence, Fence]  # channel-parallel plan; the handler fence and the output-mask fence
+    assert [type(r) for r in records_for(aten.nll_loss_forward.default)] == [Plan, Fence]
+    assert records_for(aten.mm.default) == []

@@ -5,6 +5,7 @@ Every intervention is a declared record (records.py), kept in its kind's folder:
     enable.py         enable() / disable() / enabled(): installs everything below, in one order
     derived.py        derived strategies: DTensor's decomposition fallback answered by lift.ranked
     records.py        the record types: Plan, Fence (and its Fix), Support, Steering
+    registry.py       the one registry: every record by kind, in install order; records_for(op)
     table_patches.py  the one patch mechanism: installs entries, puts back exactly what was there
     collectives.py    what plans share: per-row statistics reduced across ranks, moves and
                       their price in the cost model's unit (mesh/cost.Cost), DTensor's own price

@@ -25,10 +25,9 @@ from typing import Iterator
 
 from decompshard._compat import DecompShardingStrategy, clear_dtensor_caches, sharding_propagator
 from decompshard.runtime import collectives, plans
+from decompshard.runtime.registry import STEERING, SUPPORT
 from decompshard.runtime.derived import DerivedStrategy, reaches_decompshard
 from decompshard.runtime.fences import guard
-from decompshard.runtime.steering import STEERING
-from decompshard.runtime.support import SUPPORT
 from decompshard.runtime.support.kwarg_routing import kwarg_routing_entries
 from decompshard.runtime.table_patches import Entry, TablePatches, locked
 
