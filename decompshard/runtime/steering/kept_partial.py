@@ -4,9 +4,8 @@ priced at what they lead to.
 DTensor picks each op's strategy greedily by the cost of moving its inputs (torch's cost
 model), and prices some moves below what they cost later:
 
-* Replicate -> Partial at 0 (a local division): `add(residual R, block output P)` keeps the
-  residual stream Partial, and every consumer that needs it whole (a norm, the next
-  residual add) reduces it again;
+* Replicate -> Partial at 0: `add(residual R, block output P)` keeps the residual stream
+  Partial, and every consumer that needs it whole reduces it again;
 * Partial -> Shard at a reduce-scatter: after a row-parallel layer the model goes on data
   parallel over both mesh dims, and every matmul after it gathers again;
 * a strategy that keeps a Partial input Partial while another input moves hands on a
@@ -27,11 +26,10 @@ the redistributions DTensor then plans are DTensor's own. Decision rules:
 * a kept Partial owes only where what it hands on is at least as large as what it keeps
   (larger, for an elementwise op): a weight gradient from a Partial activation is smaller,
   and deferring it wins (it is reduced once, to the parameter's placement);
-* every rank decides alike (the same passes in the same order). DTensor caches the choice
-  per op schema, so an op met first in forward keeps its forward choice in backward.
+* every rank decides alike. DTensor caches the choice per op schema, so an op met first
+  in forward keeps its forward choice in backward.
 
-Bytes saved on the zoo: docs/results.md. Tests: tests/test_partial_pricing.py,
-tests/test_strided_blocks.py.
+Bytes saved: docs/results.md. Tests: tests/test_partial_pricing.py, test_strided_blocks.py.
 """
 
 from __future__ import annotations

@@ -17,16 +17,13 @@ Under `enable()` each view-family entry of DTensor's strategy table is wrapped:
    Shard of another dim, keeping what the native strategy accepts and what passes the same
    check (all-Replicate always does). Each survivor is priced by DTensor's own estimate
    (`mesh/cost.dtensor_redistribute_cost`): the move from the current layout plus the move
-   back to it. The cheapest is taken, and DTensor redistributes the input as for any op.
-   The way back is priced because the move is forced by the view alone: the ops around it
-   want the layout the program holds, and Replicate's way back to a batch shard is a local
-   slice, where a token-sharded target makes the next batch-wise ops move it back.
+   back to it, since the ops around the view want the layout the program holds. The
+   cheapest is taken, and DTensor redistributes the input as for any op.
 
 A view's backward is a view of the gradient and takes the same path. In-place views
-(`squeeze_`) keep DTensor's answer: their `self` cannot be moved. An uneven
-Shard(a) -> Shard(b) move leaves a narrowed slice of torch's padded all-to-all buffer,
-so the routed `redistribute_local_args` (support/kwarg_routing.py) makes every moved
-tensor contiguous.
+(`squeeze_`) keep DTensor's answer: their `self` cannot be moved. Moved tensors are made
+contiguous (support/kwarg_routing.py): an uneven Shard(a) -> Shard(b) move leaves a
+narrowed slice of torch's padded all-to-all buffer, which a merging view cannot read.
 
 Limits: a redistributed view is a view of the moved copy, so an in-place write to it does
 not reach the input (each op warns once, saying so; views made inside a decomposition are
