@@ -1,27 +1,26 @@
-"""Per-row statistics reduced across the ranks that share a row, and the price of doing so.
+"""What the collective plans share: per-row statistics reduced across the ranks that share
+a row, moves by DTensor's own collectives, and the price of both in the cost model's unit.
 
 An op that reduces along a dim (softmax's max and exp-sum, a norm's mean and variance,
 a loss's picked logit) cannot run on a shard of that dim alone, so DTensor's single-op
 strategies move the whole activation there first. Reducing only the per-row statistics
 (one number per row, keepdim) across the mesh dims that shard the dim gives the same
-result while the activation stays where it is: what Megatron's and torchtitan's
-hand-written plans do. The statistic is a DTensor `Partial(op)` on those mesh dims
-(its other placements are the rows' own), redistributed to `Replicate` by DTensor:
-the collectives are DTensor's, so they run under LocalTensorMode and CommDebugMode
-counts them.
+result while the activation stays where it is, as Megatron's and torchtitan's
+hand-written plans do. The statistic is a `Partial(op)` on those mesh dims, moved to
+`Replicate` by DTensor's own redistribution, so LocalTensorMode runs it and
+CommDebugMode counts it.
 
-Whether that beats DTensor's own plan is decided from global shapes, placements and
-the mesh only (so every rank decides alike), with the project's cost model
-(`mesh/cost.py`) pricing both: DTensor's chosen strategy's input moves against the
-plan's statistics and its own (small) input moves.
+Decision rule (`Priced.taken`, `cheaper_than_dtensor`): from global shapes, placements
+and the mesh only, so every rank decides alike, the plan is priced with `mesh/cost.py`
+against DTensor's chosen strategy's input moves, and taken where it moves fewer bytes (a
+tie goes to DTensor) or where its own rule says so (`Priced.verdict`).
 
 A plan runs on DTensor's Python handler path, where DTensor's own strategy runs through
-its cached dispatch, so the per-call work is kept to what the call needs: the decision
-is remembered per (op, argument specs and values), as DTensor caches its own
+its cached dispatch, so per-call work is kept to what the call needs: the decision is
+remembered per (op, argument specs and values), as DTensor caches its own
 (`forget_decisions` when `enable()`'s tables change), and a statistic is reduced with
-DTensor's local redistribution directly, without a DTensor and an autograd node around
-it (softmax over a sharded dim, 4 ranks, torch 2.13: 487 -> 240-270 us a call, torch's own
-130-140 us, bench/handler_dispatch.py; with the costs remembered in mesh/cost.py).
+DTensor's local redistribution directly, with no DTensor or autograd node around it.
+Per-call timings: docs/results.md, bench/handler_dispatch.py.
 """
 
 from __future__ import annotations
@@ -187,8 +186,8 @@ def cheaper_than_dtensor(plan: Cost, op_call: Any, args: tuple, kwargs: dict) ->
 
     Bytes, not the model's time: at small sizes one all-gather's launch beats two
     all-reduces' in time although it moves the whole row; the bytes are what grows with
-    the activation (and what a gathered copy costs in memory), and what the issue's
-    measure compares with the expert's plan. A tie goes to DTensor."""
+    the activation (and what a gathered copy costs in memory), and what the zoo compares
+    with the expert's plan (check/expert_bytes.py). A tie goes to DTensor."""
     key = _decision_key(op_call, args, kwargs, plan.bytes_moved)
     if key is not None and key in _DECISIONS:
         return _DECISIONS[key]

@@ -353,9 +353,9 @@ def _see_into_lists(op_schema: Any, sharding_prop: Any) -> None:
 
     DTensor builds an op's schema before asking the fallback, so on an op's first call
     its `schema_info` is None and `args_spec` lists only top-level tensors: the input
-    specs we return for `Tensor[]` elements were then silently dropped, and the local
-    kernel ran on shards the chosen strategy never asked for (block_diag returned a
-    [5, 9] tensor claiming [11, 9]). Torch reads `args_spec` and rewraps its
+    specs we return for `Tensor[]` elements would be silently dropped, and the local
+    kernel would run on shards the chosen strategy never asked for (block_diag returning
+    a [5, 9] tensor claiming [11, 9]). Torch reads `args_spec` and rewraps its
     redistribution suggestion from this same object after we return."""
     if op_schema.schema_info is not None and op_schema.schema_info.needs_pytree:
         return

@@ -1,32 +1,31 @@
-"""The native guard's wrapper around DTensor's convolution handlers (guard.py).
+"""The native guard's fix for DTensor's convolution handlers, which skip the
+redistribution their strategy asks for: the inputs are moved first.
 
 DTensor (torch 2.13, torch/distributed/tensor/_tp_conv.py) runs `convolution` and
 `convolution_backward` through custom handlers that ask the sharding propagator for a
-strategy and then ignore the redistribution it asks for: the local kernel runs on the
-inputs as they are, and the result is labelled with the strategy's output placements.
-The backward handler does one move of its own first: `grad_output` to the input's
-placements.
+strategy and then ignore its redistribution: the local kernel runs on the inputs as they
+are, and the result is labelled with the strategy's output placements. The backward
+handler makes one move of its own first: `grad_output` to the input's placements.
 
-What the handlers compute right (no data exchange, the local kernel on whole
-channels): activations (forward: the input; backward: grad_output and the input) on
-Replicate or `Shard(0)` of at most one mesh dim, weight and bias replicated, and the
-propagator's strategy matching those placements as they are. The wrapper leaves
-such a call alone (no move, no warning) and moves any other call to the nearest such
-layout first, in three steps:
+The handlers compute right only with no data exchange and the kernel on whole channels:
+activations (forward: the input; backward: grad_output and the input) Replicate or
+`Shard(0)` on at most one mesh dim, weight and bias replicated, and the strategy matching
+those placements as they are. Such a call is left alone (no move, no warning); any other
+is moved to the nearest such layout first:
 
 1. the handler's own move (backward: grad_output to the input's placements, Replicate
    where the input is Partial: DTensor never redistributes *to* Partial), so the layout
    judged is the one the handler would see;
-2. the strategy's target, made one the handler can take: `Shard(0)` kept on the first
-   mesh dim the strategy put it on, Replicate elsewhere (the propagator may ask for the
-   batch on two mesh dims, `[Shard(0), Shard(0)]`, which the handlers reject:
-   "Tensor dim 0 is already sharded on mesh dim 0"), weight and bias Replicate;
-3. after the move, the propagator must agree with no further redistribution; if it
-   does not, the call raises instead of letting the handler label a wrong result.
+2. the strategy's target made one the handler can take: `Shard(0)` kept on the first
+   mesh dim the strategy put it on, Replicate elsewhere (`[Shard(0), Shard(0)]` is
+   rejected by the handlers), weight and bias Replicate;
+3. after the move the propagator must agree with no further redistribution; if it does
+   not, the call raises rather than let the handler label a wrong result.
 
-A call whose weight is sharded on its channels never gets here where the
-channel-parallel plan takes it (plans/conv_channels.py, in front of this fix in the op's
-chain): the weight all-gather the steps above would make is what that plan avoids.
+A call whose weight is sharded on its channels reaches this fix only where the
+channel-parallel plan (plans/conv_channels.py, in front of it in the op's chain)
+declines: the weight all-gather these steps make is what that plan avoids. Installed by
+the guard (fences/guard.py). Tests: tests/test_vision_guard.py.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The native guard: DTensor kept away from native behaviour measured wrong.
 
 Why on by default with `decompshard.enable()`: `enable()` makes programs reach DTensor's
-native strategies they never reached before (a model that stopped at CPU attention now
-runs on to its loss and its convolutions), so a wrong number there is a wrong number
-under `enable()`. The guard fences wrong numbers only; what makes a program faster is a
+native strategies they do not reach without it (a model that stops at CPU attention
+without `enable()` runs on to its loss and its convolutions with it), so a wrong number
+there is a wrong number under `enable()`. The guard fences wrong numbers only; what makes a program faster is a
 plan (runtime/plans/), switched separately. Opt out with `enable(guard_native=False)` or
 DECOMPSHARD_GUARD_NATIVE=0 (then nothing of DTensor's native path is touched);
 `disable()` removes it, and DTensor's tables hold exactly the objects they held before.

@@ -2,37 +2,31 @@
 DDP users get from SyncBatchNorm), not the activations moved.
 
 DTensor's strategies for batch norm and its backward (torch 2.13 `_ops/_math_ops.py`)
-shard the channels only: an input sharded on the batch, data parallel's layout, is
-moved to Shard(1) and back around every call, forward and backward (an all-to-all of the
-activations each way; torchvision's ResNet-18 in data parallel moved 150-668 MB a step
-where DDP + SyncBatchNorm all-reduce two numbers per channel). One device's batch norm
-needs, per channel, the mean and variance over the batch and the spatial dims (forward)
-and the sums of grad_out and grad_out * xhat (backward): a few numbers per channel,
-summed over the ranks that split the batch. So, where the input is sharded on the batch
-only (Shard(0) or Replicate on every mesh dim) and every per-channel tensor is
-replicated:
+shard the channels only: data parallel's batch-sharded input is moved to Shard(1) and
+back around every call, forward and backward (an all-to-all of the activations each way).
+One device's batch norm needs only a few numbers per channel summed over the ranks that
+split the batch. So, where the input is sharded on the batch only (Shard(0) or Replicate
+on every mesh dim) and every per-channel tensor is replicated:
 
-* training forward: per-channel sums all-reduced over the mesh dims that shard the
-  batch, then the centred sums of squares likewise (two passes, as one device computes
-  the variance; not sum-of-squares minus squared sum, which cancels in float32); the
-  local shard is normalized by the kernel itself (its evaluation form, given the global
-  mean and biased variance); the output stays on the input's placements, the saved
-  mean and invstd are Replicate; the running statistics are updated in place on every
-  rank as one device does (unbiased variance with the global count);
+* training forward: per-channel sums all-reduced over the batch's mesh dims, then the
+  centred sums of squares likewise (two passes, as one device computes the variance;
+  sum-of-squares minus squared sum cancels in float32); the kernel normalizes the local
+  shard in its evaluation form with the global mean and biased variance; the output keeps
+  the input's placements, the saved mean and invstd are Replicate, and the running
+  statistics are updated on every rank as one device does (unbiased, global count);
 * training backward: one all-reduce of the stacked per-channel sums of grad_out and
-  grad_out * xhat; grad_input computed locally; grad_weight and grad_bias are those
-  sums, Replicate (their data-parallel all-reduce is already done);
-* evaluation (running statistics): the kernel on the local shard, no collective;
-  grad_weight and grad_bias Partial(sum) over the batch's mesh dims.
+  grad_out * xhat; grad_input local; grad_weight and grad_bias are those sums, Replicate;
+* evaluation: the kernel on the local shard, no collective; grad_weight and grad_bias
+  Partial(sum) over the batch's mesh dims.
 
-The collectives go through DTensor's `redistribute` (Partial(sum) -> Replicate), so they
-run under LocalTensorMode, gloo, and CommDebugMode's counting alike. Priced against
-DTensor's plan from global shapes and placements only (every rank chooses alike): the
-all-reduces put 2 x C numbers per rank into collectives; DTensor's plan moves at least
-the input's local part (numel / R, R the ranks the batch is split over) and its output
-back. The batch-sharded plan is taken when 2 x C x R <= numel (in evaluation it moves
-nothing and is always taken); otherwise, and for every other layout, the call goes on
-down its chain (the guard's running-statistics fence, or DTensor's own path).
+The collectives are DTensor's `redistribute` (Partial(sum) -> Replicate), so they run
+under LocalTensorMode, gloo and CommDebugMode alike. Decision rule (`PAYS_RULE`), from
+global shapes and placements only, so every rank decides alike: the plan puts 2 x C
+numbers per rank into collectives, DTensor's plan moves at least the input's local part
+(numel / R, R the ranks splitting the batch), so it is taken when 2 x C x R <= numel, and
+always in evaluation. Otherwise, and for any other layout, the call goes down its chain
+(the guard's running-statistics fence, fences/batch_norm_stats.py, or DTensor's own
+path). Tests: tests/test_sync_batchnorm.py.
 """
 
 from __future__ import annotations

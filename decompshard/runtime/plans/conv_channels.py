@@ -1,36 +1,32 @@
 """Channel-parallel convolution: a conv whose weight is sharded on its channels runs on
 its local shards, as Megatron's column- and row-parallel layers do, instead of having
-its weight all-gathered (fences/conv_handlers.py's handler layout, the only one DTensor's conv
-handlers compute right).
+its weight all-gathered.
 
 DTensor's convolution strategies (torch 2.13-2.15, `_ops/_conv_ops.py`) have a batch
 rule only (input Shard(0), weight Replicate; 2.15 adds spatial sharding of the last
-dim), and its custom handlers (`_tp_conv.py`) run the local kernel on whatever they
-get. A channel-parallel plan (ResNet's `conv1: colwise, conv2: rowwise`) therefore had
-every sharded weight all-gathered, forward and backward (ResNet-18 tp: 18 MiB a step
-where the plan's own all-reduces of activations move 0.3 MiB). A convolution is
-linear in its input and in its weight, channel by channel, so per mesh dim:
+dim), and its custom handlers (`_tp_conv.py`) run the local kernel on whatever they get
+(fences/conv_handlers.py). A channel-parallel plan (ResNet's `conv1: colwise, conv2:
+rowwise`) therefore has every sharded weight all-gathered, forward and backward. A
+convolution is linear in its input and in its weight, channel by channel, so per mesh dim:
 
 * colwise: input Replicate, weight Shard(0), bias Shard(0) -> output Shard(1);
-* rowwise: input Shard(1), weight Shard(1) -> output Partial(sum), the bias Partial
-  too (DTensor's Replicate -> Partial split);
-* grouped (depthwise): input Shard(1), weight Shard(0), bias Shard(0), the groups,
-  input and output channels each a multiple of the mesh dim's size (whole groups per
-  rank, evenly) -> output Shard(1), the local kernel with groups / size;
+* rowwise: input Shard(1), weight Shard(1) -> output Partial(sum), the bias Partial too;
+* grouped (depthwise): input Shard(1), weight Shard(0), bias Shard(0), the groups and
+  both channel counts multiples of the mesh dim's size -> output Shard(1), the local
+  kernel with groups / size;
 * batch: input Shard(0), weight and bias Replicate -> output Shard(0);
 * replicated: everything Replicate -> Replicate.
 
-A Replicate weight, bias or input that a rule wants sharded is cut locally (no
-collective). Backward, per mesh dim, from the forward's rule: colwise takes grad_output
-Shard(1) and gives grad_input Partial(sum), grad_weight and grad_bias Shard(0);
-rowwise takes grad_output Replicate and gives grad_input and grad_weight Shard(1),
-grad_bias Replicate; grouped takes and gives Shard(1) / Shard(0); batch gives
-grad_weight and grad_bias Partial(sum). Moves of grad_output go through DTensor's own
-collectives. The channel-parallel form is taken where it moves no more bytes than the
-weight all-gathers it replaces (`_pays`). Any other layout (a dim sharded on two mesh
-dims alike, spatial dims, transposed convolutions, an uneven grouped split, no channel
-sharding at all) is not the plan's: the call goes on down its chain (the guard's
-redistributing fence, or DTensor's own handler).
+A Replicate tensor a rule wants sharded is cut locally. Backward follows the forward's
+rule: colwise gives grad_input Partial(sum), grad_weight and grad_bias Shard(0); rowwise
+takes grad_output Replicate and gives grad_input and grad_weight Shard(1), grad_bias
+Replicate; grouped keeps Shard(1) / Shard(0); batch gives grad_weight and grad_bias
+Partial(sum); grad_output moves by DTensor's own collectives. Decision rule
+(`_pays`): the channel-parallel form is taken where it moves no more bytes than the
+weight all-gathers it replaces (a conv's weight can be larger or smaller than its
+activations). Any other layout (a dim sharded on two mesh dims, spatial dims, transposed
+convolutions, an uneven grouped split, no channel sharding) goes down its chain (the
+guard's redistributing fence, or DTensor's own handler). Tests: tests/test_conv_channels.py.
 """
 
 from __future__ import annotations
@@ -123,7 +119,7 @@ def _numel(shape: Any, placements: Any, mesh: Any, dtype: torch.dtype) -> int:
 
 def _pays(kinds: list[str], x: Any, w: Any, out_shape: Any) -> bool:
     """Whether the channel-parallel run moves no more than the weight all-gathers it
-    replaces (fences/conv_handlers.py's layout), priced in the zoo's unit (comm_bytes.py: bytes
+    replaces (fences/conv_handlers.py's layout), priced in the zoo's unit (dispatch_modes/comm_bytes.py: bytes
     a rank puts into a collective), forward and backward together, from global metadata:
 
     * colwise: the backward all-reduce of grad_input (the input's size) against the
@@ -135,9 +131,9 @@ def _pays(kinds: list[str], x: Any, w: Any, out_shape: Any) -> bool:
 
     Why not always the plan's channel-parallel form: a convolution's weight is small
     beside its activations at real resolutions but not at the zoo's (timm's
-    test_efficientnet tp: channel-parallel 565 KiB where gathering weights moves 259),
-    and ResNet's late layers are the other way round (18 MiB of weights, 0.3 MiB of
-    activations). The choice is per call, the same forward and backward (same shapes)."""
+    test_efficientnet tp), and ResNet's late layers are the other way round (weights far
+    larger than activations; docs/results.md). The choice is per call, the same forward
+    and backward (same shapes)."""
     mesh = x.device_mesh
     t = next(d for d, k in enumerate(kinds) if k in ("colwise", "rowwise", "grouped"))
     if kinds[t] == "grouped":

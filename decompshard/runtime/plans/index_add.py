@@ -4,8 +4,7 @@ Mixtral's expert loop adds each expert's rows into the batch-sharded token buffe
 global token indices (`final.index_add_(0, token_idx, rows)`, written back by
 `inplace.py` through the functional `index_add`). No placement rule can keep `self`
 sharded there, since the index names global rows, so the derived strategies keep the
-indexed dim whole: the whole buffer was all-gathered once per expert (Mixtral on a 2x2
-mesh: 48 of its 295 KiB a step). Yet nothing needs to move: each rank adds the source
+indexed dim whole: the whole buffer is all-gathered once per expert. Yet nothing needs to move: each rank adds the source
 rows whose index falls in its own slab, at the index made local, and leaves the others
 (torch's `_MaskPartial` arithmetic, `_compat.slab_index`, as vocab-parallel embedding
 does). The index and the source must be whole along the indexed dim on the mesh dim that

@@ -2,7 +2,7 @@
 
 A column-parallel `lm_head` leaves the logits `Shard(-1)` on the vocabulary; cross-entropy
 is `log_softmax` (softmax.py: two per-row all-reduces) then `nll_loss_forward`,
-whose DTensor strategies keep the class dim whole, so the logits were all-gathered
+whose DTensor strategies keep the class dim whole, so the logits are all-gathered
 (torch 2.13-2.15 alike). torch's `loss_parallel()` context avoids that by hand; this is
 the same idea without the context: each rank picks the target's log-probability where
 the target falls in its slab of classes (`_compat.slab_index`, torch's `_MaskPartial`

@@ -1,85 +1,35 @@
-"""DTensor's choice among a native op's strategies, with a Partial priced at the
-reduction it will cost.
+"""Steering: DTensor's choice among a native op's strategies, with the moves it underprices
+priced at what they lead to.
 
-DTensor picks each op's strategy greedily by the cost of moving its inputs, and prices
-two moves below what they lead to:
+DTensor picks each op's strategy greedily by the cost of moving its inputs (torch's cost
+model), and prices some moves below what they cost later:
 
-* Replicate -> Partial at 0 (a local division): `add(residual R, block output P)`
-  turns the residual into a Partial for free and adds, so the residual stream stays
-  Partial. The reduction is only deferred, and paid again by every consumer that needs
-  the tensor whole (a norm's `pow`, the next residual `add`), while each matmul on the
-  way keeps the Partial and gathers its weight instead.
-* Partial -> Shard at a reduce-scatter (half an all-reduce): the first non-linear op
-  after a row-parallel layer reduce-scatters onto the batch dim a second time, and the
-  model goes on as data parallel over both mesh dims: every matmul after it gathers its
-  weight or its input again, every replicated parameter's gradient is reduced over the
-  tensor-parallel dim as well.
+* Replicate -> Partial at 0: `add(residual R, block output P)` keeps the residual stream
+  Partial, and every consumer that needs it whole reduces it again;
+* Partial -> Shard at a reduce-scatter: after a row-parallel layer the model goes on data
+  parallel over both mesh dims, and every matmul after it gathers again;
+* a strategy that keeps a Partial input Partial while another input moves hands on a
+  Partial that each reader all-reduces (a backward gradient summed from Partials);
+* `_StridedShard` -> Shard at 0, though DTensor all-gathers it first;
+* a gather shrunk by chunking a replicated mesh dim, which the next reader gathers again.
 
-On a 2x2 mesh (data x tensor parallel) the tiny Llama of the model zoo moved 358 KiB in
-one training step this way, 3.4x Megatron + DDP (the expert's plan, check/expert_bytes.py),
-which reduces each row-parallel output once with an all-reduce; priced as below, DTensor
-chooses exactly that plan (105 KiB).
+While `enable()` is on, where DTensor prices candidates and where it chooses among them
+(`_compat.strategy_cost_slots`, `_compat.strategy_selection_slot`), each such move costs
+what it defers: (1 + MARGIN) all-reduces of the tensor (`surcharge`, `kept_partial_price`,
+`strided_partial_price`), an all-gather for a strided move (`strided_floor`), (1 + MARGIN)
+all-gathers for a chunked one (`chunked_gather_price`). Reducing where the Partial is made
+(Megatron's plan) then wins the tie. Only the choice changes; what a strategy computes and
+the redistributions DTensor then plans are DTensor's own. Decision rules:
 
-So while `enable()` is on, where DTensor prices candidate strategies (and only there:
-the redistributions it then plans are priced as torch prices them), both moves cost a
-little more than the all-reduce of the tensor: a Partial made from a Replicate must be
-all-reduced later, a reduce-scattered tensor all-gathered again by the matmul that needs
-it whole (reduce-scatter + all-gather = all-reduce), and the margin makes reducing where
-the Partial is made win the tie. Only the choice changes, never what a strategy
-computes: the numbers are DTensor's own for the strategy it picks.
+* Replicate -> Partial is surcharged on meshes of two dims or more, and on a 1-D mesh in
+  forward only: in backward, deferring lets a sum of Partial gradients reduce once;
+* a kept Partial owes only where what it hands on is at least as large as what it keeps
+  (larger, for an elementwise op): a weight gradient from a Partial activation is smaller,
+  and deferring it wins (it is reduced once, to the parameter's placement);
+* every rank decides alike. DTensor caches the choice per op schema, so an op met first
+  in forward keeps its forward choice in backward.
 
-Replicate -> Partial is surcharged on meshes of two dims or more, and on a 1-D mesh in
-the forward pass only. Deferring is not always worse: a sum of several Partial gradients
-into a Replicate one (the input gradient of q, k and v in a post-norm block) is reduced
-once when the Replicate is made Partial and once per branch when not; that sum happens
-in backward. In forward, a residual stream kept Partial is reduced by each norm that
-reads it and again by that norm's backward, which reads the saved Partial input (GPT-2
-tensor parallel: 110 -> 64 KiB, Megatron's bytes exactly). Surcharged in both passes on
-1-D, the zoo's tensor-parallel cells measured a wash (Llama 78.5 -> 64.5 KiB, GPT-2
-110 -> 64, BERT 64 -> 96, T5 264 -> 292); in forward only, GPT-2 gains and no cell loses
-(zoo, 2026-11-27). On 2x2 meshes the surcharge cut every transformer's bytes by 1.6-3.4x.
-The choice stays the same on every rank (each runs the same passes in the same order);
-DTensor caches it per op schema, so an op met first in forward keeps the forward
-choice when the same schema comes again in backward, and the reverse.
-On 1-D meshes Partial -> Shard's price changed one transformer cell of the zoo's
-(Llama dp-uneven, 175 -> 163 KiB) and no tensor-parallel one.
-
-DTensor prices only a strategy's input moves, never the Partial it hands on. In backward
-a gradient arrives Partial wherever Partials were summed (T5's encoder output feeds the
-cross-attention's k and v: its gradient is the sum of their two Partial input gradients,
-and stays Partial through the norm's backward, every op of which is linear in it). At
-the row-parallel layer's backward the cheapest input move then keeps it Partial and
-gathers the sharded weight (mm(P, S(1)) -> P); the Partial handed on is the hidden
-activation's gradient, as wide as the layer's input, reduce-scattered at relu's or
-attention's backward. So a strategy that keeps a Partial input Partial
-while another input moves by a collective owes the all-reduce of the Partial it hands
-on (`kept_partial_price`, added where DTensor chooses, `_compat.strategy_selection_slot`),
-on each mesh dim where it keeps one.
-Only where what it hands on is at least as large as what it keeps: a weight gradient
-made Partial from a Partial activation is smaller, and gathering the saved input to
-defer it stays DTensor's choice (it is reduced once, to the parameter's placement). The
-gradient is then all-reduced by each op that reads it whole (DTensor reduces per
-consumer; within one backward node `reduce_once.py` reuses the first reduction). Zoo, torch 2.13, one training step, KiB (expert's plan):
-T5 tp 263.6 -> 213.6 (176.0); Llama, Qwen2 and Mistral tp 78.5 -> 76.5 (64.0); no
-other tp cell changed (GPT-2, BERT, ViT, Mixtral, timm, torchvision). Without the size
-condition T5 tp went to 225.6 and Llama tp to 80.5 (the weight gradient's input reduced
-a second time). On 2-D meshes, per mesh dim: T5 2d 300.8 -> 236.8 (186.2), Mixtral 2d
-741.5 -> 725.5, no other 2d or 2d-uneven cell changed (zoo, torch 2.13, after the
-strided-block overrides; before them the same price moved Mixtral 2d 773.5 -> 800.7, so
-it was 1-D only until then).
-
-One move torch prices below what it costs: a `_StridedShard` (a packed projection's
-blocks, as `strided_blocks.py` hands them on) moved to `Shard` is priced at 0, though
-DTensor all-gathers it first. On a 2x2 mesh Mixtral's experts then gathered their packed
-`gate_up` weight at every expert call (16 KiB each) rather than their tokens' hidden
-shard (3.75 KiB): such a move costs at least an all-gather here (`strided_floor`).
-Mixtral 2d 725.5 -> 293.5 KiB; no other cell of the zoo changed. With the gather priced,
-a candidate that keeps the blocks and makes a Partial from them (the input sliced to
-the weight's blocks, the product Partial) would win where torch's gather was right, so
-that Partial owes its all-reduce (`strided_partial_price`), the comparison
-`strided_blocks`' mm override makes: Mixtral 2d 295.0; GPT-2 2d-uneven 79.7 -> 84.7,
-ViT-timm 2d-uneven 317.6 -> 339.6, Mixtral 2d-uneven 129.5 -> 131.0, each still below
-the expert's bytes (tests/test_strided_blocks.py's [40, 8] @ [8, 20] keeps the gather).
+Bytes saved: docs/results.md. Tests: tests/test_partial_pricing.py, test_strided_blocks.py.
 """
 
 from __future__ import annotations
@@ -207,8 +157,7 @@ def _kept_on_dim(current: list, inputs: list, moved: list[int], outs: tuple, dim
     if not all(_plain(gb) for gb in kept_gb):
         return None  # no tensor meta, or symbolic sizes: torch's price alone
     # an elementwise op (every moved input shaped like a kept one) hands on the same
-    # reduction it keeps: deferring it there is torch's call (Llama dp-uneven: priced,
-    # its RMSNorm backward reduce-scattered 175 KiB where deferring moves 163)
+    # reduction it keeps: deferring it there is torch's call (docs/results.md: Llama dp-uneven)
     kept_shapes = {tuple(current[i].shape) for i in kept}
     elementwise = all(tuple(current[j].shape) in kept_shapes for j in moved if j not in kept)
     least = min(kept_gb)
@@ -262,8 +211,7 @@ def chunked_gather_price(current: list, spec: Any) -> float:
     moves half the bytes of `(R, R)`) and hands the chunk on; the next op that needs the
     rows whole on that dim, the column-parallel matmul after an MoE's token routing,
     gathers them again, forward and backward, once per reader (Mixtral 2d: each expert's
-    tokens gathered in halves, then the halves gathered by five matmuls: 247 -> 199 KiB
-    with this price). Charged only beside a gather: chunking a replicated input alone is
+    tokens gathered in halves, then the halves gathered by five matmuls). Charged only beside a gather: chunking a replicated input alone is
     how a strategy shards work, and costs nothing to undo that it did not save."""
     inputs = spec.input_specs
     if inputs is None or len(inputs) != len(current) or not current:

@@ -1,37 +1,32 @@
 """A Partial gradient reduced once per backward node, not once per op that reads it.
 
-Why: DTensor moves each op's inputs on their own, so a Partial tensor read by two ops
-that need it whole is all-reduced twice. A backward node's formula often reads one
-gradient twice: a matmul's node computes the input gradient from `grad` and the weight
-gradient from `grad.t()` (`mm_mat2_backward`, when the weight is a transposed view, as
-`nn.Linear`'s is). Where that gradient arrives Partial (T5's encoder output: the sum of
-the cross-attention's k and v input gradients, kept Partial through the final norm's
-backward and the residual stream below it), each of the two mm calls all-reduces it, at
-every row-parallel layer the stream passes. Megatron reduces it once. Reusing the first
-reduction: T5 tp 213.6 -> 197.6 KiB, T5 2d 236.8 -> 220.8 (one training step, the zoo's
-counting, torch 2.13; the expert's plan moves 176.0 and 186.2).
+DTensor moves each op's inputs on their own, so a Partial tensor read by two ops that
+need it whole is all-reduced twice. A backward node's formula often reads one gradient
+twice: a matmul's node computes the input gradient from `grad` and the weight gradient
+from `grad.t()` (`mm_mat2_backward`, when the weight is a transposed view, as
+`nn.Linear`'s is). Where that gradient arrives Partial (T5's encoder output, kept Partial
+through the final norm's backward), each mm all-reduces it at every row-parallel layer;
+Megatron reduces it once. Here the first reduction is reused, where that is exact:
 
-What makes the reuse exact:
 * only a pure reduction: Partial -> Replicate on some mesh dims, every other dim as it
-  was. It is elementwise across ranks, so it commutes with any view of the local tensor:
-  the reduced tensor permuted is the reduction of the permuted view;
+  was. It is elementwise across ranks, so it commutes with any view of the local tensor;
 * only the same data: a view at the same storage offset whose sizes and strides are a
-  permutation of the reduced local tensor's (on every simulated rank alike), reached from
-  the same autograd base, with the base's version and the local tensor's unchanged since.
-  DTensor's in-place ops bump the DTensor's version (shared by all its views), not the
-  local tensor's (checked on 2.13); writes through `to_local()` bump the local tensor's.
-  The reduced local tensor is held, so its storage cannot be reused meanwhile;
-* only in backward, within one autograd node of torch's own (a custom Function's
-  backward is user code), never while tracing: entries are forgotten when another node
-  starts and when the backward ends, so at most one node's reductions are held.
+  permutation of the reduced local tensor's (on every simulated rank alike), from the
+  same autograd base, with the base's version and the local tensor's unchanged since.
+  DTensor's in-place ops bump the DTensor's version (shared by its views), writes through
+  `to_local()` the local tensor's (checked on 2.13). The reduced tensor is held, so its
+  storage cannot be reused meanwhile;
+* only in backward, within one autograd node of torch's own (a custom Function's backward
+  is user code), never while tracing: entries are forgotten when another node starts and
+  when the backward ends.
+
 The DTensor a moved local tensor belongs to is read from DTensor's slow-path frame
 (`_compat.dispatch_args_in_flight`): the C++ dispatch keeps the slow-path method it
-fetched first, so a wrapper there would be skipped when a DTensor op ran before
-`enable()` (the reuse silently lost) and would outlive `disable()` otherwise.
-Every rank takes the same branch: the decision reads shapes, versions and object
-identities, alike on every rank of an SPMD program. Not covered: a second DTensor made by
-`from_local` over the same local tensor and written in place inside the same node (its
-version is its own).
+fetched first, so a wrapper there would be skipped after an early DTensor op and would
+outlive `disable()`. Every rank takes the same branch (shapes, versions and identities
+are alike on every rank of an SPMD program). Not covered: a second DTensor made by
+`from_local` over the same local tensor and written in place inside the same node.
+Tests: tests/test_reduce_once.py.
 """
 
 from __future__ import annotations

@@ -1,40 +1,33 @@
-"""Packed projections kept sharded: `split` of a `_StridedShard` into its blocks, `cat`
-of equal shards back into one, decided where DTensor decides (its sharding propagation).
+"""Packed projections kept sharded in their blocks: `split` of a `_StridedShard` into its
+blocks, `cat` of equal shards back into one, decided where DTensor decides (its sharding
+propagation).
 
 A packed projection (GPT-2's `c_attn` holding q, k and v; Mixtral's experts' `gate_up`)
 sharded Megatron-style is `_StridedShard(d, k)`: dim d is k blocks and every rank holds
-its chunk of each block, one after the other. Its output is split into the blocks right
-away (`q, k, v = qkv.split(n, d)`, `gate, up = h.chunk(2, d)`), and in the backward the
-blocks' gradients are concatenated again. Each rank already holds its chunk of every
-block, so both are local:
+its chunk of each block. Its output is split into the blocks at once, and in backward the
+blocks' gradients are concatenated again. DTensor's strategies for split and cat (2.13's
+full-mesh strategy functions and the single-dim rules of 2.14+ alike) have no such
+layout: they all-gather the output forward and the gradients backward, and the next
+matmul gathers the packed weight. Each rank already holds its chunk of every block, so
+all of it is local (n ranks on the mesh dim):
 
-* `split(x, B, d)` of `_StridedShard(d, k)` into j = size/B pieces (j dividing k) gives
-  each piece `_StridedShard(d, k/j)`, `Shard(d)` where j = k, when each rank's local
-  tensor is split by B/n (n ranks on that mesh dim);
-* `cat` of k tensors of one shape and placements, each `Shard(d)`, along d gives
-  `_StridedShard(d, k)`, the local tensors concatenated as they are;
-* `slice(x, d, start, end)` of whole blocks (cat's backward) gives the j blocks sliced
-  `_StridedShard(d, j)` (`Shard(d)` for one), each rank slicing start/n to end/n;
-* `mm(a, w)` with `w` `_StridedShard(0, k)` and `a` replicated on that mesh dim: `a`
-  sliced the same strided way (`_StridedShard(1, k)`, a local slice) times each rank's
-  rows of `w` is each rank's share of the product, `Partial(sum)`. DTensor itself
-  gathers `w` there (it prices moving a `_StridedShard` spec of a view at nothing), so
-  this replaces its answer only where the all-reduce the Partial costs later (twice the
-  output's bytes) is below the gather (the weight's): a column-parallel projection's
-  input gradient, as Megatron computes it.
+* `split(x, B, d)` into j = size/B pieces (j dividing k): each `_StridedShard(d, k/j)`,
+  `Shard(d)` where j = k, each rank's local tensor split by B/n;
+* `cat` along d of k tensors of one shape, each `Shard(d)`: `_StridedShard(d, k)`;
+* `slice(x, d, start, end)` of j whole blocks (cat's backward): `_StridedShard(d, j)`
+  (`Shard(d)` for one), each rank slicing start/n to end/n;
+* `mm(a, w)`, `w` `_StridedShard(0, k)`, `a` replicated on that mesh dim: `a` sliced the
+  same strided way times each rank's rows of `w` is `Partial(sum)`. DTensor gathers `w`
+  there (it prices moving a strided view at nothing), so this replaces its answer only
+  where the Partial's later all-reduce (twice the output's bytes) is below the weight's
+  gather: a column-parallel projection's input gradient, as Megatron computes it.
 
-DTensor's own strategies for split and cat have neither (on 2.13's full-mesh strategy
-functions nor on the single-dim rules of 2.14+): they all-gather the projection's output
-forward and the blocks' gradients backward, and the next matmul gathers the packed
-weight (Mixtral tensor parallel: 160.8 KiB where Megatron moves 64.5).
-
-Each override takes DTensor's own answer and replaces it only when the layout is
-exactly the one above, evenly: every block's size divisible by n, d sharded on that one
-mesh dim alone. An uneven block, a split across blocks, a second mesh dim on d keep
-DTensor's answer. The replacement moves nothing and carries the local split size the
-way DTensor carries a view's local shape (`_compat.local_call_sharding`), so the op
-stays on DTensor's cached dispatch path: the override runs once per op schema.
-`disable()` removes the overrides.
+Each override replaces DTensor's answer only for exactly these layouts, evenly: every
+block's size divisible by n, d sharded on that one mesh dim alone. An uneven block, a
+split across blocks or a second mesh dim on d keep DTensor's answer. The replacement
+moves nothing and carries the local split size as DTensor carries a view's local shape
+(`_compat.local_call_sharding`), so the op stays on DTensor's cached dispatch path.
+`disable()` removes the overrides. Tests: tests/test_strided_blocks.py.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ placements while `self`'s own local tensor never saw the op. Native strategies a
 this (DTensor's `expand_to_full_mesh_op_strategy` drops every in-place strategy that
 moves self); decompshard's derived strategies are chosen like an out-of-place op's,
 so `index_add_` on a S(0) `self` (Mixtral's expert loop adds each expert's rows into
-the batch-sharded output at global token indices) came back labelled S(1) over the
-untouched S(0) shard, and a later op failed or read wrong values.
+the batch-sharded output at global token indices) would come back labelled S(1) over the
+untouched S(0) shard, and a later op would fail or read wrong values.
 
 No strategy can keep `self` S(0) there: the indices are global. So under `enable()`,
 each in-place aten op that has no native strategy but a functional twin

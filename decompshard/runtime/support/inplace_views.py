@@ -1,31 +1,25 @@
 """In-place view ops (`transpose_`, `unsqueeze_`, `t_`) on DTensors, under `enable()`.
 
 DTensor has strategies for `transpose`, `unsqueeze` and `t` but none for their in-place
-forms, so `x.transpose_(0, 1)` on a DTensor stopped with "does not have a sharding
-strategy registered". No decomposition helps: the op changes `self`'s metadata, and
-`self` cannot be redistributed first (DTensor would relabel a copy). None is needed:
-the out-of-place twin's native strategy maps `self`'s placements to the view's without
-moving data (`Shard(0)` of [7, 5] transposed is `Shard(1)` of [5, 7]; Partial stays
-Partial), so each rank takes the twin's view of its own local tensor (the same
-storage) and `self` takes the twin's output spec.
+forms, so `x.transpose_(0, 1)` on a DTensor stops with "does not have a sharding strategy
+registered". No decomposition helps: the op changes `self`'s metadata, and `self` cannot
+be redistributed first. None is needed: the out-of-place twin's native strategy maps
+`self`'s placements to the view's without moving data (`Shard(0)` of [7, 5] transposed
+is `Shard(1)` of [5, 7]), so each rank takes the twin's view of its own local tensor and
+`self` takes the twin's whole output spec. Registering the twin's strategy for the
+in-place op would be wrong: DTensor's in-place path keeps `self`'s old spec when the
+placements do not change, leaving the old shape over transposed locals. The handler
+raises if the twin's strategy would move `self`.
 
-Registering the twin's strategy for the in-place op would be wrong: DTensor's in-place
-path keeps `self`'s old spec whenever the placements do not change
-(`transpose_(1, 2)` of a `Shard(0)` tensor), so the DTensor would keep its old shape
-over a transposed local tensor. The handler sets the whole spec instead, and raises if
-the twin's strategy would move `self` (a view that cannot follow the sharding).
-
-The ops are found by property, not by name: tagged `inplace_view`, no strategy or
-handler of their own, and an out-of-place twin (same name without the trailing
-underscore, the same arguments) with a native strategy. A strategy torch copied from
-the twin does not count as the op's own: from 2.14 torch registers `t`'s for `t_`,
-which is the wrong registration above (a replicated [5, 4] `t_()` left a DTensor of
-shape [5, 4] over [4, 5] locals; a sharded one refused), so the handler takes `t_` too.
-`squeeze_` has a strategy of its own, as wrong (a [4, 1, 6] `squeeze_()` left [4, 1, 6]
-over [4, 6] locals on 2.13 to 2.15): the native guard gives it this handler, measured
-per release (fences/table.py). `resize_`, `set_` and
-`as_strided_` have no such twin (`as_strided_` has its own module). `disable()`
-removes the handlers.
+The ops are found by property, not by name: tagged `inplace_view`, no strategy or handler
+of their own, and an out-of-place twin (the name without the trailing underscore, the
+same arguments) with a native strategy. A strategy torch copied from the twin does not
+count as the op's own: from 2.14 torch registers `t`'s for `t_`, the wrong registration
+above, so the handler takes `t_` too. `squeeze_` has a strategy of its own, as wrong on
+2.13 to 2.15; the native guard gives it this handler per release (fences/table.py,
+fences/in_place_views.py). `resize_`, `set_` and `as_strided_` have no such twin
+(`as_strided_`: support/as_strided.py). `disable()` removes the handlers. Tests:
+tests/test_inplace_views.py.
 """
 
 from __future__ import annotations

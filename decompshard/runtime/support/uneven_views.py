@@ -1,58 +1,35 @@
-"""Uneven shards through DTensor's view strategies: redistribute instead of refusing.
+"""Uneven shards through DTensor's view strategies: redistributed instead of refused.
 
 DTensor's view propagator (`_view_ops.py`: view, reshape, _unsafe_view, squeeze,
 unsqueeze, expand, permute, transpose, ...) refuses a view that merges or splits an
-unevenly sharded dim: `F.linear` on a [10, 8, 16] activation sharded S(0) over 4 ranks
-flattens it to [80, 16] and DTensor raises "Cannot flatten unevenly sharded tensor"
-(every transformer with an uneven data-parallel batch stops at its first linear layer;
-timm's ViT under TP stops at "Cannot unflatten ..."). The local view itself runs, but
-its result (local rows 24, 24, 24, 8) is no `Shard` layout, so DTensor cannot label it:
-the input must move first. The propagator also accepts some uneven layouts it cannot
-label either ([6, 8, 16] on (S(0), S(0)) of a 2x2 mesh flattened to (S(0), S(0)) of
-[48, 16] claims local rows 12, 12, 12, 12 where the local views give 16, 8, 16, 8).
+unevenly sharded dim: `F.linear` flattens its input, so every transformer with an uneven
+data-parallel batch stops at its first linear layer with "Cannot flatten unevenly sharded
+tensor" (timm's ViT under TP: "Cannot unflatten ..."). It also accepts some uneven layouts
+whose local views are not what it claims ([6, 8, 16] on (S(0), S(0)) of a 2x2 mesh
+flattened claims local rows 12, 12, 12, 12; the local views give 16, 8, 16, 8). The
+local view runs, but its result is no `Shard` layout, so the input must move first.
 
 Under `enable()` each view-family entry of DTensor's strategy table is wrapped:
 
-1. DTensor's own answer is kept when its input layout is even, or when on every rank the
-   local op, run as DTensor will run it (local sizes in the size argument), produces the
-   local shape the answer's output placements claim.
-2. Otherwise the sharded mesh dims are moved, the fewest first: each to Replicate or to
-   Shard of another tensor dim, keeping only what the native strategy accepts and what
-   passes the same local-shape check (all-Replicate always does). Every survivor is
-   priced by DTensor's own estimate (`mesh/cost.dtensor_redistribute_cost`): the move from the input's current layout
-   plus the move back to it, and DTensor takes the cheapest, then redistributes the
-   input as it does for any op.
+1. DTensor's answer is kept when its input layout is even, or when on every rank the
+   local op, run as DTensor runs it, gives the local shape the answer's placements claim.
+2. Otherwise the sharded mesh dims are moved, the fewest first, each to Replicate or to
+   Shard of another dim, keeping what the native strategy accepts and what passes the same
+   check (all-Replicate always does). Each survivor is priced by DTensor's own estimate
+   (`mesh/cost.dtensor_redistribute_cost`): the move from the current layout plus the move
+   back to it, since the ops around the view want the layout the program holds. The
+   cheapest is taken, and DTensor redistributes the input as for any op.
 
-Why the way back is priced: the move is forced by the view alone. A flatten of an uneven
-batch with the dims after it (`F.linear`'s [10, 17, 32] -> [170, 32]) is undone by the
-unflatten after the matmul, and the ops around it want the batch layout the program
-holds; a Shard(k) target leaves the rest of the layer sharded on tokens or features, so
-the next batch-wise op moves it back (the residual add, layer norm's backward,
-attention; measured on the zoo's ViTs with 10 images on 4 ranks: the token-sharded
-choice cascaded into 46 collectives and 421.5 KiB, 4.9x DDP, where Replicate, whose way
-back to the batch shard is a local slice, moves 19 collectives and 97.3 KiB). By
-DTensor's cost model a small activation's all-gather beats an all-to-all there and back
-(latency), and a large one's does not (bandwidth: ViT-B, [130, 197, 768] on 4 ranks,
-all-gather 2863 against 2 x 728), so the token-sharded move stays where it is cheaper.
-Replicate runs the view's consumer (the matmul) on every rank's copy of the whole batch:
-its weight gradient comes out replicated, with no all-reduce, at the price of compute
-DDP splits; DTensor's cost model, like this choice, prices communication only.
+A view's backward is a view of the gradient and takes the same path. In-place views
+(`squeeze_`) keep DTensor's answer: their `self` cannot be moved. Moved tensors are made
+contiguous (support/kwarg_routing.py): an uneven Shard(a) -> Shard(b) move leaves a
+narrowed slice of torch's padded all-to-all buffer, which a merging view cannot read.
 
-An uneven Shard(a) -> Shard(b) move (S(0) -> S(1) of ViT's [10, 17, 32] tokens on 4 ranks)
-leaves the local tensor a narrowed slice of torch's padded all-to-all buffer, which a
-local view merging dims cannot read; `_compat`'s routed `redistribute_local_args`
-makes every tensor DTensor moves for an op contiguous.
-
-The backward of a view is a view of the gradient, so it goes through the same path.
-In-place view ops (`squeeze_`) keep DTensor's answer: their `self` cannot be moved
-(DTensor would squeeze a redistributed copy and relabel the untouched `self`).
-
-Limit: a redistributed view is a view of the redistributed copy, not of the input (as
-DTensor's own `reshape` strategy does when it replicates): an in-place write to it
-does not reach the input, where on one device it would. The warning says so. Views
-made inside an op's decomposition (`F.linear`'s flatten) are never written to.
-Redistribution moves data and never changes a value. Each op warns once when it is
-redistributed. `disable()` puts the original entries back.
+Limits: a redistributed view is a view of the moved copy, so an in-place write to it does
+not reach the input (each op warns once, saying so; views made inside a decomposition are
+never written to). The price is communication only: Replicate runs the view's consumer
+on the whole batch on every rank. `disable()` puts the original entries back. Tests:
+tests/test_uneven_views.py, tests/test_vision_uneven.py.
 """
 
 from __future__ import annotations
