@@ -3,7 +3,7 @@ and the checks read the record: an internal error of decompshard's, which `enabl
 catches so the user's program goes on (right numbers, replicated), turns `check`,
 `check --model` and the zoo red naming the op; other reasons are reported with counts.
 
-The broken derivation is a test double: `enable()`'s `_first_runnable` raising, so every
+The broken derivation is a test double: derived.py's `_first_runnable` raising, so every
 op that reaches decompshard's hook fails inside it, as a bug of ours would.
 """
 
@@ -17,7 +17,7 @@ import pytest
 
 from decompshard.check.sweep import counts_against_us
 from decompshard.cli import main
-from decompshard.runtime import enable as enable_module
+from decompshard.runtime import derived
 from decompshard.runtime import fallbacks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +31,7 @@ def broken(monkeypatch):
     def first_runnable(op, *args, **kwargs):
         raise RuntimeError(f"deliberately broken derivation of {op}")
 
-    monkeypatch.setattr(enable_module, "_first_runnable", first_runnable)
+    monkeypatch.setattr(derived, "_first_runnable", first_runnable)
 
 
 def test_only_a_recording_sees_fallbacks_and_each_op_once_per_kind():

@@ -29,7 +29,7 @@ def addmv_args(n=8, k=12):
 
 def first_valid(op, args, kwargs, mesh_shape, current):
     """The first valid strategy of `ranked`: lift's choice, before the runtime's own
-    filters (`enable._first_runnable`: DTensor must be able to run it, tests/test_enable.py)."""
+    filters (`derived._first_runnable`: DTensor must be able to run it, tests/test_enable.py)."""
     return next(s for s in ranked(op, args, kwargs, mesh_shape, current) if s.valid)
 
 

@@ -44,9 +44,17 @@ def test_audit_samples_keep_every_variant(variants):
     assert chosen == variants[op]
 
 
+def _without_fix(monkeypatch, module: str) -> None:
+    """The guard without the fences whose fix lives in runtime/fences/<module>.py."""
+    import importlib
+
+    fix = importlib.import_module(f"decompshard.runtime.fences.{module}").FIX
+    monkeypatch.setattr(guard, "FENCES", tuple(f for f in guard.FENCES if f.fix is not fix))
+
+
 def _wrong(op, samples, with_fix: bool, monkeypatch) -> list:
     if not with_fix:
-        monkeypatch.setattr(guard, "MEAN_OF_MEANS_LOSSES", ())
+        _without_fix(monkeypatch, "mean_loss")
     guard.install()
     try:
         return audit_native_op_detailed(op, samples).wrong
@@ -117,6 +125,6 @@ def test_item_audit_is_clean_with_the_guard(monkeypatch):
     op = aten._local_scalar_dense.default
     samples = [((torch.tensor([1.5], dtype=torch.float64),), {}), ((torch.tensor(2.0, dtype=torch.float64),), {})]
     assert _wrong(op, samples, with_fix=True, monkeypatch=monkeypatch) == []
-    monkeypatch.setattr(guard, "READS_OF_ONE_RANKS_PART", ())
+    _without_fix(monkeypatch, "one_rank_read")
     found = {w.rule for w in _wrong(op, samples, with_fix=True, monkeypatch=monkeypatch)}
     assert "P(sum) -> ranks disagree" in found and "S(0) -> local kernel error" in found, found

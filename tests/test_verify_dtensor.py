@@ -72,7 +72,7 @@ def test_the_checker_catches_a_wrong_strategy(monkeypatch):
     # not ok: swap decompshard's choice for a deliberately wrong one.
     import importlib
 
-    en = importlib.import_module("decompshard.runtime.enable")
+    en = importlib.import_module("decompshard.runtime.derived")
 
     def wrong(op, args, kwargs, mesh_shape, current, n_args):
         from decompshard.mesh.lift import MeshStrategy
@@ -185,7 +185,7 @@ def test_check_model_finds_the_op_that_diverges(monkeypatch):
     ok = run_model_check(module, inputs, (2, 2), "S(0),R")
     assert ok.divergence is None and ok.calls > 50
     # a deliberately wrong strategy for the attention op must be named
-    en = importlib.import_module("decompshard.runtime.enable")
+    en = importlib.import_module("decompshard.runtime.derived")
     real = en._first_runnable
 
     def wrong(op, args, kwargs, mesh_shape, current, n_args):
