@@ -16,6 +16,10 @@ log_softmax backward after it all-reduces one sum per row. Unlike `loss_parallel
 log_softmax's backward is not fused away, so it stays right when log_softmax's output
 feeds anything else.
 
+A plain target, class weights or gradient (transformers' labels under
+`implicit_replication()`) is read as DTensor reads it, Replicate (`replicated_args`): a
+handler gets the call's arguments raw, and the plan declined them before.
+
 Applies when exactly one mesh dim shards the class dim, every rank holds classes (an
 empty slab declines), and the other mesh dims shard the batch or replicate.
 """
