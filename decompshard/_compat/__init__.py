@@ -43,7 +43,7 @@ from decompshard._compat.dtensor import (
 from decompshard._compat.dispatch import (
     collective_cost_model, dispatch_args_in_flight, dispatch_redistribute_slot,
     dtensor_default_dispatch, dtensor_local_results, dtensor_output_sharding, dtensor_output_spec,
-    dtensor_planned_moves, local_call_sharding, return_and_correct_aliasing, strategy_cost_slots,
+    dtensor_planned_moves, implicitly_replicated, local_call_sharding, return_and_correct_aliasing, strategy_cost_slots,
     strategy_selection_slot, wrap_local_results,
 )
 from decompshard._compat.simulation import (
@@ -61,7 +61,7 @@ __all__ = [
     "custom_op_registry", "decomp_strategy_parameters", "disable_current_modes", "dispatch_args_in_flight",
     "dispatch_redistribute_slot", "dtensor_default_dispatch", "dtensor_local_results", "dtensor_output_sharding",
     "dtensor_output_spec", "dtensor_planned_moves", "dtensor_spec", "fake_one_rank_mesh", "fake_store",
-    "full_mesh_filter_keyword", "generate_redistribute_costs", "has_native_strategy", "in_backward",
+    "full_mesh_filter_keyword", "generate_redistribute_costs", "has_native_strategy", "implicitly_replicated", "in_backward",
     "inferred_schema_info", "is_dispatchable", "is_fake", "keystr", "local_call_sharding", "local_tensor",
     "local_tensor_api", "local_tensor_mode", "make_local_tensor", "on_backward_end", "op_dispatcher",
     "op_strategy_func", "outside_simulation", "placed_dtensor", "propagation_cache_type", "rank_tensors",

@@ -14,7 +14,7 @@ from decompshard._compat.dtensor import DTensor, DTensorSpec, OpSchema, OutputSh
 __all__ = [
     "collective_cost_model", "dispatch_args_in_flight", "dispatch_redistribute_slot", "dtensor_default_dispatch",
     "dtensor_local_results", "dtensor_output_sharding", "dtensor_output_spec", "dtensor_planned_moves",
-    "local_call_sharding", "return_and_correct_aliasing", "strategy_cost_slots", "strategy_selection_slot",
+    "implicitly_replicated", "local_call_sharding", "return_and_correct_aliasing", "strategy_cost_slots", "strategy_selection_slot",
     "wrap_local_results",
 ]
 
@@ -86,6 +86,14 @@ def dtensor_planned_moves(op_call: Any, args: tuple, kwargs: dict) -> list[tuple
     current = list(op_info.schema.args_spec)
     target = sharding.redistribute_schema.args_spec if sharding.redistribute_schema is not None else current
     return list(zip(current, target))
+
+
+def implicitly_replicated(t: Any) -> bool:
+    """Whether DTensor takes this plain tensor, met beside DTensors in one op, as Replicate
+    (`_try_replicate_spec_for_scalar_tensor`: a one-element tensor, or any tensor while
+    `implicit_replication()` is on); otherwise DTensor raises on the mix. A custom op
+    handler gets the plain tensor as it is, so it reads DTensor's rule here."""
+    return t.numel() == 1 or bool(DTensor._op_dispatcher._allow_implicit_replication)
 
 
 def return_and_correct_aliasing(func: Any, args: Any, kwargs: Any, out: Any) -> Any:

@@ -26,8 +26,8 @@ tensor):
   (BatchNorm, activations, depthwise convs sharded along) moves nothing. Not counted:
   a SqueezeExcite inside such a span (EfficientNet's InvertedResidual) reduces over all
   channels, one all-reduce of [batch, reduced channels] each way (2.5 KiB in all here);
-  a `vocab_colwise` lm_head's loss-parallel statistics (a few [tokens] all-reduces; no
-  zoo case shards its lm_head).
+  a `vocab_colwise` lm_head's loss-parallel statistics (a few [tokens] all-reduces:
+  the max and the exp-sum of each row and its picked logit; `llama-vocab`).
 * raw expert parameters (a plan entry without a module: Mixtral's batched-matmul
   experts, sharded on their hidden dim): each experts module is one Megatron MLP, its
   output all-reduced in the forward and each floating-point input's gradient in the

@@ -123,11 +123,22 @@ def _causal_lm(config_cls: str, **kw: Any) -> Callable[[int, int], Built]:
         pos = torch.arange(SEQ).expand(batch, SEQ).contiguous()
         # transformers' own plan: the lm_head replicated. At the zoo's vocabulary (64) a
         # vocab-parallel lm_head (torchtitan's plan, style `vocab_colwise`) moves more
-        # than it saves (Llama tp: 172 KiB against 78 KiB); tests/test_collective_plans.py
-        # runs it to show the loss computed without gathering the logits
+        # than it saves (Llama tp: 94 KiB against 77 KiB); the `llama-vocab` case runs it
+        # to show the loss computed without gathering the logits
         return Built(model, {"input_ids": ids, "position_ids": pos, "labels": ids.clone()}, _hf_loss,
                      _hf_plan(model))
     return builder
+
+
+def _vocab_parallel(builder: Callable[[int, int], Built]) -> Callable[[int, int], Built]:
+    """The model with its lm_head column-parallel on the vocabulary, the logits left
+    `Shard(-1)` into the model's own `labels=` loss (torchtitan's plan): the loss runs
+    vocab-parallel (runtime/plans/vocab_loss.py) without gathering the logits."""
+    def vocab_builder(batch: int, seed: int) -> Built:
+        built = builder(batch, seed)
+        built.plan["lm_head"] = "vocab_colwise"
+        return built
+    return vocab_builder
 
 
 def _gpt2(batch: int, seed: int) -> Built:
@@ -251,6 +262,8 @@ _VIT_PLAN = {"blocks.*.attn.qkv": "qkv_colwise", "blocks.*.attn.proj": "rowwise"
 
 ZOO: dict[str, ZooEntry] = {e.name: e for e in [
     ZooEntry("llama", "transformers", _causal_lm("LlamaConfig"), "LlamaForCausalLM"),
+    ZooEntry("llama-vocab", "transformers", _vocab_parallel(_causal_lm("LlamaConfig")),
+             "LlamaForCausalLM, lm_head vocab-parallel (Shard(-1) logits into its labels= loss)"),
     ZooEntry("qwen2", "transformers", _causal_lm("Qwen2Config"), "Qwen2ForCausalLM"),
     ZooEntry("mistral", "transformers", _causal_lm("MistralConfig", sliding_window=4),
              "MistralForCausalLM, sliding window 4 < seq 8 (attention gets a mask)"),

@@ -32,12 +32,13 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from decompshard._compat import (DTensor, TorchPartial, TorchReplicate, TorchShard, contiguous_spec, dtensor_planned_moves,
-                                 dtensor_spec, local_tensor, redistribute_local_tensor)
+                                 dtensor_spec, implicitly_replicated, local_tensor, redistribute_local_tensor,
+                                 unsharded_dtensor)
 from decompshard.dispatch_modes.graph import freeze, map_leaves
 from decompshard.mesh.cost import Cost, bytes_key, redistribute_cost
 
 __all__ = ["ROWS_SHARDED", "Priced", "Stat", "Step", "cheaper_than_dtensor", "dtensor_cost", "every_rank_holds_slab", "local_at", "forget_decisions", "moved_local", "moves_cost",
-           "reduce_scalars",
+           "reduce_scalars", "replicated_args",
            "row_placements", "scalars_cost", "sharding_dims"]
 
 
@@ -74,6 +75,19 @@ def local_at(t: Any, mesh: Any, placements: tuple) -> torch.Tensor:
     if tuple(t.placements) != tuple(placements):
         t = t.redistribute(mesh, placements)
     return local_tensor(t)
+
+
+def replicated_args(values: Sequence[Any], mesh: Any) -> tuple:
+    """`values` with each plain tensor that DTensor takes as Replicate beside DTensors
+    (`implicitly_replicated`: a one-element tensor, or any under `implicit_replication()`)
+    made a Replicate DTensor on `mesh`, the others as they are. A plan's handler gets a
+    call's arguments raw, so a plain target (transformers' labels under
+    `implicit_replication()`) reaches it plain where DTensor's own path would see
+    `Replicate`: the plan reads it as DTensor does."""
+    rep = (TorchReplicate(),) * mesh.ndim
+    return tuple(unsharded_dtensor(v, mesh, rep)
+                 if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and implicitly_replicated(v) else v
+                 for v in values)
 
 
 def row_placements(placements: Sequence[Any], reduced: Iterable[int]) -> tuple[Any, ...]:
@@ -208,13 +222,16 @@ def _spec_or_value(x: Any) -> Any:
     if isinstance(x, DTensor):
         return dtensor_spec(x)  # global shape, strides, dtype, placements, mesh: all the decision reads
     if isinstance(x, torch.Tensor):
-        raise TypeError("a plain tensor has no value key")
+        if implicitly_replicated(x):  # DTensor reads it as Replicate on the call's mesh
+            return ("implicitly replicated", tuple(x.shape), tuple(x.stride()), x.dtype)
+        raise TypeError("a plain tensor DTensor refuses has no value key")
     return x
 
 
 def _decision_key(op_call: Any, args: tuple, kwargs: dict, plan_bytes: Any) -> Any:
     """What `cheaper_than_dtensor` decides from, hashable; None where an argument is not
-    (a plain tensor, an unhashable value): that call decides afresh."""
+    (a plain tensor DTensor does not take as Replicate, an unhashable value): that call
+    decides afresh."""
     try:
         key = (op_call, freeze(map_leaves(_spec_or_value, (args, kwargs))), plan_bytes)
         hash(key)

@@ -16,6 +16,10 @@ log_softmax backward after it all-reduces one sum per row. Unlike `loss_parallel
 log_softmax's backward is not fused away, so it stays right when log_softmax's output
 feeds anything else.
 
+A plain target, class weights or gradient (transformers' labels under
+`implicit_replication()`) is read as DTensor reads it, Replicate (`replicated_args`): a
+handler gets the call's arguments raw, and the plan declined them before.
+
 Applies when exactly one mesh dim shards the class dim, every rank holds classes (an
 empty slab declines), and the other mesh dims shard the batch or replicate.
 """
@@ -28,7 +32,8 @@ import torch
 
 from decompshard._compat import DTensor, TorchReplicate, TorchShard, local_tensor, placed_dtensor, slab_index
 from decompshard.runtime.records import Plan
-from decompshard.runtime.collectives import Priced, Stat, Step, every_rank_holds_slab, local_at, moves_cost, reduce_scalars, scalars_cost, sharding_dims
+from decompshard.runtime.collectives import (Priced, Stat, Step, every_rank_holds_slab, local_at, moves_cost, reduce_scalars,
+                                             replicated_args, scalars_cost, sharding_dims)
 
 __all__ = ["PLANS"]
 
@@ -69,10 +74,23 @@ class _Layout:
         return idx, valid & ~outside, w
 
 
+def _dtensor_args(args: tuple) -> tuple | None:
+    """The call's arguments as DTensor's own path reads them (a plain target, class
+    weights, grad or total weight taken as Replicate where DTensor takes it so:
+    transformers' labels under `implicit_replication()`); None where `self` is plain."""
+    x = args[1] if len(args) == 7 else args[0]  # the backward's `self` follows grad_output
+    if not isinstance(x, DTensor):
+        return None
+    return replicated_args(args, x.device_mesh)
+
+
 def _forward_price(op_call: Any, args: tuple, kwargs: dict) -> Priced | None:
     """The loss all-reduced over the class slabs (one number per row for `none`, else a
     scalar, then loss and total weight over the batch's mesh dims), and the target (and
     class weights) moved to the plan's placements (None: the plan does not apply)."""
+    args = _dtensor_args(args)
+    if args is None:
+        return None
     x, target, weight, reduction = args[:4]
     lay = _Layout(x, target, weight)
     if not lay.ok:
@@ -88,12 +106,15 @@ def _forward_price(op_call: Any, args: tuple, kwargs: dict) -> Priced | None:
                  Step("all-reduce(sum) of (loss, total weight) over the batch's mesh dims",
                       scalars_cost(lay.mesh, lay.batch_dims, item, (2,)), item)]
     steps.append(Step("target (and class weights) to the plan's placements", moves_cost(lay.moves), item))
-    return Priced(tuple(steps), (lay, rows))
+    return Priced(tuple(steps), (lay, rows, args))
 
 
 def _backward_price(op_call: Any, args: tuple, kwargs: dict) -> Priced | None:
     """No collective: target, weights, grad and total weight moved to the plan's
     placements (None: the plan does not apply)."""
+    args = _dtensor_args(args)
+    if args is None:
+        return None
     grad, x, target, weight, reduction, _, total_weight = args[:7]
     lay = _Layout(x, target, weight)
     if not lay.ok or not isinstance(grad, DTensor) or not isinstance(total_weight, DTensor):
@@ -101,12 +122,12 @@ def _backward_price(op_call: Any, args: tuple, kwargs: dict) -> Priced | None:
     grad_placements = lay.target_placements if reduction == NONE and x.dim() > 1 else lay.rep
     moves = lay.moves + [(grad, grad_placements), (total_weight, lay.rep)]
     return Priced((Step("target, weights, grad and total weight to the plan's placements", moves_cost(moves),
-                        x.dtype.itemsize),), (lay, grad_placements))
+                        x.dtype.itemsize),), (lay, grad_placements, args))
 
 
 def _forward(op_call: Any, args: tuple, kwargs: dict, priced: Priced) -> Any:
+    lay, rows, args = priced.context
     x, target, weight, reduction, ignore_index = args[:5]
-    lay, rows = priced.context
     idx, here, w = lay.picks(target, weight, ignore_index)
     picked = torch.gather(local_tensor(x), lay.c, idx.unsqueeze(lay.c)).squeeze(lay.c)
     part = torch.where(here, -picked * w, 0.0)
@@ -125,8 +146,8 @@ def _forward(op_call: Any, args: tuple, kwargs: dict, priced: Priced) -> Any:
 
 
 def _backward(op_call: Any, args: tuple, kwargs: dict, priced: Priced) -> Any:
+    lay, grad_placements, args = priced.context
     grad, x, target, weight, reduction, ignore_index, total_weight = args[:7]
-    lay, grad_placements = priced.context
     idx, here, w = lay.picks(target, weight, ignore_index)
     g = local_at(grad, lay.mesh, grad_placements)
     if reduction == MEAN:

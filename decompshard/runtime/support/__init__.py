@@ -5,6 +5,8 @@
     inplace          in-place ops with no native strategy: the out-of-place result written back
     as_strided       `as_strided_` and friends where they move no element
     inplace_views    in-place view ops (`transpose_`, `unsqueeze_`) as their twin's view
+    partial_fill     `masked_fill_` on a Partial self where the fill keeps it (label-smoothed
+                     cross-entropy on class-sharded logits), on each rank's part
     kwarg_routing    keyword tensors (SDPA's `attn_mask`) moved to the placements a derived
                      strategy names (DTensor moves only positional ones); installed last
 
@@ -15,7 +17,7 @@ them in the order `enable()` installs them.
 from __future__ import annotations
 
 from decompshard.runtime.records import Support
-from decompshard.runtime.support import as_strided, data_dependent, inplace, inplace_views, uneven_views
+from decompshard.runtime.support import as_strided, data_dependent, inplace, inplace_views, partial_fill, uneven_views
 
 __all__ = ["SUPPORT"]
 
@@ -27,4 +29,6 @@ SUPPORT: tuple[Support, ...] = (
     Support("as_strided", "as_strided_ runs where it moves no element", as_strided.entries),
     Support("inplace_views", "in-place view ops follow their out-of-place twin's native strategy",
             inplace_views.entries),
+    Support("partial_fill", "masked_fill_ on a Partial self runs on the parts where the fill keeps the Partial",
+            partial_fill.entries),
 )
