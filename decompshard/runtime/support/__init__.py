@@ -5,6 +5,8 @@
     inplace          in-place ops with no native strategy: the out-of-place result written back
     as_strided       `as_strided_` and friends where they move no element
     inplace_views    in-place view ops (`transpose_`, `unsqueeze_`) as their twin's view
+    clip_norms       gradient-norm clipping (`clip_grad_norm_`, `get_total_norm`) over tensors
+                     on several meshes or mixed with plain ones: one norm per mesh, combined
     kwarg_routing    keyword tensors (SDPA's `attn_mask`) moved to the placements a derived
                      strategy names (DTensor moves only positional ones); installed last
 
@@ -15,7 +17,9 @@ them in the order `enable()` installs them.
 from __future__ import annotations
 
 from decompshard.runtime.records import Support
-from decompshard.runtime.support import as_strided, data_dependent, inplace, inplace_views, uneven_views
+from decompshard.runtime.support import (
+    as_strided, clip_norms, data_dependent, inplace, inplace_views, uneven_views,
+)
 
 __all__ = ["SUPPORT"]
 
@@ -27,4 +31,6 @@ SUPPORT: tuple[Support, ...] = (
     Support("as_strided", "as_strided_ runs where it moves no element", as_strided.entries),
     Support("inplace_views", "in-place view ops follow their out-of-place twin's native strategy",
             inplace_views.entries),
+    Support("clip_norms", "gradient-norm clipping over several meshes or mixed with plain tensors: one norm per "
+            "mesh, reduced once, combined as one device", clip_norms.entries),
 )
