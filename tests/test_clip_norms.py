@@ -7,6 +7,12 @@ inf) under `enable()` against one device's total norm and clipped gradients, on 
 rank; torch alone raises on the same inputs. The all-reduces counted: one per mesh group
 (the same with one parameter per mesh as with many); all parameters on one mesh: torch's
 own numbers and collectives, unchanged. `disable()` puts torch's functions back.
+
+The "torchtitan" case is FSDP2 + tensor parallel in torchtitan's order at the DTensor
+level: the placements `fully_shard` on 'dp' gives a tensor-parallel block (printed from a
+real one). `fully_shard` itself does not run under LocalTensorMode (its `free_storage`
+stops with "Attempted to call resize_() on an invalid python storage"), so the module is
+not built here.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.debug import CommDebugMode
 
 import decompshard
-from decompshard._compat import make_local_tensor, rank_tensors
+from decompshard._compat import TorchStridedShard, make_local_tensor, rank_tensors
 from decompshard.verify.dtensor_case import simulation
 
 pytestmark = pytest.mark.usefixtures("world")
@@ -41,6 +47,12 @@ CASES = {
     "meshes": [((6, 4), "2d", [Shard(0), Shard(1)]), ((8,), "tp", [Shard(0)]), ((5, 3), "2d", [R, Shard(0)]),
                ((4, 4), "tp", [R]), ((3, 3), None, None)],
     "tp_plain": [((8, 6), "tp", [Shard(0)]), ((6, 8), "tp", [Shard(1)]), ((6,), None, None), ((8,), None, None)],
+    # FSDP2 + tensor parallel in torchtitan's order, as `fully_shard` lays a block out: the
+    # norm's weights on 'dp', the column- then row-parallel weights on the 2-D mesh
+    "torchtitan": [((8,), "dp", [Shard(0)]), ((8,), "dp", [Shard(0)]),
+                   ((16, 8), "2d", [TorchStridedShard(0, split_factor=2), Shard(0)]),
+                   ((16,), "2d", [TorchStridedShard(0, split_factor=2), Shard(0)]),
+                   ((8, 16), "2d", [Shard(0), Shard(1)]), ((8,), "2d", [Shard(0), R])],
     "dp_tp_plain": [((8, 6), "tp", [Shard(0)]), ((6,), "dp", [Shard(0)]), ((4,), "dp", [R]), ((5,), None, None)],
 }
 ONE_MESH = {
@@ -155,7 +167,7 @@ def _count(params, norm_type):
 
 
 @pytest.mark.parametrize("norm_type", [2.0, INF])
-@pytest.mark.parametrize("name", ["dp_tp_plain", "tp_plain", "meshes"])
+@pytest.mark.parametrize("name", ["dp_tp_plain", "tp_plain", "meshes", "torchtitan"])
 def test_one_reduction_per_mesh(meshes, name, norm_type):
     """One all-reduce per mesh, the 2-D one included (over its flattened mesh, where
     DTensor alone issues one per mesh dim); plain tensors none. The count is the same
@@ -164,7 +176,7 @@ def test_one_reduction_per_mesh(meshes, name, norm_type):
     one_each: dict = {}
     for shape, where, placements in case:  # the first parameter on each mesh (sharded)
         one_each.setdefault(where, (shape, where, placements))
-    expected = {"dp_tp_plain": 2, "tp_plain": 1, "meshes": 2}[name]
+    expected = {"dp_tp_plain": 2, "tp_plain": 1, "meshes": 2, "torchtitan": 2}[name]
     decompshard.enable()
     with simulation(4):
         many = _count(_params(case, _grads(case), meshes), norm_type)
