@@ -19,7 +19,7 @@ __all__ = [
     "DTensor", "DTensorSpec", "DecompShardingStrategy", "OpSchema", "OpSpec", "OpStrategy", "OutputSharding",
     "TensorMeta", "TorchPartial", "TorchReplicate", "TorchShard", "TorchShardingPlaceholder", "TorchStridedShard",
     "TupleStrategy", "_compute_local_shape_and_global_offset", "block_spec", "clear_dtensor_caches", "contiguous_spec", "cpp_sharding_cache_clearable",
-    "custom_op_handlers", "decomp_strategy_parameters", "dtensor_spec", "fake_one_rank_mesh",
+    "custom_op_handlers", "decomp_strategy_parameters", "dtensor_spec", "fake_one_rank_mesh", "flattened_mesh",
     "full_mesh_filter_keyword", "generate_redistribute_costs", "has_native_strategy", "inferred_schema_info",
     "local_tensor", "op_dispatcher", "op_strategy_func", "placed_dtensor", "propagation_cache_type",
     "rebind_dtensor", "redistribute_cost", "redistribute_local_tensor", "schema_info_slot", "set_dtensor_layout",
@@ -193,6 +193,13 @@ def has_native_strategy(op: torch._ops.OpOverload) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def flattened_mesh(mesh: Any) -> Any:
+    """The 1-D mesh over all of `mesh`'s ranks (DeviceMesh's private `_flatten`, cached
+    by the root mesh): a Partial on every dim of `mesh` reduces there in one collective,
+    where DTensor issues one per mesh dim. The same in 2.13-2.15."""
+    return mesh._flatten()
+
+
 def fake_one_rank_mesh(device_type: str = "cpu") -> Any:
     """A size-1 mesh that needs no process group: what torch's own fallback uses."""
     from torch.distributed.device_mesh import DeviceMesh

@@ -20,7 +20,7 @@ from torch.utils._pytree import (
 )
 
 __all__ = [
-    "FakeTensorMode", "OpOverload", "TorchDispatchMode", "aten_ops_tagged", "current_autograd_node",
+    "FakeTensorMode", "OpOverload", "TorchDispatchMode", "aten_ops_tagged", "clip_grad_slots", "current_autograd_node",
     "custom_op_implementation", "custom_op_overload", "custom_op_registry", "disable_current_modes",
     "in_backward", "is_dispatchable", "is_fake", "keystr", "lazy_attribute", "on_backward_end",
     "torch_decomposition", "torch_decomposition_table", "tree_flatten", "tree_flatten_with_path", "tree_leaves",
@@ -40,6 +40,17 @@ def lazy_attribute(name: str) -> Any:
         raise AttributeError(f"module 'decompshard._compat' has no attribute {name!r}")
     module, attr = _LAZY[name]
     return getattr(importlib.import_module(module), attr)
+
+
+def clip_grad_slots() -> tuple[Any, str, str]:
+    """Where `torch.nn.utils.clip_grad_norm_` finds its two steps: (the module
+    `torch.nn.utils.clip_grad`, the name of the total-norm function in it, the name of the
+    clip-by-a-given-norm function). Both names are private module globals, looked up at
+    each call (`torch.nn.utils` re-exports them as `get_total_norm` and
+    `clip_grads_with_norm_`). The same in 2.13-2.15."""
+    from torch.nn.utils import clip_grad
+
+    return clip_grad, "_get_total_norm", "_clip_grads_with_norm_"
 
 
 def aten_ops_tagged(tag: Any) -> list[torch._ops.OpOverload]:

@@ -7,6 +7,8 @@
     inplace_views    in-place view ops (`transpose_`, `unsqueeze_`) as their twin's view
     partial_fill     `masked_fill_` on a Partial self where the fill keeps it (label-smoothed
                      cross-entropy on class-sharded logits), on each rank's part
+    clip_norms       gradient-norm clipping (`clip_grad_norm_`, `get_total_norm`) over tensors
+                     on several meshes or mixed with plain ones: one norm per mesh, combined
     kwarg_routing    keyword tensors (SDPA's `attn_mask`) moved to the placements a derived
                      strategy names (DTensor moves only positional ones); installed last
 
@@ -17,7 +19,8 @@ them in the order `enable()` installs them.
 from __future__ import annotations
 
 from decompshard.runtime.records import Support
-from decompshard.runtime.support import as_strided, data_dependent, inplace, inplace_views, partial_fill, uneven_views
+from decompshard.runtime.support import (as_strided, clip_norms, data_dependent, inplace, inplace_views, partial_fill,
+                                         uneven_views)
 
 __all__ = ["SUPPORT"]
 
@@ -31,4 +34,6 @@ SUPPORT: tuple[Support, ...] = (
             inplace_views.entries),
     Support("partial_fill", "masked_fill_ on a Partial self runs on the parts where the fill keeps the Partial",
             partial_fill.entries),
+    Support("clip_norms", "gradient-norm clipping over several meshes or mixed with plain tensors: one norm per "
+            "mesh, reduced once, combined as one device", clip_norms.entries),
 )
