@@ -169,14 +169,15 @@ def _count(params, norm_type):
 @pytest.mark.parametrize("norm_type", [2.0, INF])
 @pytest.mark.parametrize("name", ["dp_tp_plain", "tp_plain", "meshes", "torchtitan"])
 def test_one_reduction_per_mesh(meshes, name, norm_type):
-    """One all-reduce per mesh, the 2-D one included (over its flattened mesh, where
-    DTensor alone issues one per mesh dim); plain tensors none. The count is the same
-    with one parameter per mesh as with all of them, and clipping adds none."""
+    """One reduction per mesh (per mesh dim of the 2-D one, as DTensor reduces a Partial
+    over an unflattened mesh: decompshard does not flatten a user's mesh); plain tensors
+    none. The count is the same with one parameter per mesh as with all of them, and
+    clipping adds none."""
     case = CASES[name]
     one_each: dict = {}
     for shape, where, placements in case:  # the first parameter on each mesh (sharded)
         one_each.setdefault(where, (shape, where, placements))
-    expected = {"dp_tp_plain": 2, "tp_plain": 1, "meshes": 2, "torchtitan": 2}[name]
+    expected = {"dp_tp_plain": 2, "tp_plain": 1, "meshes": 3, "torchtitan": 3}[name]
     decompshard.enable()
     with simulation(4):
         many = _count(_params(case, _grads(case), meshes), norm_type)

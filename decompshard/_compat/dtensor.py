@@ -193,13 +193,6 @@ def has_native_strategy(op: torch._ops.OpOverload) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def flattened_mesh(mesh: Any) -> Any:
-    """The 1-D mesh over all of `mesh`'s ranks (DeviceMesh's private `_flatten`, cached
-    by the root mesh): a Partial on every dim of `mesh` reduces there in one collective,
-    where DTensor issues one per mesh dim. The same in 2.13-2.15."""
-    return mesh._flatten()
-
-
 def fake_one_rank_mesh(device_type: str = "cpu") -> Any:
     """A size-1 mesh that needs no process group: what torch's own fallback uses."""
     from torch.distributed.device_mesh import DeviceMesh

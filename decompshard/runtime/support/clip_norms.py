@@ -11,9 +11,8 @@ gradient's norm, however they are placed.
 
 Under `enable()` torch's total-norm step groups the tensors by where they live (each
 DTensor mesh; plain tensors together, which torch already handles across devices), runs
-torch's own function on each group, reduces each group's norm once (a Partial on every dim
-of a multi-dim mesh in one collective over the flattened mesh, where DTensor issues one
-per mesh dim), and combines the group norms as one device does: torch's own function on
+torch's own function on each group, reduces each group's norm once (per mesh dim of a
+multi-dim mesh, as DTensor does, unless the user flattened it), and combines the group norms as one device does: torch's own function on
 the group norms (the p-norm of p-norms is the p-norm of the whole, inf the max; its
 `error_if_nonfinite` check and message), a sum for p = 0 (the count of non-zero
 gradients). The total comes back a plain tensor on the first tensor's device, the same
@@ -35,7 +34,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from decompshard._compat import DTensor, TorchPartial, clip_grad_slots, flattened_mesh
+from decompshard._compat import DTensor, clip_grad_slots
 from decompshard.runtime.table_patches import Entry, WarnOnce
 
 __all__ = ["across_total_norm", "clip_across", "entries", "grouped"]
@@ -66,25 +65,15 @@ def grouped(items: Iterable[Any], tensor_of: Callable[[Any], torch.Tensor] = lam
 
 
 def _reduced(norm: torch.Tensor) -> torch.Tensor:
-    """A group's norm as a plain tensor, reduced in one collective at most: a Partial on
-    every dim of a multi-dim mesh over the flattened mesh, else DTensor's `full_tensor()`
-    (nothing moves for Replicate)."""
-    if not isinstance(norm, DTensor):
-        return norm
-    placements, mesh = norm.placements, norm.device_mesh
-    first = placements[0]
-    if mesh.ndim > 1 and isinstance(first, TorchPartial) and all(p == first for p in placements):
-        flat = DTensor.from_local(norm.to_local(), flattened_mesh(mesh), [first], run_check=False)
-        return flat.full_tensor()
-    return norm.full_tensor()
+    """A group's norm as a plain tensor (DTensor's `full_tensor()`: nothing moves for
+    Replicate; a Partial on each dim of a multi-dim mesh is reduced once per mesh dim, or
+    in one collective where the user flattened the mesh: decompshard never flattens a
+    user's mesh, which would outlive `disable()` and change DTensor's later reductions)."""
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def _group_norm(total_norm: Callable, where: Any, group: list, norm_type: float, foreach: bool | None) -> torch.Tensor:
-    """One group's norm by torch's function, reduced once: on a multi-dim mesh its flattened
-    mesh is made first, so that DTensor reduces a Partial on every dim in one collective
-    (it uses a flattened mesh where one exists), inside torch's function or after it."""
-    if where is not None and where.ndim > 1:
-        flattened_mesh(where)
+    """One group's norm by torch's function, reduced once."""
     return _reduced(total_norm(group, norm_type, False, foreach))
 
 
