@@ -19,7 +19,7 @@ __all__ = [
     "DTensor", "DTensorSpec", "DecompShardingStrategy", "OpSchema", "OpSpec", "OpStrategy", "OutputSharding",
     "TensorMeta", "TorchPartial", "TorchReplicate", "TorchShard", "TorchShardingPlaceholder", "TorchStridedShard",
     "TupleStrategy", "_compute_local_shape_and_global_offset", "block_spec", "clear_dtensor_caches", "contiguous_spec", "cpp_sharding_cache_clearable",
-    "custom_op_handlers", "decomp_strategy_parameters", "dtensor_spec", "fake_one_rank_mesh", "flattened_mesh",
+    "custom_op_handlers", "decomp_strategy_parameters", "dtensor_spec", "fake_one_rank_mesh",
     "full_mesh_filter_keyword", "generate_redistribute_costs", "has_native_strategy", "inferred_schema_info",
     "local_tensor", "op_dispatcher", "op_strategy_func", "placed_dtensor", "propagation_cache_type",
     "rebind_dtensor", "redistribute_cost", "redistribute_local_tensor", "schema_info_slot", "set_dtensor_layout",
