@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from decompshard.runtime.table_patches import TablePatches, where_none
+from decompshard.runtime.table_patches import Slot, TablePatches, where_none
 
 
 class _Holder:
@@ -214,3 +214,29 @@ def test_enable_then_disable_leaves_every_dtensor_table_as_it_was():
     assert [b.keys() == a.keys() for b, a in zip(before, after)] == [True] * 5
     assert all(a[k] is b[k] for b, a in zip(before, after) for k in b)
     assert not guard.is_installed() and not decompshard.is_enabled()
+
+
+def test_a_slot_is_put_back_by_its_own_undo_last_in_first_out():
+    """A Slot (a setting with its own exact restore, torch's config): each record's
+    first put undone, the upper record's first, an unset setting unset again."""
+    unset = object()
+    state = {"value": unset}
+
+    def put(value):
+        held = state["value"]
+        state["value"] = value
+        return lambda: state.update(value=held)
+
+    slot = Slot("setting", put)
+    lower = TablePatches(lambda: [(slot, slot.name, "low")])
+    upper = TablePatches(lambda: [(slot, slot.name, "up"), (slot, slot.name, "up2")])
+    lower.install()
+    upper.install()
+    assert state["value"] == "up2"
+    upper.uninstall()
+    assert state["value"] == "low"
+    upper.install()
+    lower.uninstall()  # the upper record comes out, then goes back in over what is left
+    assert state["value"] == "up2" and upper.is_installed()
+    upper.uninstall()
+    assert state["value"] is unset

@@ -13,6 +13,7 @@ they belong to. `from decompshard._compat import X` reaches every shim; the modu
                 and moves, the op it is moving now, its collective cost model
     simulation  simulated ranks: the fake process group, LocalTensorMode and LocalTensor,
                 the places DTensor splits with torch.chunk
+    compile     torch.compile's caches: the tag its cache keys carry, dynamo's code cache
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from decompshard._compat.dispatch import (
     dtensor_planned_moves, implicitly_replicated, local_call_sharding, return_and_correct_aliasing, strategy_cost_slots,
     strategy_selection_slot, wrap_local_results,
 )
+from decompshard._compat.compile import compile_cache_tag, forget_compiled_code, set_compile_cache_tag
 from decompshard._compat.simulation import (
     SIMULATED_SCRIPT_IMPORTS, chunk_split_points, fake_store, local_tensor_api, local_tensor_mode,
     make_local_tensor, outside_simulation, rank_tensors, simulating_ranks,
@@ -56,17 +58,18 @@ __all__ = [
     "OpStrategy", "OutputSharding", "SIMULATED_SCRIPT_IMPORTS", "SUPPORTED", "TORCH_RELEASE", "TORCH_VERSION",
     "TensorMeta", "TorchDispatchMode", "TorchPartial", "TorchReplicate", "TorchShard", "TorchShardingPlaceholder",
     "TorchStridedShard", "TupleStrategy", "aten_ops_tagged", "block_spec", "chunk_split_points", "clip_grad_slots",
-    "clear_dtensor_caches", "collective_cost_model", "contiguous_spec", "cpp_sharding_cache_clearable",
+    "clear_dtensor_caches", "collective_cost_model", "compile_cache_tag", "contiguous_spec", "cpp_sharding_cache_clearable",
     "current_autograd_node", "custom_op_handlers", "custom_op_implementation", "custom_op_overload",
     "custom_op_registry", "decomp_strategy_parameters", "disable_current_modes", "dispatch_args_in_flight",
     "dispatch_redistribute_slot", "dtensor_default_dispatch", "dtensor_local_results", "dtensor_output_sharding",
     "dtensor_output_spec", "dtensor_planned_moves", "dtensor_spec", "fake_one_rank_mesh", "fake_store",
+    "forget_compiled_code",
     "full_mesh_filter_keyword", "generate_redistribute_costs", "has_native_strategy", "implicitly_replicated", "in_backward",
     "inferred_schema_info", "is_dispatchable", "is_fake", "keystr", "local_call_sharding", "local_tensor",
     "local_tensor_api", "local_tensor_mode", "make_local_tensor", "on_backward_end", "op_dispatcher",
     "op_strategy_func", "outside_simulation", "placed_dtensor", "propagation_cache_type", "rank_tensors",
     "rebind_dtensor", "redistribute_cost", "redistribute_local_tensor", "return_and_correct_aliasing",
-    "schema_info_slot", "set_dtensor_layout", "sharding_propagator", "simulating_ranks",
+    "schema_info_slot", "set_compile_cache_tag", "set_dtensor_layout", "sharding_propagator", "simulating_ranks",
     "single_dim_strategy_info", "slab_index", "strategy_cost_slots", "strategy_reused_from",
     "strategy_selection_slot", "torch_decomposition", "torch_decomposition_table", "tree_flatten",
     "tree_flatten_with_path", "tree_leaves", "tree_map", "tree_unflatten", "unsharded_dtensor", "view_family_ops",

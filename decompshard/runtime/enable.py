@@ -25,6 +25,7 @@ from typing import Iterator
 
 from decompshard._compat import DecompShardingStrategy, clear_dtensor_caches, sharding_propagator
 from decompshard.runtime import collectives, plans
+from decompshard.runtime.compile_keys import forget_compiled, tag_entry
 from decompshard.runtime.registry import STEERING, SUPPORT
 from decompshard.runtime.derived import DerivedStrategy, reaches_decompshard
 from decompshard.runtime.fences import guard
@@ -47,7 +48,9 @@ def plans_wanted(flag: bool | None) -> bool:
 
 def _declared() -> Iterator[Entry]:
     """What `enable()` puts where, in this order (a declaration reading a table sees the
-    entries set before it: a plan finds the guard's fence in its op's slot)."""
+    entries set before it: a plan finds the guard's fence in its op's slot). First torch's
+    compile cache key tag (compile_keys): no graph compiled under other settings is served."""
+    yield tag_entry("decompshard", _switches())
     sp = sharding_propagator()
     yield sp, "decomp_strategy", DerivedStrategy(sp.decomp_strategy, _PATCHES)
     yield DecompShardingStrategy, "has_decomp", staticmethod(reaches_decompshard)
@@ -61,11 +64,19 @@ def _declared() -> Iterator[Entry]:
     yield from kwarg_routing_entries()
 
 
+def _switches() -> list[str]:
+    """What the compile cache key tag says of this installation besides decompshard's
+    source: the guard and plans switches, and the ops the plans take."""
+    planned = sorted(str(op) for op, _ in plans.plan_ops()) if _plans_on else []
+    return [f"guard_native={guard.is_installed()}", f"plans={_plans_on}", *planned]
+
+
 def _changed(installed: bool) -> None:
-    """DTensor's cached decisions forgotten, and the collective plans' (made against
-    DTensor's), whichever way it changed."""
+    """DTensor's cached decisions forgotten, the collective plans' (made against
+    DTensor's), and the code dynamo compiled (compile_keys), whichever way it changed."""
     clear_dtensor_caches()
     collectives.forget_decisions()
+    forget_compiled()
 
 
 _PATCHES = TablePatches(_declared, on_change=_changed)

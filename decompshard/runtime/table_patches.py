@@ -5,7 +5,8 @@ op handlers, strategy functions, the sharding propagator's decomposition fallbac
 `disable()` must leave every table holding exactly the objects it held before, an empty
 slot included, from any thread, however often it is called. A module that patches says
 only WHAT it puts where: a declaration, a function that yields `(table, key, value)`
-entries (a dict and its key, or an object and the name of its attribute). A
+entries (a dict and its key, an object and the name of its attribute, or a `Slot`: a
+setting that is neither, such as a torch config value, with its own exact restore). A
 `TablePatches` record installs a declaration's entries, remembers what each slot held,
 and puts it back; it owns the lock, the saved entries and the warn-once set, so this is
 written once. `enable()` holds one record (its hook, the op families around DTensor and
@@ -22,16 +23,28 @@ from __future__ import annotations
 
 import threading
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
-__all__ = ["Entry", "TablePatches", "WarnOnce", "locked", "where_none"]
+__all__ = ["Entry", "Slot", "TablePatches", "WarnOnce", "locked", "where_none"]
 
-Entry = tuple[Any, Any, Any]  # (a dict, or an object whose attribute is the slot; key; value)
+Entry = tuple[Any, Any, Any]  # (a dict, an object whose attribute is the slot, or a Slot; key; value)
 WarnOnce = Callable[[str, str], None]  # warn_once(key, message)
 
 _ABSENT = object()  # the slot had no entry
 _LOCK = threading.RLock()  # one for every record: install and uninstall never interleave
 _STACK: list[TablePatches] = []  # the installed records, in the order they were installed
+
+
+@dataclass(frozen=True, eq=False)
+class Slot:
+    """A slot that is not a dict item or an attribute: `put(value)` sets it and returns
+    what puts back exactly what it held before (a torch config value, which may hold a
+    user's override or none: reading it gives its default, so read-then-write would turn
+    "none" into an override). An entry for it is `(slot, slot.name, value)`."""
+
+    name: str
+    put: Callable[[Any], Callable[[], None]]
 
 
 def locked() -> threading.RLock:
@@ -150,10 +163,17 @@ class TablePatches:
             self._on_change(False)
 
     def _set(self, table: Any, key: Any, value: Any) -> None:
+        if isinstance(table, Slot):  # the first put's undo restores what it held before
+            undo = table.put(value)
+            self._before.setdefault((id(table), key), (table, undo))
+            return
         self._before.setdefault((id(table), key), (table, _read(table, key)))
         _write(table, key, value)
 
     def _restore(self) -> None:
         for (_, key), (table, old) in reversed(list(self._before.items())):
-            _write(table, key, old)
+            if isinstance(table, Slot):
+                old()
+            else:
+                _write(table, key, old)
         self._before.clear()

@@ -27,6 +27,7 @@ import torch
 
 from decompshard._compat import clear_dtensor_caches, custom_op_handlers, sharding_propagator
 from decompshard.op_names import resolve_op
+from decompshard.runtime.compile_keys import forget_compiled, tag_entry
 from decompshard.runtime.fences.table import FENCES
 from decompshard.runtime.fences.wrong_rules import forget_verdicts
 from decompshard.runtime.records import Fence
@@ -77,18 +78,22 @@ def fence_entries(op: Any, fence: Fence, warn: WarnOnce) -> Iterator[Entry]:
 
 
 def _declared() -> Iterator[Entry]:
-    """What the guard puts where: each fence installed on this release, in table order."""
-    for fence in FENCES:
-        op = _resolve(fence.op) if fence.installed_here() else None
-        if op is not None:
-            yield from fence_entries(op, fence, _warn_once)
+    """What the guard puts where: torch's compile cache key tag (compile_keys: no graph
+    compiled without these fences is served with them, nor the reverse), then each fence
+    installed on this release, in table order."""
+    fenced = [(fence, op) for fence in FENCES if fence.installed_here() and (op := _resolve(fence.op)) is not None]
+    yield tag_entry("decompshard-guard", [fence.key for fence, _ in fenced])
+    for fence, op in fenced:
+        yield from fence_entries(op, fence, _warn_once)
 
 
 def _changed(installed: bool) -> None:
-    """Verdicts belong to one installation; DTensor's cached decisions are forgotten."""
+    """Verdicts belong to one installation; DTensor's cached decisions are forgotten, and
+    the code dynamo compiled (compile_keys)."""
     if not installed:
         forget_verdicts()
     clear_dtensor_caches()
+    forget_compiled()
 
 
 _PATCHES = TablePatches(_declared, on_change=_changed)
