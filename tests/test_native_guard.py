@@ -55,7 +55,7 @@ def _matches(case: C.Case, got: tuple) -> bool:
 def _entries():
     """DTensor's tables as the guard sees them: left out are the view family and the
     handlers `enable()` installs with or without the guard (uneven_views.py,
-    data_dependent.py, inplace.py, inplace_views.py, as_strided.py, plans/;
+    data_dependent.py, inplace.py, inplace_views.py, as_strided.py, partial_fill.py, plans/;
     each tested in its own file)."""
     from decompshard.runtime.support import as_strided
     from decompshard.runtime import plans as collective_plans
@@ -70,7 +70,8 @@ def _entries():
     ours = (set(data_dependent.data_dependent_ops()) | {op for op, _ in inplace.written_back_ops()}
             | {as_strided.OP, as_strided.OUT_OF_PLACE, as_strided.COPY, as_strided.SCATTER}
             | {op for op, _ in inplace_views.in_place_view_ops()}
-            | {op for op, _ in collective_plans.plan_ops()})
+            | {op for op, _ in collective_plans.plan_ops()}
+            | {aten.masked_fill_.Scalar})  # support/partial_fill.py
     return ({op: handlers[op] for op in handlers if op not in ours},
             {op: sp.op_single_dim_strategy_funcs[op] for op in sp.op_single_dim_strategy_funcs},
             {op: sp.op_strategy_funcs[op] for op in sp.op_strategy_funcs if op not in views})
