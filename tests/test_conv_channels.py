@@ -153,3 +153,37 @@ def test_not_channel_parallel_is_left_to_the_guard():
             args = (dx, dw, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
             assert plan_for(aten.convolution.default).price(aten.convolution.default, args, {}) is None, (xp, wp)
     assert isinstance(dx, DTensor)
+
+
+# ring traffic per rank of one collective over n ranks, from the bytes it was given (a
+# gather's shard, a reduction's whole tensor): what the cost model's bytes stand for
+_WIRE = {"all_reduce": lambda b, n: 2 * (n - 1) / n * b, "all_gather_into_tensor": lambda b, n: (n - 1) * b,
+         "reduce_scatter_tensor": lambda b, n: (n - 1) / n * b, "all_to_all_single": lambda b, n: (n - 1) / n * b}
+
+
+def _measured_wire(h: int, plans: bool) -> float:
+    x, w, _ = _data(((2, 16, h, h), (32, 16, 3, 3), False))
+    cot = torch.randn(2, 32, h, h, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    decompshard.enable(plans=plans)
+    try:
+        _, _, _, comm = _sharded(x, w, None, 1, (4,), ("R", "0", None), cot)
+    finally:
+        decompshard.disable()
+    return sum(_WIRE[c.collective](c.bytes, 4) for c in comm.listing)
+
+
+def test_the_choice_is_the_one_that_moves_less():
+    """One price: the colwise plan (grad_input all-reduced) against DTensor's way (the
+    weight all-gathered forward and backward), decided by the cost model's bytes. Measured
+    on the collectives each way actually issues (ring traffic per rank), `enable()` takes
+    the plan exactly where it moves less: a small activation (8 x 8, 11 x 11) beside the
+    32 x 16 x 3 x 3 weight goes channel-parallel, a large one (16 x 16) keeps the gathers.
+    At 11 x 11 the bytes each rank puts into collectives (the zoo's count) would keep the
+    gathers: an all-reduce's input counts once where the ring sends it twice, a gather's
+    shard once where the ring sends it n - 1 times."""
+    chose = {}
+    for h in (8, 11, 16):
+        with_plans, without = _measured_wire(h, True), _measured_wire(h, False)
+        assert with_plans <= without, (h, with_plans, without)
+        chose[h] = with_plans < without
+    assert chose == {8: True, 11: True, 16: False}, chose

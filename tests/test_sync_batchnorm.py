@@ -169,7 +169,7 @@ def test_tiny_activations_keep_dtensors_plan():
     as DTensor moves it than by all-reducing 2C statistics: the call goes to DTensor's
     path (the guard writing the running statistics back where it moves them), still one
     device's numbers."""
-    from decompshard.runtime.plans.batch_norm import layout_of, pays
+    from decompshard.runtime.plans.batch_norm import forward_price, layout_of
 
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 16, dtype=torch.float64, generator=g)
@@ -187,7 +187,11 @@ def test_tiny_activations_keep_dtensors_plan():
             per = [distribute_tensor(t, mesh, rep) for t in (w, b)]
             stats = [own_copies(distribute_tensor(t, mesh, rep), 2) for t in (rm, rv)]
             layout = layout_of(dx, per + stats)
-            assert layout is not None and layout.batch == (0,) and not pays(dx, layout)
+            assert layout is not None and layout.batch == (0,)
+            call = (dx, *per, *stats, True, 0.1, 1e-5)
+            priced = forward_price(aten.native_batch_norm.default, call, {})
+            assert priced.against.bytes_moved < priced.cost.bytes_moved
+            assert not priced.taken(aten.native_batch_norm.default, call, {})
             out = aten.native_batch_norm.default(dx, *per, *stats, True, 0.1, 1e-5)
             assert tuple(out[0].placements) != (Shard(0),)  # DTensor's strategy, not the batch-sharded plan
             fulls = [_full(o) for o in out] + [_full(s) for s in stats]

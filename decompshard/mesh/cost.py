@@ -233,7 +233,12 @@ class Cost:
 
     @property
     def bytes_moved(self) -> float:
-        return sum(c.wire_bytes for c in self.collectives) + self.local_bytes
+        return self.wire_bytes + self.local_bytes
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes each rank sends over the network: its collectives' alone."""
+        return sum(c.wire_bytes for c in self.collectives)
 
     def sort_key(self) -> tuple[float, int, float]:
         """Order candidates: time (to 1 ns), then fewer collectives, then fewer bytes (to

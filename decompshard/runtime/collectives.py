@@ -37,7 +37,7 @@ from decompshard._compat import (DTensor, TorchPartial, TorchReplicate, TorchSha
 from decompshard.dispatch_modes.graph import freeze, map_leaves
 from decompshard.mesh.cost import Cost, bytes_key, redistribute_cost
 
-__all__ = ["ROWS_SHARDED", "Priced", "Stat", "Step", "cheaper_than_dtensor", "dtensor_cost", "every_rank_holds_slab", "local_at", "forget_decisions", "moved_local", "moves_cost",
+__all__ = ["ROWS_SHARDED", "Priced", "Stat", "Step", "cheaper_than_dtensor", "dtensor_cost", "fewer_bytes", "every_rank_holds_slab", "local_at", "forget_decisions", "moved_local", "moves_cost",
            "reduce_scalars", "replicated_args",
            "row_placements", "scalars_cost", "sharding_dims"]
 
@@ -206,12 +206,23 @@ def cheaper_than_dtensor(plan: Cost, op_call: Any, args: tuple, kwargs: dict) ->
     if key is not None and key in _DECISIONS:
         return _DECISIONS[key]
     native = dtensor_cost(op_call, args, kwargs)
-    cheaper = native is None or bytes_key(plan.bytes_moved) < bytes_key(native.bytes_moved)
+    cheaper = native is None or fewer_bytes(plan, native)
     if key is not None:
         if len(_DECISIONS) >= _MAX_DECISIONS:
             _DECISIONS.clear()
         _DECISIONS[key] = cheaper
     return cheaper
+
+
+def fewer_bytes(plan: Cost, other: Cost) -> bool:
+    """The one comparison every plan decides by: the plan sends fewer bytes over the
+    network than the other way (the cost model's `wire_bytes`, to its rounding), or as
+    many and copies fewer locally (`local_bytes`); a full tie goes to the other way,
+    DTensor's own. Network bytes first: a local copy runs at memory bandwidth, so summing
+    it with network bytes 1:1 would let a weight's chunk-and-cat copy outweigh an
+    all-reduce four times its size."""
+    return (bytes_key(plan.wire_bytes), bytes_key(plan.local_bytes)) < \
+        (bytes_key(other.wire_bytes), bytes_key(other.local_bytes))
 
 
 _DECISIONS: dict[Any, bool] = {}
@@ -259,14 +270,19 @@ class Step:
 class Priced:
     """A plan's price for one call, computed before it runs: the steps that move
     something, and what the plan computed to price them (`context`, reused to run it).
-    `verdict`: the plan's own decision where it does not compare bytes with DTensor's
-    (None: it takes the call when it moves fewer bytes, `cheaper_than_dtensor`); `rule`
+    `verdict`: the plan's own decision where it needs no comparison (evaluation-mode batch
+    norm, a depthwise conv: nothing moves); None: it takes the call when it moves fewer
+    bytes than DTensor's way, both priced by the cost model. `against`: DTensor's way
+    priced by the plan itself, where the input moves DTensor's strategy reports miss part
+    of it (a layout moved and moved back around the op, gathers that recur in the
+    backward); None: DTensor's strategy's input moves (`cheaper_than_dtensor`). `rule`
     says how it decides, for `explain`."""
 
     steps: tuple[Step, ...]
     context: Any = None
     verdict: bool | None = None
     rule: str = "fewer bytes than DTensor's strategy (the cost model's bytes; a tie goes to DTensor)"
+    against: Cost | None = None
 
     @property
     def cost(self) -> Cost:
@@ -279,4 +295,6 @@ class Priced:
         """Whether the plan runs this call (else DTensor's path, or the guard's, does)."""
         if self.verdict is not None:
             return self.verdict
+        if self.against is not None:
+            return fewer_bytes(self.cost, self.against)
         return cheaper_than_dtensor(self.cost, op_call, args, kwargs)

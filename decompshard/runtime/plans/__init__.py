@@ -81,12 +81,14 @@ def entries() -> Iterator[Entry]:
 
 
 def price(op: Any, args: tuple, kwargs: dict) -> tuple[Priced | None, Any, bool]:
-    """(the plan's price, None where it does not apply; DTensor's own strategy's cost,
-    None where DTensor has none; whether the plan runs the call) for a call on DTensors,
+    """(the plan's price, None where it does not apply; DTensor's way's cost, as the plan
+    decides by (`Priced.against`, else DTensor's strategy's input moves), None where
+    DTensor has no strategy; whether the plan runs the call) for a call on DTensors,
     by the functions the plan's handler decides with. Run it with `enable()` on: DTensor's
     strategy is then the one the plan competes with."""
     plan = plan_for(op)
     if plan is None:
         raise ValueError(f"{op} has no collective plan")
     priced = plan.price(op, args, kwargs)
-    return priced, dtensor_cost(op, args, kwargs), priced is not None and priced.taken(op, args, kwargs)
+    native = priced.against if priced is not None and priced.against is not None else dtensor_cost(op, args, kwargs)
+    return priced, native, priced is not None and priced.taken(op, args, kwargs)

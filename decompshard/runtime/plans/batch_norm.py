@@ -20,11 +20,11 @@ on every mesh dim) and every per-channel tensor is replicated:
   Partial(sum) over the batch's mesh dims.
 
 The collectives are DTensor's `redistribute` (Partial(sum) -> Replicate), so they run
-under LocalTensorMode, gloo and CommDebugMode alike. Decision rule (`PAYS_RULE`), from
-global shapes and placements only, so every rank decides alike: the plan puts 2 x C
-numbers per rank into collectives, DTensor's plan moves at least the input's local part
-(numel / R, R the ranks splitting the batch), so it is taken when 2 x C x R <= numel, and
-always in evaluation. Otherwise, and for any other layout, the call goes down its chain
+under LocalTensorMode, gloo and CommDebugMode alike. Decision rule (`RULE`), from global
+shapes and placements only, so every rank decides alike: the plan's all-reduces against
+DTensor's way, the activations moved to the channels and back (forward: the input there,
+the output back; backward: grad_output and the input there, grad_input back), both
+priced by the cost model; always in evaluation, where the plan moves nothing. Otherwise, and for any other layout, the call goes down its chain
 (the guard's running-statistics fence, fences/batch_norm_stats.py, or DTensor's own
 path). Tests: tests/test_sync_batchnorm.py.
 """
@@ -32,7 +32,6 @@ path). Tests: tests/test_sync_batchnorm.py.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,9 +43,10 @@ from decompshard.runtime.collectives import Priced, Step, moved_local
 from decompshard.runtime.records import Plan
 
 __all__ = ["FORWARD_OVERLOADS", "BACKWARD_OVERLOADS", "Layout", "PLANS", "backward_price", "forward_price",
-           "layout_of", "pays"]
+           "layout_of", "to_channels_and_back"]
 
-PAYS_RULE = "2 x C x R <= numel (R: the ranks the batch is split over), SyncBatchNorm's test; evaluation always"
+RULE = ("fewer bytes than DTensor's way, the activations moved to the channels and back (the cost model's bytes; "
+        "a tie goes to DTensor); evaluation always")
 
 # schema names that differ between the overloads, mapped to one name
 _ALIASES = {"save_var": "save_invstd", "update": "train", "training": "train"}
@@ -103,12 +103,16 @@ def layout_of(x: Any, others: list[Any]) -> Layout | None:
     return Layout(x.device_mesh, tuple(batch), tuple(channel))
 
 
-def pays(x: Any, layout: Layout) -> bool:
-    """Whether all-reducing 2 x C numbers per rank moves no more than DTensor's plan
-    (the activations' local part, at least): 2 x C x R <= numel, R the ranks the batch is
-    split over (both sides per channel shard alike)."""
-    ranks = math.prod(layout.mesh.shape[d] for d in layout.batch)
-    return 2 * x.shape[1] * ranks <= x.numel()
+def to_channels_and_back(x: Any, layout: Layout, moves: int) -> Cost:
+    """DTensor's way for a batch-sharded call: `moves` activations of `x`'s shape moved
+    between the batch's and the channels' layout (an all-to-all each on the batch's mesh
+    dims; its strategies shard the channels only)."""
+    channels = tuple(TorchShard(1) if d in layout.batch else p for d, p in enumerate(x.placements))
+    one = redistribute_cost(tuple(x.shape), x.dtype.itemsize, tuple(x.placements), channels, tuple(layout.mesh.shape))
+    total = Cost()
+    for _ in range(moves):
+        total = total + one
+    return total
 
 
 def _moved(local: torch.Tensor, layout: Layout, shape: Any, src: tuple, dst: tuple) -> torch.Tensor:
@@ -225,7 +229,9 @@ def forward_price(op_call: Any, args: tuple, kwargs: dict, training_default: boo
             steps.append(Step("all-gather of the running statistics' update (channel-sharded)",
                               redistribute_cost((2, c), item, layout.per_channel(1), rep, tuple(layout.mesh.shape)),
                               item))
-    return Priced(tuple(steps), (a, layout, train), verdict=pays(x, layout) if train else True, rule=PAYS_RULE)
+    if not train:
+        return Priced((), (a, layout, train), verdict=True, rule=RULE)
+    return Priced(tuple(steps), (a, layout, train), rule=RULE, against=to_channels_and_back(x, layout, 2))
 
 
 def backward_price(op_call: Any, args: tuple, kwargs: dict) -> Priced | None:
@@ -244,7 +250,9 @@ def backward_price(op_call: Any, args: tuple, kwargs: dict) -> Priced | None:
         return None
     steps = (Step("all-reduce(sum) of the per-channel sums of grad_out and grad_out * xhat (stacked)",
                   _all_reduce_cost(layout, (2, x.shape[1]), x.dtype), _opmath(x.dtype).itemsize),) if train else ()
-    return Priced(steps, (a, layout, train, per_channel), verdict=pays(x, layout) if train else True, rule=PAYS_RULE)
+    if not train:
+        return Priced(steps, (a, layout, train, per_channel), verdict=True, rule=RULE)
+    return Priced(steps, (a, layout, train, per_channel), rule=RULE, against=to_channels_and_back(x, layout, 3))
 
 
 def _run_forward(op_call: Any, args: tuple, kwargs: dict, priced: Priced) -> Any:

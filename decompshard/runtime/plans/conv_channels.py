@@ -22,23 +22,22 @@ rule: colwise gives grad_input Partial(sum), grad_weight and grad_bias Shard(0);
 takes grad_output Replicate and gives grad_input and grad_weight Shard(1), grad_bias
 Replicate; grouped keeps Shard(1) / Shard(0); batch gives grad_weight and grad_bias
 Partial(sum); grad_output moves by DTensor's own collectives. Decision rule
-(`_pays`): the channel-parallel form is taken where it moves no more bytes than the
-weight all-gathers it replaces (a conv's weight can be larger or smaller than its
-activations). Any other layout (a dim sharded on two mesh dims, spatial dims, transposed
+(`_costs`): the channel-parallel form is taken where it moves fewer bytes than the
+weight all-gathers it replaces, both priced by the cost model (a conv's weight can be
+larger or smaller than its activations). Any other layout (a dim sharded on two mesh dims, spatial dims, transposed
 convolutions, an uneven grouped split, no channel sharding) goes down its chain (the
 guard's redistributing fence, or DTensor's own handler). Tests: tests/test_conv_channels.py.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
 from decompshard._compat import DTensor, TorchPartial, TorchReplicate, TorchShard, contiguous_spec, local_tensor, redistribute_local_tensor, wrap_local_results
-from decompshard.placements import shard_size
-from decompshard.runtime.collectives import Priced
+from decompshard.mesh.cost import Cost, redistribute_cost
+from decompshard.runtime.collectives import Priced, Step
 from decompshard.runtime.records import Plan
 
 __all__ = ["PLANS"]
@@ -107,45 +106,50 @@ def _kinds(x: Any, w: Any, groups: int, transposed: bool) -> list[str] | None:
     return kinds
 
 
-def _numel(shape: Any, placements: Any, mesh: Any, dtype: torch.dtype) -> int:
-    """Bytes of the largest local part (rank 0's, torch.chunk-style) of a tensor of global
-    `shape` under `placements`: from global metadata only, so every rank decides alike."""
-    out = list(shape)
-    for d, p in enumerate(placements):
-        if type(p) is TorchShard:
-            out[p.dim] = shard_size(out[p.dim], mesh.size(d), 0)
-    return math.prod(out) * dtype.itemsize
+def _move(what: str, shape: Any, dtype: torch.dtype, mesh: Any, src: list, dst: list) -> Step:
+    """One move of a tensor of global `shape` from placements `src` to `dst`, priced by
+    the cost model from global metadata only, so every rank decides alike."""
+    cost = redistribute_cost(tuple(shape), dtype.itemsize, tuple(src), tuple(dst), tuple(mesh.shape))
+    return Step(what, cost, dtype.itemsize)
 
 
-def _pays(kinds: list[str], x: Any, w: Any, out_shape: Any) -> bool:
-    """Whether the channel-parallel run moves no more than the weight all-gathers it
-    replaces (fences/conv_handlers.py's layout), priced in the zoo's unit (dispatch_modes/comm_bytes.py: bytes
-    a rank puts into a collective), forward and backward together, from global metadata:
+def _at(placements: Any, t: int, p: Any) -> list:
+    return [p if d == t else q for d, q in enumerate(placements)]
 
-    * colwise: the backward all-reduce of grad_input (the input's size) against the
-      weight's shard all-gathered twice (forward, backward);
+
+def _costs(kinds: list[str], x: Any, w: Any, out_shape: Any) -> tuple[tuple[Step, ...], Cost]:
+    """The channel-parallel run's moves (fences/conv_handlers.py's layout), and what
+    DTensor's way moves instead, forward and backward together:
+
+    * colwise: the backward all-reduce of grad_input against the weight's shard
+      all-gathered twice (forward, backward);
     * rowwise: the forward all-reduce of the output against the same weight gathers
       plus the input's shard gathered (where it is channel-sharded);
-    * a replicated weight cut locally needs its gradient's shard all-gathered back;
-    * grouped (depthwise): no activation moves, always taken.
+    * a replicated weight cut locally needs its gradient's shard all-gathered back.
 
-    Why not always the plan's channel-parallel form: a convolution's weight is small
-    beside its activations at real resolutions but not at the zoo's (timm's
-    test_efficientnet tp), and ResNet's late layers are the other way round (weights far
-    larger than activations; docs/results.md). The choice is per call, the same forward
-    and backward (same shapes)."""
+    Why not always the channel-parallel form: a convolution's weight is small beside its
+    activations at real resolutions but not at the zoo's (timm's test_efficientnet tp),
+    and ResNet's late layers are the other way round (weights far larger than
+    activations; docs/results.md). The choice is per call, the same forward and backward
+    (same shapes)."""
     mesh = x.device_mesh
-    t = next(d for d, k in enumerate(kinds) if k in ("colwise", "rowwise", "grouped"))
-    if kinds[t] == "grouped":
-        return True
-    other = [p if d != t else _R for d, p in enumerate(x.placements)]  # the activations' batch split
-    w_shard = _numel(w.shape, [w.placements[d] if d != t else TorchShard(0) for d in range(mesh.ndim)], mesh, w.dtype)
-    gather = 2 * w_shard if not isinstance(w.placements[t], TorchReplicate) else 0
-    regather = w_shard if isinstance(w.placements[t], TorchReplicate) else 0
+    t = next(d for d, k in enumerate(kinds) if k in ("colwise", "rowwise"))
+    other = _at(x.placements, t, _R)  # the activations' batch split
+    w_replicated = isinstance(w.placements[t], TorchReplicate)
+    steps, dtensor = [], Cost()
+    if w_replicated:
+        steps.append(_move("all-gather of grad_weight's channel shard (the weight was cut locally)", w.shape,
+                           w.dtype, mesh, _at(w.placements, t, TorchShard(0)), list(w.placements)))
+    else:
+        gather = _move("", w.shape, w.dtype, mesh, list(w.placements), _at(w.placements, t, _R)).cost
+        dtensor = gather + gather
     if kinds[t] == "colwise":
-        return _numel(x.shape, other, mesh, x.dtype) + regather <= gather
-    x_gather = _numel(x.shape, x.placements, mesh, x.dtype) if _is(x.placements[t], 1) else 0
-    return _numel(out_shape, other, mesh, x.dtype) + regather <= gather + x_gather
+        steps.append(_move("all-reduce(sum) of grad_input (backward)", x.shape, x.dtype, mesh, _at(other, t, _P), other))
+    else:
+        steps.append(_move("all-reduce(sum) of the output (forward)", out_shape, x.dtype, mesh, _at(other, t, _P), other))
+        if _is(x.placements[t], 1):
+            dtensor = dtensor + _move("", x.shape, x.dtype, mesh, list(x.placements), _at(x.placements, t, _R)).cost
+    return tuple(reversed(steps)), dtensor
 
 
 def _out_shape(x: Any, w: Any, stride: Any, padding: Any, dilation: Any) -> tuple[int, ...]:
@@ -189,8 +193,15 @@ def _local_groups(groups: int, kinds: list[str], mesh: Any) -> int:
     return groups
 
 
-_PAYS_RULE = ("the bytes a rank puts into collectives, forward and backward together, no more than the weight "
-              "all-gathers DTensor's layout would make (`_pays`); grouped (depthwise): always")
+_RULE = ("fewer bytes than DTensor's way, forward and backward together: the weight's all-gathers, and the input's "
+         "where it is channel-sharded (the cost model's bytes; a tie goes to DTensor); grouped (depthwise): always")
+
+
+def _priced(kinds: list[str], x: Any, w: Any, out_shape: Any) -> Priced:
+    if "grouped" in kinds:  # no activation moves: always taken
+        return Priced((), kinds, verdict=True, rule=_RULE)
+    steps, dtensor = _costs(kinds, x, w, out_shape)
+    return Priced(steps, kinds, rule=_RULE, against=dtensor)
 
 
 def _forward_price(op_call: Any, args: tuple, kwargs: dict) -> Priced | None:
@@ -201,7 +212,7 @@ def _forward_price(op_call: Any, args: tuple, kwargs: dict) -> Priced | None:
     kinds = _kinds(x, w, groups, transposed)
     if kinds is None or kwargs or (b is not None and (not isinstance(b, DTensor) or b.device_mesh != x.device_mesh)):
         return None
-    return Priced((), kinds, verdict=_pays(kinds, x, w, _out_shape(x, w, stride, padding, dilation)), rule=_PAYS_RULE)
+    return _priced(kinds, x, w, _out_shape(x, w, stride, padding, dilation))
 
 
 def _backward_price(op_call: Any, args: tuple, kwargs: dict) -> Priced | None:
@@ -212,7 +223,7 @@ def _backward_price(op_call: Any, args: tuple, kwargs: dict) -> Priced | None:
     kinds = _kinds(x, w, groups, transposed)
     if kinds is None or kwargs or not isinstance(dy, DTensor) or dy.device_mesh != x.device_mesh:
         return None
-    return Priced((), kinds, verdict=_pays(kinds, x, w, dy.shape), rule=_PAYS_RULE)
+    return _priced(kinds, x, w, dy.shape)
 
 
 def _forward(op_call: Any, args: tuple, kwargs: dict, priced: Priced) -> Any:

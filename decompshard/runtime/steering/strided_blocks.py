@@ -19,8 +19,8 @@ all of it is local (n ranks on the mesh dim):
 * `mm(a, w)`, `w` `_StridedShard(0, k)`, `a` replicated on that mesh dim: `a` sliced the
   same strided way times each rank's rows of `w` is `Partial(sum)`. DTensor gathers `w`
   there (it prices moving a strided view at nothing), so this replaces its answer only
-  where the Partial's later all-reduce (twice the output's bytes) is below the weight's
-  gather: a column-parallel projection's input gradient, as Megatron computes it.
+  where the Partial's later all-reduce is priced below the weight's gather (the cost
+  model's bytes): a column-parallel projection's input gradient, as Megatron computes it.
 
 Each override replaces DTensor's answer only for exactly these layouts, evenly: every
 block's size divisible by n, d sharded on that one mesh dim alone. An uneven block, a
@@ -38,6 +38,8 @@ import torch
 
 from decompshard._compat import (DTensorSpec, TorchPartial, TorchReplicate, TorchShard, TorchStridedShard, block_spec,
                                  local_call_sharding)
+from decompshard.mesh.cost import Cost, redistribute_cost
+from decompshard.runtime.collectives import fewer_bytes
 from decompshard.runtime.support.kwarg_routing import sharding_overrides
 from decompshard.runtime.table_patches import Entry, WarnOnce
 
@@ -187,7 +189,8 @@ def _mm_override(op_schema: Any, sharding: Any) -> Any:
     if any(_shards(to_a.placements[j], 1) or _shards(to_w.placements[j], 0) for j in others):
         return sharding  # the contracted dim sharded on another mesh dim too: keep DTensor's
     out = sharding.output_spec
-    if 2 * _numel_on(out, others) >= _numel_on(to_w, others):
+    if not fewer_bytes(_on_mesh_dim(out, m, TorchPartial("sum"), TorchReplicate()),
+                       _on_mesh_dim(to_w, m, w.placements[m], TorchReplicate())):
         return sharding  # the Partial's all-reduce would cost more than the gather
     k = w.placements[m].split_factor
     new_a = list(to_a.placements)
@@ -205,13 +208,12 @@ def _shards(p: Any, d: int) -> bool:
     return isinstance(p, (TorchShard, TorchStridedShard)) and p.dim == d
 
 
-def _numel_on(spec: Any, mesh_dims: Sequence[int]) -> int:
-    """Elements each rank holds of `spec`'s tensor counting only the sharding on `mesh_dims`."""
-    shards = 1
-    for j in mesh_dims:
-        if isinstance(spec.placements[j], (TorchShard, TorchStridedShard)):
-            shards *= spec.mesh.size(j)
-    numel = 1
-    for s in spec.tensor_meta.shape:
-        numel *= s
-    return numel // shards
+def _on_mesh_dim(spec: Any, m: int, src: Any, dst: Any) -> Cost:
+    """The cost model's price of moving `spec`'s tensor from `src` to `dst` on mesh dim
+    `m`, its other mesh dims as `spec` places them."""
+    placements = list(spec.placements)
+    meta = spec.tensor_meta
+    before, after = placements.copy(), placements.copy()
+    before[m], after[m] = src, dst
+    return redistribute_cost(tuple(meta.shape), meta.dtype.itemsize, tuple(before), tuple(after),
+                             tuple(spec.mesh.shape))
