@@ -26,7 +26,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from decompshard._compat import DTensor, custom_op_handlers, has_native_strategy, local_tensor, tree_flatten, tree_unflatten
+from decompshard._compat import DTensor, contiguous_spec, custom_op_handlers, has_native_strategy, local_tensor, tree_flatten, tree_unflatten
+from decompshard.runtime.collectives import fewer_bytes, moves_cost
 from decompshard.runtime.table_patches import Entry, WarnOnce, where_none
 
 __all__ = ["entries", "written_back_ops"]
@@ -98,13 +99,14 @@ def _write_back_handler(op: torch._ops.OpOverload, twin: torch._ops.OpOverload) 
 
 
 def _reduced_first(target: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The arguments with their Partial mesh dims reduced first, where that moves fewer
-    bytes than reducing the result into `self`. The twin's strategy is chosen as for an
-    out-of-place op: Partial arguments make a Partial result for free, and the write-back
+    """The arguments with their Partial mesh dims reduced first, where the cost model
+    prices that below reducing the result into `self`. The twin's strategy is chosen as
+    for an out-of-place op: Partial arguments make a Partial result for free, and the write-back
     then all-reduces all of `self` (Mixtral: each expert's few rows added into the whole
     token buffer cost one all-reduce of the buffer per expert). Decided from global
-    shapes and placements only, so every rank decides alike."""
-    from torch.distributed.tensor import Replicate
+    shapes and placements only, so every rank decides alike; both all-reduces priced by
+    the cost model."""
+    from torch.distributed.tensor import Partial, Replicate
 
     flat, spec = tree_flatten((args, kwargs))
     dims = {m for t in flat[1:] if isinstance(t, DTensor) and t.device_mesh == target.device_mesh
@@ -113,9 +115,17 @@ def _reduced_first(target: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]
         return args, kwargs
     partial = [i for i, t in enumerate(flat) if i and isinstance(t, DTensor) and any(
         t.placements[m].is_partial() for m in dims if t.device_mesh == target.device_mesh)]
-    if sum(flat[i].numel() for i in partial) >= target.numel():
+    reduced = {i: [Replicate() if m in dims else p for m, p in enumerate(flat[i].placements)] for i in partial}
+    # the twin's result is `self` whole, Partial on `dims`: its write-back all-reduces it
+    whole = [Partial("sum") if m in dims else Replicate() for m in range(target.device_mesh.ndim)]
+    if not fewer_bytes(moves_cost((flat[i], tuple(reduced[i])) for i in partial),
+                       moves_cost([(_spec_at(target, whole), (Replicate(),) * target.device_mesh.ndim)])):
         return args, kwargs
     for i in partial:
-        t = flat[i]
-        flat[i] = t.redistribute(t.device_mesh, [Replicate() if m in dims else p for m, p in enumerate(t.placements)])
+        flat[i] = flat[i].redistribute(flat[i].device_mesh, reduced[i])
     return tree_unflatten(flat, spec)
+
+
+def _spec_at(t: Any, placements: list) -> Any:
+    """`t`'s spec with other placements (a price reads only global metadata)."""
+    return contiguous_spec(t.device_mesh, tuple(placements), t.shape, t.dtype, t.stride())
