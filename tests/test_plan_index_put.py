@@ -278,3 +278,51 @@ def test_declines_overwrite_and_broadcast(enabled):
         assert price(op, (x, [idx], v, False), {})[0] is None
         row = distribute_tensor(_x(6), mesh, [R])
         assert price(op, (x, [idx], row, True), {})[0] is None
+
+
+# ------------------------------------------------------------------ scatter_add
+
+
+def _gather_rows(w, idx, h):
+    """Each token's row of a table picked by `gather` (its backward is `scatter_add`
+    into a zeros buffer), times the token's activation."""
+    return torch.gather(w, 0, idx) * h
+
+
+@pytest.mark.parametrize("mesh_shape,pw,pidx", [((4,), [R], [Shard(0)]), ((3,), [R], [Shard(0)]),
+                                                ((2, 2), [R, Shard(1)], [Shard(0), Shard(1)])], ids=str)
+def test_gather_gradient_partial_not_gathered(enabled, mesh_shape, pw, pidx):
+    """The backward of gather: each rank scatter-adds its own tokens' rows into a
+    Partial(sum) table gradient, nothing moved."""
+    mesh = device_mesh(mesh_shape)
+    idx = IDX.view(-1, 1).expand(11, 6).contiguous() % 4
+    out_ok, grads_ok, comms, grad_pl = _train(_gather_rows, [_x(4, 6), idx, _x(11, 6, seed=2)], [pw, pidx, pidx],
+                                              mesh)
+    assert out_ok and grads_ok
+    assert not any(k in comms for k in MOVES_ACTIVATIONS), comms
+    assert grad_pl[0] == Partial("sum"), grad_pl
+
+
+_SCATTER_ALPHABET = ([R, Partial("sum"), Shard(1)], [R, Shard(0), Shard(1)], [R, Shard(0), Shard(1), Partial("sum")])
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 3)], ids=str)
+def test_scatter_add_forced_and_random_match_one_device(monkeypatch, mesh_shape):
+    """scatter_add(self [4, 5], 0, index [T, 5], src [T, 5]): the plan forced wherever it
+    applies, and the check's own random draws, against one device."""
+    import itertools
+
+    from decompshard.runtime import collectives
+
+    rng = random.Random(3)
+    index = (TOKENS.view(-1, 1) + torch.arange(5)).remainder(4)
+    args = (_x(4, 5), 0, index, _x(len(TOKENS), 5, seed=3))
+    shapes, floating = [(4, 5), tuple(index.shape), tuple(index.shape)], [True, False, True]
+    rows = list(itertools.product(*_SCATTER_ALPHABET))
+    draws = [tuple(zip(*(rng.choice(rows) for _ in mesh_shape))) for _ in range(10)]
+    draws += [random_placements(shapes, floating, mesh_shape, rng) for _ in range(6)]
+    monkeypatch.setattr(collectives, "cheaper_than_dtensor", lambda *a: True)
+    results = [(p, run_case(aten.scatter_add.default, args, {}, mesh_shape, p, runtime=switched(True)))
+               for p in draws]
+    assert not [r for r in results if r[1].status == "WRONG"], results
+    assert sum(o.status == "ok" for _, o in results) >= 10, results

@@ -11,7 +11,7 @@ or DECOMPSHARD_PLANS=0, independent of the native guard.
     layer_norm     layer norm over a sharded hidden dim, forward and backward
     vocab_loss     nll_loss over a class-sharded input (vocab-parallel cross-entropy)
     index_add      index_add into a tensor sharded along the indexed dim (nothing moved)
-    index_put      index_put accumulating values sharded like the indices into a Partial(sum)
+    index_put      index_put (accumulate) / scatter_add of values sharded like the index, into a Partial(sum)
     batch_norm     batch norm on a batch-sharded input (SyncBatchNorm's plan)
     conv_channels  convolutions with channel-sharded weights, on their shards
 
