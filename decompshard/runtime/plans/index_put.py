@@ -22,15 +22,17 @@ and values of shape `B + self.shape[k:]` (no broadcasting):
     indices R        | values R                       self P(sum)           -> P(sum)
     indices R        | values Shard/strided of a trailing dim, self alike   -> self's placement
     indices R        | values R                       self R                -> R
-    (an input elsewhere is first moved to the row's placement, priced)
+    (values R beside indices Shard(j) are chunked alike, free; an input elsewhere is
+    first moved to the row's placement, priced)
 
 `scatter_add(self, dim, index, src)` (the backward of `gather`) is the same sum: src's
 dim `dim` is the tokens, its other dims are self's, and the index is laid out as src.
 
-Out of place (`index_put`, `scatter_add`) the result is a new tensor and may become Partial. In place
-(`index_put_`, `_index_put_impl_`) a write keeps its tensor's placement: only where
-`self` already holds the result's placements (a buffer DTensor itself made Partial),
-never a Replicate `self` relabelled. The price is the moves plus the all-reduce each new
+Out of place (`index_put`, `scatter_add`) the result is a new tensor and may become
+Partial. In place (`index_put_`, `_index_put_impl_`) a write keeps its tensor's
+placement: only where `self` already holds the result's placements (a buffer DTensor
+itself made Partial), never a Replicate `self` relabelled (`scatter_add_` is written
+back through `scatter_add` by support/inplace.py). The price is the moves plus the all-reduce each new
 Partial owes where it is read (DDP's reduction of the gradient, once); taken where that
 is fewer bytes than DTensor's strategy (`Priced.taken`). The backward (`index` or
 `gather` of the gradient for the values) is DTensor's own.
