@@ -326,3 +326,27 @@ def test_scatter_add_forced_and_random_match_one_device(monkeypatch, mesh_shape)
                for p in draws]
     assert not [r for r in results if r[1].status == "WRONG"], results
     assert sum(o.status == "ok" for _, o in results) >= 10, results
+
+
+def _accumulated(x, idx, v):
+    return x.index_put([idx], v, accumulate=True) * 1.0
+
+
+def test_compiled_matches_eager(enabled):
+    """Under torch.compile (fullgraph, aot_eager) the plan traces (each rank's coordinate
+    read as DTensor's own _MaskPartial reads it) and gives eager's part: rank 0 holds self
+    plus its own tokens (fake process group: rank 0's numbers are real where nothing moves)."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = device_mesh((4,))
+    x, v = _x(4, 6), _x(12, 6, seed=2)
+    idx = torch.cat([IDX, IDX[:1]])  # 12 tokens, 3 a rank
+    dx = DTensor.from_local(x, mesh, [R], run_check=False)
+    di = DTensor.from_local(idx[:3], mesh, [Shard(0)], run_check=False, shape=idx.shape, stride=idx.stride())
+    dv = DTensor.from_local(v[:3], mesh, [Shard(0)], run_check=False, shape=v.shape, stride=v.stride())
+    torch._dynamo.reset()
+    compiled = torch.compile(_accumulated, backend="aot_eager", fullgraph=True)(dx, di, dv)
+    eager = _accumulated(dx, di, dv)
+    assert compiled.placements == eager.placements == (Partial("sum"),)
+    assert torch.equal(compiled.to_local(), eager.to_local())
+    assert torch.allclose(eager.to_local(), x.index_put([idx[:3]], v[:3], accumulate=True), rtol=1e-12, atol=1e-12)
