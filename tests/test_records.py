@@ -40,7 +40,8 @@ def test_every_plan_resolves_and_names_its_module():
         assert plan.what and plan.applies, plan
         assert os.path.isfile(os.path.join(ROOT, "decompshard", plan.module)), plan.module
     for op in (aten._softmax.default, aten.native_layer_norm.default, aten.nll_loss_forward.default,
-               aten.index_add.default, aten.native_batch_norm.default, aten.convolution.default):
+               aten.index_add.default, aten.index_put.default, aten.native_batch_norm.default,
+               aten.convolution.default):
         assert plans.plan_for(op) is not None, op
 
 

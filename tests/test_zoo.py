@@ -43,6 +43,28 @@ def test_zoo_step_matches_one_device(world, name, sharding):
     assert run.verdict == "OK", f"{run.verdict} {run.op}: {run.detail}"
 
 
+@pytest.mark.parametrize("sharding,ratio", [("dp", 1.1), ("2d", 1.25)])
+def test_mixtral_batched_mm_experts_move_what_the_expert_moves(world, sharding, ratio):
+    """Mixtral with batched_mm experts (each token's expert weights picked by index):
+    the backward of the indexing accumulates each rank's tokens into a Partial(sum)
+    weight gradient, reduced once (runtime/plans/index_put.py). Before it, dp moved 6.4x
+    DDP's bytes (an all-to-all of every token's weight gradient, then all-gathers)."""
+    from decompshard.check.expert_bytes import expert_bytes
+    from decompshard.check.model import SHARDINGS
+
+    built = build(ZOO["mixtral-bmm"], SHARDINGS[sharding].batch, seed=0)
+    expert = expert_bytes(built, sharding).bytes
+    run = run_training_step(built, sharding, enable=True)
+    assert run.verdict == "OK", f"{run.verdict} {run.op}: {run.detail}"
+    # no all-to-all, and no all-gather but torch 2.15's of `all()`'s 8 booleans (one per
+    # sequence, batch-sharded; 2.13 reduces them as a Partial(product), 1 byte): the
+    # weights' gradients are never gathered
+    moved = [t for t in run.comm_top if t["collective"] in ("shard_dim_alltoall", "all_to_all_single")
+             or t["collective"] == "all_gather_into_tensor" and t["bytes"] > 8]
+    assert not moved, run.comm_top
+    assert run.bytes <= ratio * expert, (run.bytes, expert)
+
+
 # ------------------------------------------------------------------ the runner can fail
 
 

@@ -38,7 +38,7 @@ from decompshard._compat.dtensor import (
     full_mesh_filter_keyword, generate_redistribute_costs, has_native_strategy, inferred_schema_info,
     local_tensor, op_dispatcher, op_strategy_func, placed_dtensor, propagation_cache_type,
     rebind_dtensor, redistribute_cost, redistribute_local_tensor, schema_info_slot, set_dtensor_layout,
-    sharding_propagator, single_dim_strategy_info, slab_index, strategy_reused_from, unsharded_dtensor,
+    sharding_propagator, single_dim_strategy_info, slab_index, spec_dtensor, strategy_reused_from, unsharded_dtensor,
     view_family_ops, view_shape_arg_index, widened_schema_info,
 )
 from decompshard._compat.dispatch import (
@@ -70,7 +70,7 @@ __all__ = [
     "op_strategy_func", "outside_simulation", "placed_dtensor", "propagation_cache_type", "rank_tensors",
     "rebind_dtensor", "redistribute_cost", "redistribute_local_tensor", "return_and_correct_aliasing",
     "schema_info_slot", "set_compile_cache_tag", "set_dtensor_layout", "sharding_propagator", "simulating_ranks",
-    "single_dim_strategy_info", "slab_index", "strategy_cost_slots", "strategy_reused_from",
+    "single_dim_strategy_info", "slab_index", "spec_dtensor", "strategy_cost_slots", "strategy_reused_from",
     "strategy_selection_slot", "torch_decomposition", "torch_decomposition_table", "tree_flatten",
     "tree_flatten_with_path", "tree_leaves", "tree_map", "tree_unflatten", "unsharded_dtensor", "view_family_ops",
     "view_shape_arg_index", "widened_schema_info", "wrap_local_results",

@@ -18,7 +18,7 @@ from decompshard._compat.release import SUPPORTED
 __all__ = [
     "DTensor", "DTensorSpec", "DecompShardingStrategy", "OpSchema", "OpSpec", "OpStrategy", "OutputSharding",
     "TensorMeta", "TorchPartial", "TorchReplicate", "TorchShard", "TorchShardingPlaceholder", "TorchStridedShard",
-    "TupleStrategy", "_compute_local_shape_and_global_offset", "block_spec", "clear_dtensor_caches", "contiguous_spec", "cpp_sharding_cache_clearable",
+    "TupleStrategy", "_compute_local_shape_and_global_offset", "block_spec", "clear_dtensor_caches", "spec_dtensor", "contiguous_spec", "cpp_sharding_cache_clearable",
     "custom_op_handlers", "decomp_strategy_parameters", "dtensor_spec", "fake_one_rank_mesh",
     "full_mesh_filter_keyword", "generate_redistribute_costs", "has_native_strategy", "inferred_schema_info",
     "local_tensor", "op_dispatcher", "op_strategy_func", "placed_dtensor", "propagation_cache_type",
@@ -281,6 +281,12 @@ def placed_dtensor(local: torch.Tensor, mesh: Any, placements: Any, global_shape
     (a per-row statistic that stays on its rows' shards). For use inside dispatch (no
     autograd, no checks)."""
     spec = contiguous_spec(mesh, placements, global_shape, local.dtype)
+    return DTensor(local, spec, requires_grad=False)
+
+
+def spec_dtensor(local: torch.Tensor, spec: Any) -> Any:
+    """A DTensor around a local tensor with a spec made for it (`contiguous_spec`,
+    `block_spec`). For use inside dispatch (no autograd, no checks)."""
     return DTensor(local, spec, requires_grad=False)
 
 

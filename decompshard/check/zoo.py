@@ -56,6 +56,9 @@ class Built:
     # that read its input share one input-gradient all-reduce (torchtitan's plan) where
     # ColwiseParallel alone makes one per layer. Empty: the plan's Linear styles alone
     megatron_inputs: dict[str, Any] = field(default_factory=dict)
+    # the parameters' and inputs' floating dtype: float64 but where a kernel refuses it
+    # (torch's CPU grouped_mm takes float32, bfloat16 and float16 only)
+    dtype: torch.dtype = torch.float64
 
 
 @dataclass(frozen=True)
@@ -71,11 +74,12 @@ VOCAB = 64
 
 
 def build(entry: ZooEntry, batch: int, seed: int = 0) -> Built:
-    """The entry's model and inputs for `batch` rows, seeded, float64, train mode."""
+    """The entry's model and inputs for `batch` rows, seeded, float64 (`Built.dtype`),
+    train mode."""
     torch.manual_seed(seed)
     built = entry.builder(batch, seed)
-    built.model.to(torch.float64).train()
-    built.inputs = {k: v.to(torch.float64) if v.dtype.is_floating_point else v for k, v in built.inputs.items()}
+    built.model.to(built.dtype).train()
+    built.inputs = {k: v.to(built.dtype) if v.dtype.is_floating_point else v for k, v in built.inputs.items()}
     return built
 
 
@@ -139,6 +143,16 @@ def _vocab_parallel(builder: Callable[[int, int], Built]) -> Callable[[int, int]
         built.plan["lm_head"] = "vocab_colwise"
         return built
     return vocab_builder
+
+
+def _float32(builder: Callable[[int, int], Built]) -> Callable[[int, int], Built]:
+    """The model in float32, compared at float32's tolerance (a kernel that refuses
+    float64: torch's CPU grouped_mm)."""
+    def float32_builder(batch: int, seed: int) -> Built:
+        built = builder(batch, seed)
+        built.dtype = built.compute_dtype = torch.bfloat16
+        return built
+    return float32_builder
 
 
 def _gpt2(batch: int, seed: int) -> Built:
@@ -270,6 +284,13 @@ ZOO: dict[str, ZooEntry] = {e.name: e for e in [
     ZooEntry("mixtral", "transformers", _causal_lm("MixtralConfig", num_local_experts=4, num_experts_per_tok=2,
                                                    router_jitter_noise=0.0, experts_implementation="eager"),
              "MixtralForCausalLM, 4 experts, top-2 routing"),
+    ZooEntry("mixtral-bmm", "transformers", _causal_lm("MixtralConfig", num_local_experts=4, num_experts_per_tok=2,
+                                                       router_jitter_noise=0.0, experts_implementation="batched_mm"),
+             "MixtralForCausalLM, 4 experts, top-2 routing, batched_mm experts (expert weights gathered per token)"),
+    ZooEntry("mixtral-gmm", "transformers", _float32(_causal_lm("MixtralConfig", num_local_experts=4,
+                                                                 num_experts_per_tok=2, router_jitter_noise=0.0,
+                                                                 experts_implementation="grouped_mm")),
+             "MixtralForCausalLM, 4 experts, top-2 routing, grouped_mm experts (float32: the CPU kernel's dtypes)"),
     ZooEntry("gpt2", "transformers", _gpt2, "GPT2LMHeadModel (Conv1D, fused c_attn)"),
     ZooEntry("bert-mlm", "transformers", _bert_mlm, "BertForMaskedLM, labels -100 on unmasked tokens"),
     ZooEntry("t5", "transformers", _t5, "T5ForConditionalGeneration (relative position bias)"),

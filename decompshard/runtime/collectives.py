@@ -33,11 +33,12 @@ import torch
 
 from decompshard._compat import (DTensor, TorchPartial, TorchReplicate, TorchShard, contiguous_spec, dtensor_planned_moves,
                                  dtensor_spec, implicitly_replicated, local_tensor, redistribute_local_tensor,
-                                 unsharded_dtensor)
+                                 slab_index, unsharded_dtensor)
 from decompshard.dispatch_modes.graph import freeze, map_leaves
 from decompshard.mesh.cost import Cost, bytes_key, redistribute_cost
 
-__all__ = ["ROWS_SHARDED", "Priced", "Stat", "Step", "cheaper_than_dtensor", "dtensor_cost", "fewer_bytes", "every_rank_holds_slab", "local_at", "forget_decisions", "moved_local", "moves_cost",
+__all__ = ["ROWS_SHARDED", "Priced", "Stat", "Step", "cheaper_than_dtensor", "dtensor_cost", "every_rank_holds_slab", "fewer_bytes",
+           "kept_on_first", "local_at", "forget_decisions", "moved_local", "moves_cost",
            "reduce_scalars", "replicated_args",
            "row_placements", "scalars_cost", "sharding_dims"]
 
@@ -75,6 +76,22 @@ def local_at(t: Any, mesh: Any, placements: tuple) -> torch.Tensor:
     if tuple(t.placements) != tuple(placements):
         t = t.redistribute(mesh, placements)
     return local_tensor(t)
+
+
+def kept_on_first(local: torch.Tensor, mesh: Any, mesh_dims: Sequence[int]) -> torch.Tensor:
+    """`local` on the ranks whose coordinate is 0 on every one of `mesh_dims`, zeros on the
+    others: a Replicate tensor's part of a `Partial(sum)` on those mesh dims, exactly (the
+    parts add up to it; inf and NaN stay whole on the first rank, where DTensor's own
+    Replicate -> Partial divides by the group's size). Each rank reads its coordinate
+    as LocalTensorMode simulates it (`slab_index` of index 0 into slabs of one)."""
+    if not mesh_dims:
+        return local
+    zero = torch.zeros(1, dtype=torch.long, device=local.device)
+    away = None
+    for m in mesh_dims:
+        _, outside = slab_index(zero, mesh.size(m), mesh, m)
+        away = outside if away is None else away | outside
+    return torch.where(away.reshape(()), torch.zeros((), dtype=local.dtype, device=local.device), local)
 
 
 def replicated_args(values: Sequence[Any], mesh: Any) -> tuple:
