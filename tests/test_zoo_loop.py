@@ -72,3 +72,16 @@ def test_merge_takes_the_worst_rank_and_counts_warnings():
 def test_variants_cover_every_optimizer_and_clipping():
     assert {(v.optimizer, v.clip_foreach) for v in VARIANTS.values()} == {
         (o, c) for o in ("foreach", "for-loop", "fused") for c in (True, False)}
+
+
+def test_fold_keeps_the_worst_verdict_and_the_fastest_times():
+    from decompshard.check.loop_run import fold
+
+    def one(verdict, first, warned):
+        return {"parallelism": "tp", "variant": "fused/foreach", "path": "torch", "verdict": verdict,
+                "detail": verdict, "stage": "", "step": None, "first_s": first, "later_s": None, "first_cpu_s": first,
+                "later_cpu_s": None, "worst": first, "clipped": True, "warnings": warned}
+
+    rows = fold([one("OK", 2.0, {"w": 4}), one("ERROR", 1.0, {}), {**one("OK", 3.0, {}), "path": "enable"}])
+    assert [(r["path"], r["verdict"], r["first_s"], r["worst"], r["warnings"]) for r in rows] == [
+        ("torch", "ERROR", 1.0, 2.0, {"w": 4}), ("enable", "OK", 3.0, 3.0, {})]

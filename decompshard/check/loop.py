@@ -42,7 +42,7 @@ import torch
 
 from decompshard.errors import one_line
 
-__all__ = ["LR", "MAX_NORM", "PARALLELISMS", "STEPS", "VARIANTS", "LoopRun", "Variant", "rank_main", "run_loop"]
+__all__ = ["COMPILED", "LR", "MAX_NORM", "PARALLELISMS", "STEPS", "VARIANTS", "LoopRun", "Variant", "rank_main", "run_loop"]
 
 STEPS = 3
 LR = 1e-2
@@ -70,6 +70,10 @@ class Variant:
 VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant(o, c) for o in ("foreach", "for-loop", "fused") for c in (True, False))}
 
+# a parallelism's name with this suffix runs the forward and loss under torch.compile
+# (static shapes, aot_eager); the backward, clipping and optimizer step stay eager
+COMPILED = "+compile"
+
 # name -> (mesh shape, mesh dim names)
 PARALLELISMS: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {
     "dp": ((4,), ("dp",)),
@@ -85,7 +89,8 @@ class LoopRun:
     grad norm and parameters match one device), WRONG (`detail`: the first that does
     not, `step`: its step), ERROR (`detail`: the exception's first line, `stage`:
     setup or the step it raised in). `first_s`: the first step's time (decompshard's and
-    DTensor's sharding caches cleared before it); `later_s`: the fastest later step.
+    DTensor's sharding caches cleared before it); `later_s`: the fastest later step;
+    `*_cpu_s` the same in this process's CPU time.
     `worst`: the largest relative error seen; `clipped`: every step's norm above
     MAX_NORM (clipping scaled the gradients); `warnings`: decompshard's warnings."""
 
@@ -98,6 +103,8 @@ class LoopRun:
     step: int | None = None
     first_s: float | None = None
     later_s: float | None = None
+    first_cpu_s: float | None = None  # this process's CPU time (a shared machine's other load left out)
+    later_cpu_s: float | None = None
     worst: float = 0.0
     clipped: bool = True
     warnings: list[str] = field(default_factory=list)
@@ -143,6 +150,7 @@ class _Placed:
     update_ctx: Callable[[], Any] = contextlib.nullcontext
     redistribute_grads: bool = False
     mean_over_ranks: bool = False  # the loss is this rank's batch part's mean
+    loss: Callable[..., Any] | None = None  # the model's loss, or it compiled
 
 
 def _megatron(model: torch.nn.Module, plan: dict[str, str]) -> dict[str, Any]:
@@ -176,8 +184,9 @@ def _place(parallelism: str, built: Any, model: torch.nn.Module) -> _Placed:
     from torch.distributed.tensor.experimental import implicit_replication
     from torch.distributed.tensor.parallel import parallelize_module
 
-    shape, names = PARALLELISMS[parallelism]
+    shape, names = PARALLELISMS[parallelism.removesuffix(COMPILED)]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    parallelism = parallelism.removesuffix(COMPILED)
     if parallelism == "dp":
         distribute_module(model, mesh)
         inputs = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in built.inputs.items()}
@@ -217,7 +226,7 @@ def _step(placed: _Placed, built: Any, opt: torch.optim.Optimizer, variant: Vari
 
     opt.zero_grad(set_to_none=True)
     with placed.forward_ctx():
-        loss = built.loss(placed.model, placed.inputs)
+        loss = placed.loss(placed.model, placed.inputs)
         loss.backward()
     if placed.redistribute_grads:  # DTensor DP: a Partial gradient reduced to its parameter's placements
         for p in placed.model.parameters():
@@ -257,12 +266,13 @@ def _loop(run: LoopRun, built: Any, placed: _Placed, variant: Variant, refs: lis
     opt = _make_optimizer(placed.model.parameters(), variant, lr)
     clear_caches()
     clear_dtensor_caches()
-    times = []
+    times, cpu = [], []
     for i, ref in enumerate(refs):
         run.stage, run.step = f"step {i + 1}", i + 1
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         loss, norm = _step(placed, built, opt, variant)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         got_norm = float(_plain(norm))
         run.clipped = run.clipped and got_norm > MAX_NORM
         errs = _compare(_global_loss(loss, placed), got_norm, placed.model, ref)
@@ -272,6 +282,7 @@ def _loop(run: LoopRun, built: Any, placed: _Placed, variant: Variant, refs: lis
             run.verdict, run.detail = "WRONG", f"{what}: relative error {worst:.2e}"
             break
     run.first_s, run.later_s = times[0], min(times[1:], default=None)
+    run.first_cpu_s, run.later_cpu_s = cpu[0], min(cpu[1:], default=None)
     if run.verdict == "OK":
         run.stage, run.step = "", None
 
@@ -300,10 +311,34 @@ def run_loop(parallelism: str, variant_name: str, enable: bool, steps: int = STE
         try:
             run.stage = "setup"
             placed = _place(parallelism, built, copy.deepcopy(built.model))
+            placed.loss = _loss_fn(built, parallelism.endswith(COMPILED))
             _loop(run, built, placed, variant, refs, LR * (1 + sabotage))
         except Exception as e:
-            run.verdict, run.detail = "ERROR", one_line(e, 300)
+            run.verdict, run.detail = "ERROR", _named(e)
     return run
+
+
+def _loss_fn(built: Any, compiled: bool) -> Callable[..., Any]:
+    """The model's loss (forward and loss), or it under `torch.compile` with static
+    shapes (aot_eager; dynamo's compiled code dropped first, so each run compiles afresh)."""
+    from decompshard._compat import forget_compiled_code
+
+    if not compiled:
+        return built.loss
+    forget_compiled_code()
+    return torch.compile(built.loss, backend="aot_eager", dynamic=False)
+
+
+def _named(e: BaseException) -> str:
+    """The exception's first line; for one with no message (a bare `assert` in torch),
+    also where it was raised."""
+    import traceback
+
+    text = one_line(e, 300)
+    if str(e).strip():
+        return text
+    where = traceback.extract_tb(e.__traceback__)[-1]
+    return f"{text} at {where.filename.split('site-packages/')[-1]}:{where.lineno} ({where.name}: {where.line})"
 
 
 def _warm(runs: list[list]) -> None:
