@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Built", "ZooEntry", "ZOO", "get_entry", "build", "resolve_model"]
+__all__ = ["Built", "LOOP_ENTRY", "ZooEntry", "ZOO", "get_entry", "build", "resolve_model"]
 
 LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
 
@@ -116,10 +116,10 @@ def _causal_lm(config_cls: str, **kw: Any) -> Callable[[int, int], Built]:
     def builder(batch: int, seed: int) -> Built:
         T = _transformers()
 
-        config = getattr(T, config_cls)(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
-                                        max_position_embeddings=64, tie_word_embeddings=False,
-                                        attention_dropout=0.0, use_cache=False, **kw)
+        sizes = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                     tie_word_embeddings=False, attention_dropout=0.0, use_cache=False)
+        config = getattr(T, config_cls)(**{**sizes, **kw})
         model = T.AutoModelForCausalLM.from_config(config)
         ids = _tokens(batch, seed)
         # Llama-family models build position ids from a cache position (a plain tensor):
@@ -301,6 +301,12 @@ ZOO: dict[str, ZooEntry] = {e.name: e for e in [
     ZooEntry("vit-timm", "timm", _timm("test_vit", _VIT_PLAN, 32, img_size=32, patch_size=8, depth=1,
                                         num_heads=4), "timm test_vit (fused qkv), depth 1"),
 ]}
+
+
+# The training-loop zoo's model (check/loop.py): the zoo's Llama with two decoder layers, so
+# FSDP2 shards more than one layer (`fully_shard` per layer, then the root)
+LOOP_ENTRY = ZooEntry("llama-2layers", "transformers", _causal_lm("LlamaConfig", num_hidden_layers=2),
+                      "LlamaForCausalLM, 2 decoder layers")
 
 
 def get_entry(name: str) -> ZooEntry:

@@ -21,11 +21,13 @@ Calls that are not a mean over a sharded target go to DTensor unchanged.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
 
 from decompshard._compat import TorchPartial, TorchReplicate, dtensor_default_dispatch, dtensor_local_results, dtensor_output_spec, unsharded_dtensor
+from decompshard.runtime.fences.changed import differs
 from decompshard.runtime.records import Fence, Fix
 
 __all__ = ["FIX", "MEAN", "SUM", "mean_loss_handler"]
@@ -44,7 +46,9 @@ def _bound(op_call: Any, args: tuple, kwargs: dict) -> list[Any]:
 def mean_loss_handler(warn: Callable[[Any], None]) -> Callable:
     """A DTensor custom handler for nll_loss_forward-like ops (self, target, weight,
     reduction, ignore_index) -> (output, total_weight). `warn(op)` is called when it
-    replaces DTensor's answer."""
+    replaces DTensor's answer with another number: where this rank's total weight is
+    not the ranks' mean (with equal total weights on every rank, an even batch with no
+    ignored target, the mean of means is the mean: the handler runs, silent)."""
 
     def handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
         bound = _bound(op_call, args, kwargs)
@@ -58,12 +62,14 @@ def mean_loss_handler(warn: Callable[[Any], None]) -> Callable:
         if tuple(tw_spec.placements) != tuple(out_spec.placements) or not sums:
             raise RuntimeError(f"decompshard guard: {op_call}: loss sum placed {out_spec.placements} but its "
                                f"total weight {tw_spec.placements}; cannot form the mean")
-        warn(op_call)
         (total, weight), spec = dtensor_local_results(op_call, sum_args, {})
         mesh = spec[0].mesh
         pair = unsharded_dtensor(torch.stack([total, weight]), mesh, spec[0].placements)
         both = pair.redistribute(mesh, [TorchReplicate()] * mesh.ndim).to_local()
         loss, total_weight = both[0] / both[1], both[1].clone()
+        ranks = math.prod(mesh.size(d) for d, p in enumerate(spec[0].placements) if isinstance(p, TorchPartial))
+        if differs(weight * ranks, total_weight, rtol=1e-9):  # a rank's total weight is not the mean's
+            warn(op_call)
         rep = [TorchReplicate()] * mesh.ndim
         return unsharded_dtensor(loss, mesh, rep), unsharded_dtensor(total_weight, mesh, rep)
 

@@ -9,7 +9,9 @@ the native audit's negative-dim variants (coverage/native_variants.py). The guar
 the dim arguments (dim_args.py) to >= 0 in the schema the strategy function sees, so it
 picks the strategy it picks for the same dim written >= 0; the local kernel still gets
 the original arguments (the same dim on a tensor of the same ndim). Calls with dims
->= 0 reach the strategy unchanged.
+>= 0 reach the strategy unchanged. It warns only where the wrapped dim changes the
+strategy (a Shard on the scanned dim); `cumsum(-1)` of a batch-sharded tensor gets the
+same strategy either way and no warning.
 """
 
 from __future__ import annotations
@@ -49,6 +51,23 @@ def _wrapped(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:
     return new_args_t, new_kwargs, new_args_t != tuple(args) or new_kwargs != kwargs
 
 
+def _described(strategy: Any) -> str:
+    """A strategy's placements as text, to tell whether wrapping the dim changed it: an
+    OpStrategy's specs (input and output placements per choice), or a single-dim
+    strategy's rules."""
+    if isinstance(strategy, OpStrategy):
+        return str([str(s) for s in strategy.strategies])
+    return str(strategy)
+
+
+def _unwrapped(strategy: Callable[[], Any]) -> str:
+    """What DTensor alone decides with the dim as passed (a refusal counts as different)."""
+    try:
+        return _described(strategy())
+    except Exception as e:  # noqa: BLE001 - any refusal differs from the wrapped strategy
+        return f"raised {type(e).__name__}"
+
+
 def _message(op: Any) -> str:
     return (f"decompshard guard: {op}: DTensor's strategy compares a negative dim with the placements' dims "
             f"unwrapped (a Shard on the dim it scans would pass through, silently wrong); giving it the dim "
@@ -62,8 +81,10 @@ def wrapping_op_strategy(op: Any, fn: Callable, warn: Warn) -> Callable:
         args, kwargs, changed = _wrapped(op, op_schema.args_schema, op_schema.kwargs_schema)
         if not changed:
             return fn(op_schema)
-        warn(f"dims:{op}", _message(op))
-        return fn(OpSchema(op_schema.op, args, kwargs, schema_info=op_schema.schema_info))
+        right = fn(OpSchema(op_schema.op, args, kwargs, schema_info=op_schema.schema_info))
+        if _described(right) != _unwrapped(lambda: fn(op_schema)):  # silent where the dim's sign changes nothing
+            warn(f"dims:{op}", _message(op))
+        return right
 
     wrapped.__wrapped__ = fn  # type: ignore[attr-defined]
     return wrapped
@@ -75,8 +96,10 @@ def wrapping_single_dim(op: Any, func: Callable, warn: Warn) -> Callable:
     def wrapped(op_: Any, args_schema: Any, kwargs_schema: Any) -> Any:
         args, kwargs, changed = _wrapped(op, tuple(args_schema), dict(kwargs_schema))
         if changed:
-            warn(f"dims:{op}", _message(op))
-            return func(op_, args, kwargs)
+            right = func(op_, args, kwargs)
+            if _described(right) != _unwrapped(lambda: func(op_, args_schema, kwargs_schema)):
+                warn(f"dims:{op}", _message(op))
+            return right
         return func(op_, args_schema, kwargs_schema)
 
     wrapped.__wrapped__ = func  # type: ignore[attr-defined]

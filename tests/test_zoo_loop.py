@@ -1,0 +1,87 @@
+"""The training-loop zoo in CI (decompshard/check/loop.py): 3 steps of the zoo's Llama
+(2 decoder layers) on 4 gloo processes with `enable()`, forward, loss, backward,
+`clip_grad_norm_`, AdamW, each step's loss, total norm and every parameter against one
+device. One run per parallelism, the optimizer and clipping variants spread over them:
+FSDP2 + tensor parallel in torchtitan's order (its clipping spans two meshes: torch
+alone raises), FSDP2 alone, DTensor data parallel (torch alone has no strategy for CPU
+SDPA) and Megatron tensor parallel. The check is shown to fail: the same loop with the
+learning rate off by 1% is WRONG. Even batches: no fence warns. The whole matrix, with
+torch alone beside it and times: `python bench/zoo_loop.py`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from decompshard.check.loop import MAX_NORM, VARIANTS
+from decompshard.check.loop_run import merge_ranks, render, run_group
+
+RUNS = [
+    ["fsdp-tp", "foreach/foreach", True, 3, 0.0],
+    ["fsdp", "fused/for-loop", True, 3, 0.0],
+    ["dp", "for-loop/foreach", True, 3, 0.0],
+    ["tp", "foreach/for-loop", True, 3, 0.0],
+    ["fsdp-tp", "for-loop/for-loop", True, 2, 1e-2],  # sabotaged: the check must fail
+]
+
+
+@pytest.fixture(scope="module")
+def rows():
+    t0 = time.perf_counter()
+    out = run_group(RUNS, deadline=400.0, warm=False)
+    print(f"\ntraining-loop zoo, {len(RUNS)} runs on 4 gloo processes: {time.perf_counter() - t0:.1f} s")
+    print(render(out))
+    return out
+
+
+@pytest.mark.parametrize("i", range(len(RUNS) - 1), ids=[f"{r[0]}-{r[1]}" for r in RUNS[:-1]])
+def test_loop_matches_one_device_every_step(rows, i):
+    row = rows[i]
+    assert (row["parallelism"], row["variant"], row["path"]) == (RUNS[i][0], RUNS[i][1], "enable")
+    assert row["verdict"] == "OK", f"{row['verdict']} ({row['stage']}): {row['detail']}"
+    assert row["ranks"] == 4 and row["worst"] < 1e-6, row  # every rank compared every step
+    assert row["clipped"], f"the total norm stayed under {MAX_NORM}: clipping was not exercised"
+    assert row["first_s"] and row["later_s"], row
+
+
+def test_even_batches_warn_of_no_fence(rows):
+    """Each fence warns only where it changed a number (runtime/fences/changed.py)."""
+    assert {r["parallelism"]: r["warnings"] for r in rows[:-1] if r["warnings"]} == {}
+
+
+def test_a_perturbed_learning_rate_is_wrong_at_the_first_step(rows):
+    row = rows[-1]
+    assert row["verdict"] == "WRONG" and row["step"] == 1 and row["detail"].startswith("param"), row
+
+
+def test_merge_takes_the_worst_rank_and_counts_warnings():
+    def one(verdict, first, warned):
+        return {"parallelism": "dp", "variant": "foreach/foreach", "path": "enable", "verdict": verdict,
+                "detail": verdict.lower(), "stage": "", "step": None, "first_s": first, "later_s": first / 2,
+                "worst": first / 10, "clipped": True, "warnings": warned}
+
+    row = merge_ranks([one("OK", 1.0, ["w"]), one("WRONG", 2.0, ["w", "v"]), one("OK", 1.5, [])])
+    assert (row["verdict"], row["detail"], row["first_s"], row["worst"]) == ("WRONG", "wrong", 2.0, 0.2)
+    assert row["warnings"] == {"w": 2, "v": 1} and row["ranks"] == 3
+    table = render([row, {**row, "path": "torch", "verdict": "OK", "warnings": {}}])
+    assert "| dp " in table and "Failures:" in table and "- w: dp foreach/foreach (2 ranks)" in table, table
+
+
+def test_variants_cover_every_optimizer_and_clipping():
+    assert {(v.optimizer, v.clip_foreach) for v in VARIANTS.values()} == {
+        (o, c) for o in ("foreach", "for-loop", "fused") for c in (True, False)}
+
+
+def test_fold_keeps_the_worst_verdict_and_the_fastest_times():
+    from decompshard.check.loop_run import fold
+
+    def one(verdict, first, warned):
+        return {"parallelism": "tp", "variant": "fused/foreach", "path": "torch", "verdict": verdict,
+                "detail": verdict, "stage": "", "step": None, "first_s": first, "later_s": None, "first_cpu_s": first,
+                "later_cpu_s": None, "worst": first, "clipped": True, "warnings": warned}
+
+    rows = fold([one("OK", 2.0, {"w": 4}), one("ERROR", 1.0, {}), {**one("OK", 3.0, {}), "path": "enable"}])
+    assert [(r["path"], r["verdict"], r["first_s"], r["worst"], r["warnings"]) for r in rows] == [
+        ("torch", "ERROR", 1.0, 2.0, {"w": 4}), ("enable", "OK", 3.0, 3.0, {})]
