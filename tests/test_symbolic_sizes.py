@@ -209,13 +209,18 @@ def _llama_dp(mesh):
 
 
 @NEEDS_214
-def test_tiny_llama_data_parallel_at_a_second_sequence_length_matches_one_device():
-    # The second sequence length makes torch.compile recompile with the sequence
-    # symbolic. Attention (SDPA's CPU kernel, no DTensor strategy) used to run
-    # replicated there, and the compile failed on its output's strides; now it keeps the
-    # batch sharded as at static shapes: the same 4 all-gathers per graph (transformers'
-    # mask indexes the position ids with plain tensors under implicit_replication, at
-    # static shapes too), rank 0's logits those of one device.
+def test_tiny_llama_data_parallel_recompiled_at_a_second_sequence_length_matches_one_device():
+    # A second sequence length recompiles. On torch 2.15 a DTensor input is not made
+    # dynamic automatically, so this second graph has static shapes (the program passes
+    # before symbolic shapes were derived too); `mark_dynamic` on the sequence dim fails
+    # in transformers' packed-sequence mask ("unsupported operand type(s) for -:
+    # 'DTensor' and 'int"), with or without enable(). With `dynamic=True` it compiles
+    # with attention batch-sharded (the next test), but DTensor's own view strategies
+    # gather a batch whose split they cannot prove (position ids, the lm_head input), so
+    # rank 0's numbers on the fake group say nothing there. Here: attention keeps the batch sharded at both lengths, the same 4
+    # all-gathers per graph as one static compile (transformers' mask indexes the
+    # position ids with plain tensors under implicit_replication), rank 0's logits those
+    # of one device.
     from torch.distributed.tensor.experimental import implicit_replication
 
     mesh = device_mesh((4,))
@@ -235,3 +240,49 @@ def test_tiny_llama_data_parallel_at_a_second_sequence_length_matches_one_device
     assert [str(w.message) for w in caught if "running replicated" in str(w.message)] == []
     assert len(rec.graphs) == 2
     assert all("all_gather" in c for c in rec.collectives()) and len(rec.collectives()) == 8
+
+
+def _fed_by_a_collective(node, depth: int = 6) -> bool:
+    """Whether `node` is, through view-like ops and copies, a collective's result."""
+    for _ in range(depth):
+        name = str(node.target)
+        if "c10d" in name:
+            return True
+        if not any(k in name for k in ("slice", "view", "clone", "transpose", "permute", "expand", "split", "getitem")):
+            return False
+        node = node.args[0]
+    return False
+
+
+@NEEDS_214
+def test_tiny_llama_data_parallel_with_dynamic_true_keeps_attention_sharded_in_one_graph():
+    # 20-75 s on 2 cores (DTensor's own propagation over symbolic sizes, most of it).
+    # dynamic=True: the compile failed ("Cannot view a tensor with shape [4*s, s, 4, 16]
+    # and strides ..." after SDPA ran replicated). Now one graph serves three shapes,
+    # nothing of decompshard's runs replicated, and SDPA's q, k, v come from no
+    # collective. The graph's 6 all-gathers are DTensor's own (native strategies): the 4
+    # of transformers' mask at static shapes too, and views of a batch whose split
+    # DTensor cannot prove under symbolic sizes (position ids, the lm_head input), which
+    # is why rank 0's numbers on the fake group are not checked here.
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    mesh = device_mesh((4,))
+    _, dmodel = _llama_dp(mesh)
+    rec = Recorder()
+    with decompshard.enabled(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch._dynamo.reset()
+        fn = torch.compile(lambda ids, pos: dmodel(input_ids=ids, position_ids=pos).logits, backend=rec.backend(),
+                           dynamic=True)
+        for batch, seq in ((8, 6), (8, 9), (12, 5)):
+            ids = torch.randint(0, 64, (batch, seq), generator=torch.Generator().manual_seed(seq))
+            pos = torch.arange(seq).expand(batch, seq).contiguous()
+            with implicit_replication():
+                out = fn(*(DTensor.from_local(t.tensor_split(4)[0].clone(), mesh, [S0], run_check=False)
+                           for t in (ids, pos)))
+            assert out.shape == (batch, seq, 64)
+    assert [str(w.message) for w in caught if "running replicated" in str(w.message)] == []
+    assert len(rec.graphs) == 1
+    sdpa = [n for n in rec.graphs[0].graph.nodes if "scaled_dot_product" in str(n.target)]
+    assert sdpa and not any(_fed_by_a_collective(a) for n in sdpa for a in n.args[:3])
+    assert len(rec.collectives()) == 6
