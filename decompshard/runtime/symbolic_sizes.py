@@ -33,7 +33,7 @@ from typing import Any, Sequence
 import torch
 
 from decompshard._compat import (DTensorSpec, TorchShard, guard_divisible, has_hint, is_symbolic, symbol_hints,
-                                 tree_unflatten, value_at)
+                                 symbols_of, tree_unflatten, value_at)
 from decompshard.mesh.lift import strategy_invalid_reason
 
 __all__ = ["SizeCheck", "SymbolicSizes", "concrete_metas", "is_symbolic_spec"]
@@ -62,9 +62,10 @@ class SymbolicSizes:
         for x in flat:
             if isinstance(x, DTensorSpec):
                 for v in (*x.tensor_meta.shape, *x.tensor_meta.stride):
-                    if not has_hint(v):
+                    known = symbol_hints(v)
+                    if not has_hint(v) or len(known) != len(symbols_of(v)):
                         return SymbolicSizes({}, reason="a size with no hint (data-dependent)")
-                    hints.update(symbol_hints(v))
+                    hints.update(known)
             elif _holds_symbolic(x):
                 return SymbolicSizes({}, reason="a symbolic non-tensor argument")
         probes = ({s: 2 for s in hints}, {s: 2 * h + 1 + i for i, (s, h) in enumerate(hints.items())})
@@ -76,7 +77,7 @@ class SymbolicSizes:
         try:
             return ([tree_unflatten(concrete_metas(flat, values), spec) for values in self.probes],
                     [tree_unflatten(concrete_metas(flat, values), spec) for values in self.even_probes])
-        except (RuntimeError, ValueError):
+        except (RuntimeError, ValueError, KeyError):
             return None
 
 
