@@ -13,9 +13,10 @@ keyword tensors stay put.
 
 If the op cannot be derived (data-dependent, random, no meta kernel), or has no
 decomposition at all (many backward ops), it runs fully replicated (always correct)
-and says so once in a warning. Under torch.compile with dynamic (symbolic) shapes it
-runs replicated too: derived rules are proven per shape, and torch's own fallback gives
-wrong mean losses on uneven batches.
+and says so once in a warning. Under torch.compile with dynamic (symbolic) shapes the
+rules are derived at the sizes' hints and a strategy is kept only where it holds at every
+size (runtime/symbolic_sizes.py: probe sizes, [even] rules behind a guard); what is not
+derived there (a symbolic non-tensor argument, a size with no hint) runs replicated.
 
 Derivation runs with DTensor's and the caller's modes (LocalTensorMode, FakeTensorMode)
 switched off and the dispatch keys of a plain thread, so what DTensor gets is what a
