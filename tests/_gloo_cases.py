@@ -39,8 +39,10 @@ def worker(rank: int, world: int, port: int, cases_path: str, out_dir: str) -> N
 
 
 def compile_worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    """An uneven mean-loss training step (batch 10 on 3 ranks) compiled with
-    dynamic shapes: loss and weight gradient against one device."""
+    """Mean-loss training steps compiled once with dynamic shapes and run at an even
+    batch (12 rows on 3 ranks: the [even] P(avg) rule holds there, behind a guard) and
+    then at an uneven one (10 rows: it would be a mean of unequal means): loss and weight
+    gradient against one device at each size."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -53,27 +55,29 @@ def compile_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
     out = {}
     try:
-        g = torch.Generator().manual_seed(0)
-        x, y, w = (torch.randn(10, 4, generator=g, dtype=torch.float64), torch.randn(10, 3, generator=g, dtype=torch.float64),
-                   torch.randn(4, 3, generator=g, dtype=torch.float64))
         mesh = init_device_mesh("cpu", (world,))
         for name, loss_fn in [("mse", F.mse_loss), ("smooth_l1", F.smooth_l1_loss), ("huber", F.huber_loss),
                               ("bce_with_logits", lambda a, b: F.binary_cross_entropy_with_logits(a, b.sigmoid()))]:
-            wr = w.clone().requires_grad_()
-            ref = loss_fn(x @ wr, y)
-            ref.backward()
-
             def step(xd, wd, yd):
                 return loss_fn(xd @ wd, yd)
 
-            wd = distribute_tensor(w, mesh, [Replicate()]).requires_grad_()
-            xd, yd = distribute_tensor(x, mesh, [Shard(0)]), distribute_tensor(y, mesh, [Shard(0)])
             with decompshard.enabled():
                 torch._dynamo.reset()
-                loss = torch.compile(step, backend="aot_eager", dynamic=True)(xd, wd, yd)
-                loss.backward()
-                out[name] = {"loss_err": float((loss.full_tensor() - ref).abs()),
-                             "grad_err": float((wd.grad.full_tensor() - wr.grad).abs().max())}
+                compiled = torch.compile(step, backend="aot_eager", dynamic=True)
+                for n in (12, 10):
+                    g = torch.Generator().manual_seed(n)
+                    x, y, w = (torch.randn(n, 4, generator=g, dtype=torch.float64),
+                               torch.randn(n, 3, generator=g, dtype=torch.float64),
+                               torch.randn(4, 3, generator=g, dtype=torch.float64))
+                    wr = w.clone().requires_grad_()
+                    ref = loss_fn(x @ wr, y)
+                    ref.backward()
+                    wd = distribute_tensor(w, mesh, [Replicate()]).requires_grad_()
+                    xd, yd = distribute_tensor(x, mesh, [Shard(0)]), distribute_tensor(y, mesh, [Shard(0)])
+                    loss = compiled(xd, wd, yd)
+                    loss.backward()
+                    out[f"{name}@{n}"] = {"loss_err": float((loss.full_tensor() - ref).abs()),
+                                          "grad_err": float((wd.grad.full_tensor() - wr.grad).abs().max())}
     except Exception as e:
         out["crash"] = f"{type(e).__name__}: {e}"
     finally:

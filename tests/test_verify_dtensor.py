@@ -74,7 +74,7 @@ def test_the_checker_catches_a_wrong_strategy(monkeypatch):
 
     en = importlib.import_module("decompshard.runtime.derived")
 
-    def wrong(op, args, kwargs, mesh_shape, current, n_args):
+    def wrong(op, args, kwargs, mesh_shape, current, *rest):
         from decompshard.mesh.lift import MeshStrategy
         from decompshard.mesh.cost import Cost
         from decompshard._compat import TorchReplicate, TorchShard
@@ -188,8 +188,8 @@ def test_check_model_finds_the_op_that_diverges(monkeypatch):
     en = importlib.import_module("decompshard.runtime.derived")
     real = en._first_runnable
 
-    def wrong(op, args, kwargs, mesh_shape, current, n_args):
-        best = real(op, args, kwargs, mesh_shape, current, n_args)
+    def wrong(op, args, kwargs, mesh_shape, current, *rest):
+        best = real(op, args, kwargs, mesh_shape, current, *rest)
         if "flash_attention" not in str(op) or best is None:
             return best
         from dataclasses import replace

@@ -14,6 +14,7 @@ they belong to. `from decompshard._compat import X` reaches every shim; the modu
     simulation  simulated ranks: the fake process group, LocalTensorMode and LocalTensor,
                 the places DTensor splits with torch.chunk
     compile     torch.compile's caches: the tag its cache keys carry, dynamo's code cache
+    symbolic    symbolic sizes (dynamic shapes): a SymInt's hint and its value at other sizes, no guard
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ from decompshard._compat.dispatch import (
     strategy_selection_slot, wrap_local_results,
 )
 from decompshard._compat.compile import compile_cache_tag, forget_compiled_code, set_compile_cache_tag
+from decompshard._compat.symbolic import (
+    guard_divisible, has_hint, hint_of, is_symbolic, same_symbolic, symbol_hints, symbols_of, value_at,
+)
 from decompshard._compat.simulation import (
     SIMULATED_SCRIPT_IMPORTS, chunk_split_points, fake_store, local_tensor_api, local_tensor_mode,
     make_local_tensor, outside_simulation, rank_tensors, simulating_ranks,
@@ -64,15 +68,16 @@ __all__ = [
     "dispatch_redistribute_slot", "dtensor_default_dispatch", "dtensor_local_results", "dtensor_output_sharding",
     "dtensor_output_spec", "dtensor_planned_moves", "dtensor_spec", "fake_one_rank_mesh", "fake_store",
     "forget_compiled_code",
-    "full_mesh_filter_keyword", "generate_redistribute_costs", "has_native_strategy", "implicitly_replicated", "in_backward",
-    "inferred_schema_info", "is_dispatchable", "is_fake", "keystr", "local_call_sharding", "local_tensor",
+    "full_mesh_filter_keyword", "generate_redistribute_costs", "guard_divisible", "has_hint", "has_native_strategy", "hint_of", "implicitly_replicated", "in_backward",
+    "inferred_schema_info", "is_dispatchable", "is_fake", "is_symbolic", "keystr", "local_call_sharding", "local_tensor",
     "local_tensor_api", "local_tensor_mode", "make_local_tensor", "on_backward_end", "op_dispatcher",
     "op_strategy_func", "outside_simulation", "placed_dtensor", "propagation_cache_type", "rank_tensors",
     "rebind_dtensor", "redistribute_cost", "redistribute_local_tensor", "return_and_correct_aliasing",
-    "schema_info_slot", "set_compile_cache_tag", "set_dtensor_layout", "sharding_propagator", "simulating_ranks",
-    "single_dim_strategy_info", "slab_index", "spec_dtensor", "strategy_cost_slots", "strategy_reused_from",
-    "strategy_selection_slot", "torch_decomposition", "torch_decomposition_table", "tree_flatten",
-    "tree_flatten_with_path", "tree_leaves", "tree_map", "tree_unflatten", "unsharded_dtensor", "view_family_ops",
+    "same_symbolic", "schema_info_slot", "set_compile_cache_tag", "set_dtensor_layout", "sharding_propagator",
+    "simulating_ranks", "single_dim_strategy_info", "slab_index", "spec_dtensor", "strategy_cost_slots",
+    "strategy_reused_from", "strategy_selection_slot", "symbol_hints", "symbols_of", "torch_decomposition",
+    "torch_decomposition_table", "tree_flatten", "tree_flatten_with_path", "tree_leaves", "tree_map", "tree_unflatten",
+    "unsharded_dtensor", "value_at", "view_family_ops",
     "view_shape_arg_index", "widened_schema_info", "wrap_local_results",
 ]
 

@@ -517,6 +517,37 @@ def _trivial_outputs(derived) -> tuple:
     return (R,)
 
 
+def strategy_invalid_reason(op, args: tuple, kwargs: dict, strategy: MeshStrategy, mesh_shape: Sequence[int]) -> str:
+    """Why `strategy` (chosen at other shapes) is not valid for these arguments, or '':
+    each of its rules must be one these arguments' derivation keeps, with the same
+    outputs and [even] only where it was [even] already, and the strategy must pass the
+    lift's mesh check here (an [even] rule: these shapes must split evenly)."""
+    derived = derive_rules(op, *args, **kwargs)
+    if derived.unsupported_reason:
+        return f"not derivable here: {derived.unsupported_reason}"
+    for rule in strategy.rules:
+        if rule.is_trivial():
+            continue
+        here = _same_rule_here(derived, rule)
+        if here is None or (here.even_only and not rule.even_only):
+            return f"rule {rule} does not hold here" if here is None else f"rule {rule} holds here as {here}"
+    tensors = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+    with clean_dispatch_state():
+        return _invalid_reason(derived.op, args, kwargs, strategy.rules, strategy.input_placements,
+                               strategy.output_placements, tensors, tuple(mesh_shape))
+
+
+def _same_rule_here(derived, rule: SingleDimRule) -> SingleDimRule | None:
+    """The checked rule of `derived` with `rule`'s inputs and outputs (the local check
+    may have turned a tentative P(sum) output into P(avg)), or None."""
+    for tentative in derived.tentative():
+        if tentative.inputs == rule.inputs:
+            here = derived.validated(tentative)
+            if here is not None and here.outputs == rule.outputs:
+                return here
+    return None
+
+
 def _invalid_reason(op, args, kwargs, combo, ins, outs, tensors, mesh: tuple[int, ...]) -> str:
     mixed = _mixed_partials(ins, outs)
     if mixed:

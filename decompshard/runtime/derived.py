@@ -13,9 +13,10 @@ keyword tensors stay put.
 
 If the op cannot be derived (data-dependent, random, no meta kernel), or has no
 decomposition at all (many backward ops), it runs fully replicated (always correct)
-and says so once in a warning. Under torch.compile with dynamic (symbolic) shapes it
-runs replicated too: derived rules are proven per shape, and torch's own fallback gives
-wrong mean losses on uneven batches.
+and says so once in a warning. Under torch.compile with dynamic (symbolic) shapes the
+rules are derived at the sizes' hints and a strategy is kept only where it holds at every
+size (runtime/symbolic_sizes.py: probe sizes, [even] rules behind a guard); what is not
+derived there (a symbolic non-tensor argument, a size with no hint) runs replicated.
 
 Derivation runs with DTensor's and the caller's modes (LocalTensorMode, FakeTensorMode)
 switched off and the dispatch keys of a plain thread, so what DTensor gets is what a
@@ -31,7 +32,8 @@ from typing import Any
 
 import torch
 
-from decompshard._compat import (DTensorSpec, FakeTensorMode, OpSpec, OpStrategy, TensorMeta, TorchReplicate,
+from decompshard._compat import (DTensorSpec, FakeTensorMode, OpSpec, OpStrategy, TensorMeta, TorchReplicate, hint_of, is_symbolic,
+                                 same_symbolic,
                                  inferred_schema_info, tree_flatten, tree_unflatten)
 from decompshard.dispatch_modes.clean import clean_dispatch_state
 from decompshard.dispatch_modes.reference import check_reference, reference_of
@@ -39,6 +41,7 @@ from decompshard.dispatch_modes.tracing import has_decomposition
 from decompshard.errors import Indeterminate, UnsupportedOp, one_line
 from decompshard.mesh.lift import ranked
 from decompshard.runtime import fallbacks
+from decompshard.runtime.symbolic_sizes import SizeCheck, SymbolicSizes, concrete_metas, is_symbolic_spec
 from decompshard.runtime.support.kwarg_routing import kwarg_routing_active, stage_kwarg_targets
 from decompshard.runtime.table_patches import TablePatches
 from decompshard.solve.derive import derive_rules
@@ -89,28 +92,27 @@ class DerivedStrategy:
         specs = [x for x in flat if isinstance(x, DTensorSpec)]
         if not specs:
             return None
-        if any(not isinstance(s, int) for x in specs for s in x.tensor_meta.shape):
-            return self._symbolic(op_schema, specs)
         mesh = specs[0].mesh
+        sizes = SymbolicSizes.of(flat, mesh.size()) if any(is_symbolic_spec(x) for x in specs) else None
+        if sizes is not None and sizes.reason:
+            return self._symbolic(op_schema, specs, sizes.reason)
         if not has_decomposition(op):
             _fall_back(op, fallbacks.NO_DECOMPOSITION,
                        f"decompshard: {op} has no sharding strategy and no decomposition; running replicated")
             return _replicated(op_schema, specs, mesh)
-        _check_reference(op, flat, spec, mesh)
         current = [tuple(s.placements) for s in specs]
         n_args = len(op_schema.args_spec)
         movable, pinned = _kwarg_tensors(op_schema, n_args, len(specs))
+        with clean_dispatch_state():  # plain meta tensors, made outside the caller's modes
+            args, kwargs = tree_unflatten(concrete_metas(flat, None if sizes is None else sizes.hints), spec)
+            _check_reference(op, args, kwargs, mesh)
+            probes = None if sizes is None else sizes.probe_arguments(flat, spec)
+        if sizes is not None and probes is None:
+            return self._symbolic(op_schema, specs, "sizes that cannot be probed")
+        size_check = None if probes is None else SizeCheck(specs, *probes)
         try:
             with clean_dispatch_state(), strict_checks():
-                # plain meta tensors: made here, not under the caller's modes (under
-                # LocalTensorMode a factory call would return a LocalTensor)
-                meta_flat = [
-                    torch.empty_strided(x.tensor_meta.shape, x.tensor_meta.stride, dtype=x.tensor_meta.dtype, device="meta")
-                    if isinstance(x, DTensorSpec) else x
-                    for x in flat
-                ]
-                args, kwargs = tree_unflatten(meta_flat, spec)
-                best = _first_runnable(op, args, kwargs, tuple(mesh.shape), current, pinned)
+                best = _first_runnable(op, args, kwargs, tuple(mesh.shape), current, pinned, size_check)
         except Indeterminate as e:  # every rank must choose alike: never choose alone
             raise Indeterminate(f"decompshard: {e}. Stopping rather than letting this rank choose a strategy "
                                 "alone: the other ranks may choose differently and run other collectives") from None
@@ -130,35 +132,24 @@ class DerivedStrategy:
             stage_kwarg_targets({name: ins[i] for name, i in movable.items()})
         return OpStrategy([OpSpec(output_specs, input_specs=ins[:n_args], redistribute_cost=[[0.0] for _ in ins[:n_args]])])
 
-    def _symbolic(self, op_schema: Any, specs: list) -> OpStrategy:
-        """Symbolic shapes (torch.compile, dynamic=True): one compiled graph serves every
-        size its guards admit, so a strategy must hold for every size. Derived rules are
-        proven at the shapes they were derived at ([even] rules, local-shape checks), and
-        torch's own fallback is wrong for mean losses on uneven batches, so both are out:
+    def _symbolic(self, op_schema: Any, specs: list, reason: str) -> OpStrategy:
+        """Symbolic shapes decompshard does not derive for (runtime/symbolic_sizes.py):
         the op runs replicated, which is right for any size."""
         op = op_schema.op
-        _fall_back(op, fallbacks.SYMBOLIC, f"decompshard: {op} has symbolic shapes; running replicated "
-                   "(derived strategies are proven per shape)")
+        _fall_back(op, fallbacks.SYMBOLIC, f"decompshard: {op} has symbolic shapes with {reason}; running replicated")
         return _replicated(op_schema, specs, specs[0].mesh)
 
 
-def _check_reference(op, flat, spec, mesh) -> None:
+def _check_reference(op, args, kwargs, mesh) -> None:
     """An op with a registered plain-torch reference (decompshard.register_reference):
     before its derived strategy is used, its real kernel and the reference must agree on
-    one device on random inputs of these shapes (reference.check_reference, cached);
-    otherwise ReferenceMismatch, naming the op, reaches the caller."""
+    one device on random inputs of these (meta) arguments' shapes (reference.check_reference,
+    cached); otherwise ReferenceMismatch, naming the op, reaches the caller."""
 
     if reference_of(op) is None:
         return
-    with clean_dispatch_state():
-        meta_flat = [
-            torch.empty_strided(x.tensor_meta.shape, x.tensor_meta.stride, dtype=x.tensor_meta.dtype, device="meta")
-            if isinstance(x, DTensorSpec) else x
-            for x in flat
-        ]
-        args, kwargs = tree_unflatten(meta_flat, spec)
-        device = "cpu" if mesh.device_type in ("cpu", "meta") else mesh.device_type
-        check_reference(op, args, kwargs, device=device)
+    device = "cpu" if mesh.device_type in ("cpu", "meta") else mesh.device_type
+    check_reference(op, args, kwargs, device=device)
 
 
 def _kwarg_tensors(op_schema: Any, n_args: int, n_specs: int) -> tuple[dict[str, int], frozenset[int]]:
@@ -183,9 +174,12 @@ def _written_args(op) -> set[str]:
     return {a.name for a in op._schema.arguments if a.is_out or (a.alias_info is not None and a.alias_info.is_write)}
 
 
-def _first_runnable(op, args, kwargs, mesh_shape, current, pinned: frozenset[int] = frozenset()):
+def _first_runnable(op, args, kwargs, mesh_shape, current, pinned: frozenset[int] = frozenset(),
+                    size_check: SizeCheck | None = None):
     """The cheapest valid strategy DTensor can run: it must be able to redistribute to
-    it, and the tensors at the `pinned` indices must keep their current placements."""
+    it, and the tensors at the `pinned` indices must keep their current placements.
+    `size_check` (symbolic sizes: `args` are at the hints): the strategy must hold at
+    every size (runtime/symbolic_sizes.py)."""
 
     derived = derive_rules(op, *args, **kwargs)
     if derived.unsupported_reason:
@@ -205,8 +199,11 @@ def _first_runnable(op, args, kwargs, mesh_shape, current, pinned: frozenset[int
     def keeps_self(s) -> bool:
         return not in_place or tuple(s.output_placements[0]) == tuple(current[0])
 
+    def any_size(s) -> bool:
+        return size_check is None or size_check.holds(op, s, mesh_shape)
+
     return next((s for s in ranked(op, args, kwargs, mesh_shape, current, accept=runnable,
-                                valid_only=True) if s.valid and keeps_self(s)), None)
+                                valid_only=True) if s.valid and keeps_self(s) and any_size(s)), None)
 
 
 def mutates_self(op: torch._ops.OpOverload) -> bool:
@@ -280,23 +277,50 @@ class _LocalLayoutSpec(DTensorSpec):
     layout follows its input's (CPU flash attention) returns a local tensor laid out
     differently from what the DTensor claims, and the next view fails ("view size is
     not compatible"). DTensor attaches the output's metadata through this method; we
-    keep its shape and dtype and put in the strides the local kernel will produce."""
+    keep its shape and dtype and put in the strides the local kernel will produce:
+    `local_stride` (concrete sizes), or under symbolic sizes `local_order`, the dims
+    outermost first of a dense layout, whose strides are made here from DTensor's own
+    (traced) sizes: a SymInt made outside the trace would not be tracked in the graph."""
 
     local_stride: tuple[int, ...] = ()
+    local_order: tuple[int, ...] = ()
 
     def shallow_copy_with_tensor_meta(self, tensor_meta: Any) -> DTensorSpec:
-        if tensor_meta is not None and self.local_stride and len(self.local_stride) == len(tensor_meta.shape):
+        if tensor_meta is not None and self.local_order and len(self.local_order) == len(tensor_meta.shape):
+            tensor_meta = TensorMeta(tensor_meta.shape, _dense_strides(tensor_meta.shape, self.local_order),
+                                     tensor_meta.dtype)
+        elif tensor_meta is not None and self.local_stride and len(self.local_stride) == len(tensor_meta.shape):
             tensor_meta = TensorMeta(tensor_meta.shape, self.local_stride, tensor_meta.dtype)
         return DTensorSpec(self.mesh, self.placements, tensor_meta=tensor_meta)
 
 
+def _dense_strides(shape: tuple, order: tuple[int, ...]) -> tuple:
+    """The strides of a dense tensor of `shape` whose dims, outermost first, are `order`."""
+    strides: list[Any] = [0] * len(shape)
+    acc: Any = 1
+    for d in reversed(order):
+        strides[d] = acc
+        acc = acc * shape[d]
+    return tuple(strides)
+
+
+def _dense_order(shape: tuple, stride: tuple) -> tuple[int, ...] | None:
+    """The dim order (outermost first) of a dense layout with these (symbolic) strides,
+    found at the hints and confirmed as expressions; None for any other layout."""
+    order = tuple(sorted(range(len(shape)), key=lambda d: (-hint_of(stride[d]), d)))
+    expect = _dense_strides(shape, order)
+    ok = all((not is_symbolic(shape[d]) and int(shape[d]) <= 1) or same_symbolic(stride[d], expect[d])
+             for d in range(len(shape)))
+    return order if ok else None
+
+
 def _output_specs(op_schema: Any, specs: list, targets: list, placements: list) -> list:
     """Output DTensorSpecs for these placements, laid out as the local kernel will lay
-    them out when a redistribution makes a non-contiguous input contiguous."""
+    them out when a redistribution makes a non-contiguous input contiguous. Symbolic
+    sizes too: the layouts are compared as expressions and the strides given are
+    symbolic, read without a guard (the meta kernel runs on symbolic meta tensors)."""
     mesh = specs[0].mesh
     plain = [None if p is None else DTensorSpec(mesh, tuple(p)) for p in placements]
-    if any(not isinstance(v, int) for s in specs for v in (*s.tensor_meta.shape, *s.tensor_meta.stride)):
-        return plain  # symbolic: reading a size would specialize the compiled graph
     moved = [tuple(t.placements) != tuple(s.placements) and not _is_contiguous(s.tensor_meta)
              for s, t in zip(specs, targets)]
     if not any(moved):
@@ -308,25 +332,42 @@ def _output_specs(op_schema: Any, specs: list, targets: list, placements: list) 
     if strides is None:
         return plain
     out = []
-    for spec, stride in zip(plain, list(strides) + [None] * len(plain)):
+    for spec, (shape, stride) in zip(plain, list(strides) + [(None, None)] * len(plain)):
         if spec is not None and stride is not None:
-            spec = _LocalLayoutSpec(mesh, spec.placements)
-            object.__setattr__(spec, "local_stride", stride)
+            spec = _local_layout_spec(mesh, spec.placements, shape, stride)
         out.append(spec)
     return out
 
 
+def _local_layout_spec(mesh: Any, placements: tuple, shape: tuple, stride: tuple) -> DTensorSpec:
+    """A `_LocalLayoutSpec` for this local layout; DTensor's own spec where a symbolic
+    layout is not dense (its strides could not be made from traced sizes)."""
+    spec = _LocalLayoutSpec(mesh, placements)
+    if not any(is_symbolic(v) for v in (*shape, *stride)):
+        object.__setattr__(spec, "local_stride", stride)
+        return spec
+    order = _dense_order(shape, stride)
+    if order is None:
+        return DTensorSpec(mesh, placements)
+    object.__setattr__(spec, "local_order", order)
+    return spec
+
+
 def _is_contiguous(tm: Any) -> bool:
+    """Row-major strides, size-1 dims aside; symbolic ones compared as expressions (a
+    symbolic size is never 1: torch.compile specializes sizes 0 and 1)."""
     expect, acc = [], 1
     for size in reversed(tm.shape):
         expect.append(acc)
-        acc *= max(int(size), 1)
-    return all(int(sz) <= 1 or int(st) == e for sz, st, e in zip(tm.shape, tm.stride, reversed(expect)))
+        acc = acc * size if is_symbolic(size) else acc * max(int(size), 1)
+    return all((not is_symbolic(sz) and int(sz) <= 1) or same_symbolic(st, e)
+               for sz, st, e in zip(tm.shape, tm.stride, reversed(expect)))
 
 
 def _local_output_strides(op_schema: Any, moved: list[bool]) -> list | None:
-    """The op's output strides on inputs laid out as they will be locally (moved ones
-    contiguous), where they differ from those on the global layout; else None."""
+    """The op's (output shape, strides) on inputs laid out as they will be locally
+    (moved ones contiguous), where the strides differ from those on the global layout;
+    else None."""
     flat, spec = tree_flatten((op_schema.args_schema, op_schema.kwargs_schema))
 
     def run(contiguous: list[bool]) -> list:
@@ -340,12 +381,19 @@ def _local_output_strides(op_schema: Any, moved: list[bool]) -> list | None:
             else:
                 metas.append(x)
         args, kwargs = tree_unflatten(metas, spec)
-        return [tuple(o.stride()) if isinstance(o, torch.Tensor) else None
+        return [(tuple(o.shape), tuple(o.stride())) if isinstance(o, torch.Tensor) else (None, None)
                 for o in tree_flatten(op_schema.op(*args, **kwargs))[0]]
 
     with clean_dispatch_state():
         local, claimed = run(moved), run([False] * len(moved))
-    return local if local != claimed else None
+    return None if _same_layouts([s for _, s in local], [s for _, s in claimed]) else local
+
+
+def _same_layouts(a: list, b: list) -> bool:
+    """Equal stride lists, symbolic strides compared as expressions (no guard)."""
+    return len(a) == len(b) and all(
+        (x is None) == (y is None) and (x is None or (len(x) == len(y) and all(map(same_symbolic, x, y))))
+        for x, y in zip(a, b))
 
 
 def _see_into_lists(op_schema: Any, sharding_prop: Any) -> None:

@@ -27,7 +27,7 @@ __all__ = ["DATA_DEPENDENT", "INTERNAL_ERROR", "KINDS", "NO_DECOMPOSITION", "SYM
            "FallbackLog", "record", "recording_fallbacks", "summarize"]
 
 # why an op ran replicated: a bug of decompshard's (a failure wherever it is recorded),
-# an op decompshard cannot derive (random, no meta kernel, ...), symbolic shapes under
+# an op decompshard cannot derive (random, no meta kernel, ...), symbolic shapes it does not derive for under
 # torch.compile, no decomposition at all, or an output size that depends on values
 INTERNAL_ERROR, UNSUPPORTED, SYMBOLIC = "internal error", "unsupported", "symbolic shapes"
 NO_DECOMPOSITION, DATA_DEPENDENT = "no decomposition", "data-dependent"
