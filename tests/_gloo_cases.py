@@ -112,9 +112,9 @@ def spawn(fn, args: tuple, nprocs: int, deadline: float = 420.0, hash_seeds: lis
     one, because ranks that choose differently run mismatched collectives (gloo aborts
     with "Received data size doesn't match expected size")."""
     import multiprocessing
-    import multiprocessing.connection
     import os
-    import time
+
+    from decompshard.check.loop_run import await_ranks
 
     # Fresh interpreters (spawn) each import torch, decompshard and the models: most of a
     # gloo test's time on a 2-core machine. Forked from a server that imported torch and
@@ -139,20 +139,6 @@ def spawn(fn, args: tuple, nprocs: int, deadline: float = 420.0, hash_seeds: lis
             os.environ.pop("PYTHONHASHSEED", None)
         else:
             os.environ["PYTHONHASHSEED"] = saved
-    end = time.monotonic() + deadline
-    try:
-        while True:
-            failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if failed:
-                raise RuntimeError(f"gloo process(es) {failed} exited abnormally (rank, exit code)")
-            running = [p.sentinel for p in procs if p.is_alive()]
-            if not running:
-                return
-            if time.monotonic() > end:
-                raise TimeoutError(f"gloo processes still running after {deadline:.0f} s (a hung collective?)")
-            multiprocessing.connection.wait(running, timeout=5)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join()
+    why = await_ranks(procs, deadline)
+    if why:
+        raise (TimeoutError if "still running" in why else RuntimeError)(why)

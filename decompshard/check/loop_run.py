@@ -15,7 +15,7 @@ import tempfile
 import time
 from typing import Any, Callable, Sequence
 
-__all__ = ["WORLD", "against_us", "fold", "merge_ranks", "render", "run_matrix", "spawn_ranks"]
+__all__ = ["WORLD", "against_us", "await_ranks", "fold", "merge_ranks", "render", "run_matrix", "spawn_ranks"]
 
 WORLD = 4
 _TIMES = ("first_s", "later_s", "first_cpu_s", "later_cpu_s")
@@ -31,13 +31,21 @@ def spawn_ranks(fn: Callable[..., None], args: tuple, nprocs: int, deadline: flo
     """`fn(rank, *args)` in `nprocs` processes (forked from a server that imported torch
     and decompshard once); '' when all exit 0 in time, else why not (the others killed)."""
     import multiprocessing
-    import multiprocessing.connection
 
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "decompshard", "decompshard.check.loop"])
     procs = [ctx.Process(target=fn, args=(rank, *args)) for rank in range(nprocs)]
     for p in procs:
         p.start()
+    return await_ranks(procs, deadline)
+
+
+def await_ranks(procs: Sequence[Any], deadline: float) -> str:
+    """Wait for started rank processes: '' when all exit 0 within `deadline` seconds,
+    else why not; the others are killed either way (a rank that died leaves the rest
+    blocked in a collective)."""
+    import multiprocessing.connection
+
     end = time.monotonic() + deadline
     try:
         while True:
