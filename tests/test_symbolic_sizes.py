@@ -35,7 +35,7 @@ S0, R = Shard(0), Replicate()
 NEEDS_214 = pytest.mark.skipif(TORCH_VERSION < (2, 14), reason="torch 2.13 fails symbolic [.., S, S] strides itself")
 # torch 2.14.1: the compiled Llama raises at its third shape, in a view of the graph
 # ("shape '[2, 32]' is invalid for input of size 384"): an open issue, not yet traced to
-# decompshard or DTensor (2.13 and 2.15 failed at compile time before symbolic strategies)
+# decompshard or DTensor (the same with every symbolic call run replicated; 2.13 and 2.15 failed at compile time before)
 NEEDS_215 = pytest.mark.skipif(TORCH_VERSION < (2, 15), reason="torch 2.14.1: a view in the compiled Llama "
                                "raises at its third shape (open)")
 
