@@ -106,11 +106,15 @@ def _kinds(x: Any, w: Any, groups: int, transposed: bool) -> list[str] | None:
     return kinds
 
 
+def _price(shape: Any, dtype: torch.dtype, mesh: Any, src: list, dst: list) -> Cost:
+    """A tensor of global `shape` moved from placements `src` to `dst`, priced by the cost
+    model from global metadata only, so every rank decides alike."""
+    return redistribute_cost(tuple(shape), dtype.itemsize, tuple(src), tuple(dst), tuple(mesh.shape))
+
+
 def _move(what: str, shape: Any, dtype: torch.dtype, mesh: Any, src: list, dst: list) -> Step:
-    """One move of a tensor of global `shape` from placements `src` to `dst`, priced by
-    the cost model from global metadata only, so every rank decides alike."""
-    cost = redistribute_cost(tuple(shape), dtype.itemsize, tuple(src), tuple(dst), tuple(mesh.shape))
-    return Step(what, cost, dtype.itemsize)
+    """One of the plan's own moves, in words for `explain`, with its price."""
+    return Step(what, _price(shape, dtype, mesh, src, dst), dtype.itemsize)
 
 
 def _at(placements: Any, t: int, p: Any) -> list:
@@ -141,14 +145,14 @@ def _costs(kinds: list[str], x: Any, w: Any, out_shape: Any) -> tuple[tuple[Step
         steps.append(_move("all-gather of grad_weight's channel shard (the weight was cut locally)", w.shape,
                            w.dtype, mesh, _at(w.placements, t, TorchShard(0)), list(w.placements)))
     else:
-        gather = _move("", w.shape, w.dtype, mesh, list(w.placements), _at(w.placements, t, _R)).cost
+        gather = _price(w.shape, w.dtype, mesh, list(w.placements), _at(w.placements, t, _R))
         dtensor = gather + gather
     if kinds[t] == "colwise":
         steps.append(_move("all-reduce(sum) of grad_input (backward)", x.shape, x.dtype, mesh, _at(other, t, _P), other))
     else:
         steps.append(_move("all-reduce(sum) of the output (forward)", out_shape, x.dtype, mesh, _at(other, t, _P), other))
         if _is(x.placements[t], 1):
-            dtensor = dtensor + _move("", x.shape, x.dtype, mesh, list(x.placements), _at(x.placements, t, _R)).cost
+            dtensor = dtensor + _price(x.shape, x.dtype, mesh, list(x.placements), _at(x.placements, t, _R))
     return tuple(reversed(steps)), dtensor
 
 
