@@ -1,8 +1,27 @@
-"""Fixtures shared by the CLI tests."""
+"""Fixtures shared by the tests, and the seeds that make every run draw the same data."""
 
 from __future__ import annotations
 
+import random
+import zlib
+
+import numpy as np
 import pytest
+import torch
+
+# Values drawn while test modules are collected (parametrize arguments) are the same on
+# every run: a CI failure reproduces, and no rare draw fails one run in a hundred (an
+# all-negative randn(7) once made a prelu rule hold that the sign analysis cannot know).
+torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _seeded(request):
+    """Each test draws from its own seed (a hash of its id), whatever ran before it."""
+    seed = zlib.crc32(request.node.nodeid.encode())
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
 
 
 @pytest.fixture(scope="session")
