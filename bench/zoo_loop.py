@@ -36,12 +36,14 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parallelisms", default=",".join(PARALLELISMS), help="comma-separated (default: all); "
-                        "NAME+compile: the forward and loss under torch.compile (static shapes, aot_eager)")
+                        "NAME+MODE: the forward and loss under torch.compile (aot_eager); MODE is compile (static "
+                        "shapes), dynamic (dynamic=True), mark_dynamic (the sequence dim) or seqlen (the sequence "
+                        "shorter at each step: torch recompiles with a symbolic length)")
     parser.add_argument("--variants", default="all", help="'all' or comma-separated adamw/clip names "
                         f"({', '.join(VARIANTS)})")
     parser.add_argument("--steps", type=int, default=STEPS, help=f"training steps per case (default {STEPS})")
     parser.add_argument("--no-torch", action="store_true", help="only the enable() path")
-    parser.add_argument("--repeat", type=int, default=2, help="runs per case and path, the paths' order "
+    parser.add_argument("--repeat", type=int, default=2, help="runs per case and path (1 under a compile mode), the paths' order "
                         "alternating, the fastest times kept (default 2)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per parallelism's group (default 900)")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")

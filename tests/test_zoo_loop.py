@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from decompshard.check.loop import MAX_NORM, VARIANTS
 from decompshard.check.loop_run import merge_ranks, render, run_group
@@ -85,3 +86,50 @@ def test_fold_keeps_the_worst_verdict_and_the_fastest_times():
     rows = fold([one("OK", 2.0, {"w": 4}), one("ERROR", 1.0, {}), {**one("OK", 3.0, {}), "path": "enable"}])
     assert [(r["path"], r["verdict"], r["first_s"], r["worst"], r["warnings"]) for r in rows] == [
         ("torch", "ERROR", 1.0, 2.0, {"w": 4}), ("enable", "OK", 3.0, 3.0, {})]
+
+
+def test_compile_modes_name_a_parallelism_and_its_compile():
+    from decompshard.check.loop import COMPILE_MODES, PARALLELISMS, split_mode
+
+    assert split_mode("fsdp-tp") == ("fsdp-tp", "")
+    assert {split_mode(f"{p}{m}") for p in PARALLELISMS for m in COMPILE_MODES} == {
+        (p, m) for p in PARALLELISMS for m in COMPILE_MODES}
+
+
+def test_seqlen_mode_shortens_the_sequence_at_every_step():
+    from decompshard.check.loop import _at_length, _lengths
+
+    assert _lengths("+seqlen", 4) == [8, 6, 4, 8] and _lengths("+dynamic", 2) == [None, None]
+    x = torch.arange(16).reshape(2, 8)
+    assert torch.equal(_at_length({"ids": x}, 6)["ids"], x[:, :6]) and _at_length({"ids": x}, None)["ids"] is x
+
+
+def test_mark_dynamic_inputs_compile_once_for_two_lengths():
+    """The +mark_dynamic mode's inputs: a second sequence length reuses the first graph
+    (a symbolic length), where unmarked inputs of a static compile recompile."""
+    from torch._dynamo.testing import CompileCounter
+
+    from decompshard.check.loop import _at_length
+
+    x = torch.randn(2, 8)
+    for marked, frames in ((True, 1), (False, 2)):
+        torch._dynamo.reset()
+        counter = CompileCounter()
+        f = torch.compile(lambda t: (t * 2).sum(-1), backend=counter, dynamic=None if marked else False)
+        for length in (8, 6):
+            f(_at_length({"x": x}, length, mark_dynamic=marked)["x"])
+        assert counter.frame_count == frames, (marked, counter.frame_count)
+
+
+def test_graph_collectives_count_functional_collectives_not_waits():
+    from decompshard.check.loop import graph_collectives
+
+    def f(x):
+        c10d = torch.ops._c10d_functional
+        y = c10d.wait_tensor.default(c10d.all_reduce.default(x, "sum", "0"))
+        z = c10d.wait_tensor.default(c10d.all_gather_into_tensor.default(y, 2, "0"))
+        return c10d.wait_tensor.default(c10d.all_reduce.default(z * 2, "sum", "0"))
+
+    assert graph_collectives("backward", torch.fx.symbolic_trace(f)) == \
+        "backward: all_gather_into_tensor x1, all_reduce x2"
+    assert graph_collectives("forward", torch.fx.symbolic_trace(lambda x: x + 1)) == "forward: none"

@@ -48,7 +48,7 @@ from decompshard._compat.dispatch import (
     dtensor_planned_moves, implicitly_replicated, local_call_sharding, return_and_correct_aliasing, strategy_cost_slots,
     strategy_selection_slot, wrap_local_results,
 )
-from decompshard._compat.compile import compile_cache_tag, forget_compiled_code, set_compile_cache_tag
+from decompshard._compat.compile import aot_eager_seeing, compile_cache_tag, forget_compiled_code, set_compile_cache_tag
 from decompshard._compat.symbolic import (
     guard_divisible, has_hint, hint_of, is_symbolic, same_symbolic, symbol_hints, symbols_of, value_at,
 )
@@ -61,7 +61,7 @@ __all__ = [
     "DTensor", "DTensorSpec", "DecompShardingStrategy", "FakeTensorMode", "OpOverload", "OpSchema", "OpSpec",
     "OpStrategy", "OutputSharding", "SIMULATED_SCRIPT_IMPORTS", "SUPPORTED", "TORCH_RELEASE", "TORCH_VERSION",
     "TensorMeta", "TorchDispatchMode", "TorchPartial", "TorchReplicate", "TorchShard", "TorchShardingPlaceholder",
-    "TorchStridedShard", "TupleStrategy", "aten_ops_tagged", "block_spec", "chunk_split_points", "clip_grad_slots",
+    "TorchStridedShard", "TupleStrategy", "aot_eager_seeing", "aten_ops_tagged", "block_spec", "chunk_split_points", "clip_grad_slots",
     "clear_dtensor_caches", "collective_cost_model", "compile_cache_tag", "contiguous_spec", "cpp_sharding_cache_clearable",
     "current_autograd_node", "custom_op_handlers", "custom_op_implementation", "custom_op_overload",
     "custom_op_registry", "decomp_strategy_parameters", "disable_current_modes", "dispatch_args_in_flight",

@@ -12,11 +12,11 @@ one included.
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
-__all__ = ["compile_cache_tag", "forget_compiled_code", "set_compile_cache_tag"]
+__all__ = ["aot_eager_seeing", "compile_cache_tag", "forget_compiled_code", "set_compile_cache_tag"]
 
 
 def compile_cache_tag() -> str:
@@ -37,3 +37,23 @@ def forget_compiled_code() -> None:
     a compiled function compiles again. Nothing to drop where dynamo was never imported."""
     if "torch._dynamo" in sys.modules:
         torch._dynamo.reset_code_caches()
+
+
+def aot_eager_seeing(see: Callable[[str, torch.fx.GraphModule], None]) -> Callable[..., Any]:
+    """torch's `aot_eager` backend (AOT autograd, graphs run as they are) that first
+    shows `see` each graph AOT autograd made: ('forward' | 'backward', graph). The graphs
+    after AOT autograd are where DTensor's redistributions became collectives, so the
+    caller can count what a compiled step moves. `aot_eager(fw_compiler=, bw_compiler=)`
+    and `boxed_nop` are the same on 2.13 to 2.15."""
+    from torch._dynamo.backends.debugging import aot_eager, boxed_nop
+
+    def compiler(kind: str) -> Callable[..., Any]:
+        def compile_graph(gm: torch.fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+            see(kind, gm)
+            return boxed_nop(gm, example_inputs)
+        return compile_graph
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Callable[..., Any]:
+        return aot_eager(gm, example_inputs, fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
+                         **kwargs)
+    return backend

@@ -42,7 +42,8 @@ import torch
 
 from decompshard.errors import one_line
 
-__all__ = ["COMPILED", "LR", "MAX_NORM", "PARALLELISMS", "STEPS", "VARIANTS", "LoopRun", "Variant", "rank_main", "run_loop"]
+__all__ = ["COMPILE_MODES", "LR", "MAX_NORM", "PARALLELISMS", "STEPS", "VARIANTS", "LoopRun", "Variant", "rank_main",
+           "graph_collectives", "run_loop", "split_mode"]
 
 STEPS = 3
 LR = 1e-2
@@ -70,9 +71,40 @@ class Variant:
 VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant(o, c) for o in ("foreach", "for-loop", "fused") for c in (True, False))}
 
-# a parallelism's name with this suffix runs the forward and loss under torch.compile
-# (static shapes, aot_eager); the backward, clipping and optimizer step stay eager
-COMPILED = "+compile"
+# a parallelism's name may end in one of these: the forward and loss run under
+# torch.compile (aot_eager), the backward, clipping and optimizer step eager. The three
+# symbolic modes are the three ways users meet symbolic sizes (issue 37)
+COMPILE_MODES: dict[str, str] = {
+    "+compile": "static shapes (dynamic=False)",
+    "+dynamic": "dynamic=True: every size symbolic from the first step",
+    "+mark_dynamic": "torch._dynamo.mark_dynamic on every input's sequence dim",
+    "+seqlen": "torch's default: the sequence shorter at each step (SEQ_LENGTHS), so the second "
+               "step recompiles with a symbolic length and the third reuses that graph",
+}
+SEQ_LENGTHS = (8, 6, 4)  # the zoo's sequence (zoo.SEQ), then shorter
+
+
+def split_mode(name: str) -> tuple[str, str]:
+    """(parallelism, compile mode suffix or ''), e.g. 'dp+seqlen' -> ('dp', '+seqlen')."""
+    for suffix in COMPILE_MODES:
+        if name.endswith(suffix):
+            return name.removesuffix(suffix), suffix
+    return name, ""
+
+
+def _lengths(mode: str, steps: int) -> list[int | None]:
+    """Each step's sequence length (None: the built inputs as they are)."""
+    return [SEQ_LENGTHS[i % len(SEQ_LENGTHS)] if mode == "+seqlen" else None for i in range(steps)]
+
+
+def _at_length(inputs: dict[str, Any], length: int | None, mark_dynamic: bool = False) -> dict[str, Any]:
+    """The inputs cut to `length` tokens (every input is [batch, sequence]); with
+    `mark_dynamic`, their sequence dim marked dynamic for torch.compile."""
+    out = {k: v[:, :length].contiguous() if length is not None else v for k, v in inputs.items()}
+    if mark_dynamic:
+        for v in out.values():
+            torch._dynamo.mark_dynamic(v, 1)
+    return out
 
 # name -> (mesh shape, mesh dim names)
 PARALLELISMS: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {
@@ -92,7 +124,11 @@ class LoopRun:
     DTensor's sharding caches cleared before it); `later_s`: the fastest later step;
     `*_cpu_s` the same in this process's CPU time.
     `worst`: the largest relative error seen; `clipped`: every step's norm above
-    MAX_NORM (clipping scaled the gradients); `warnings`: decompshard's warnings."""
+    MAX_NORM (clipping scaled the gradients); `warnings`: decompshard's warnings;
+    `replicated`: the ops enable() ran replicated instead of derived, and why (symbolic
+    shapes among the reasons); `graphs`: under a compile mode, the collectives in each
+    graph AOT autograd made, in compile order (the same list for every mode means
+    symbolic sizes moved what static ones do)."""
 
     parallelism: str
     variant: str
@@ -108,6 +144,8 @@ class LoopRun:
     worst: float = 0.0
     clipped: bool = True
     warnings: list[str] = field(default_factory=list)
+    replicated: list[str] = field(default_factory=list)  # "op (why)": ops enable() ran replicated (fallbacks.py)
+    graphs: list[str] = field(default_factory=list)  # each compiled graph's collectives (`graph_collectives`)
 
 
 # ------------------------------------------------------------------ one device
@@ -124,14 +162,14 @@ def _make_optimizer(params: Any, variant: Variant, lr: float = LR) -> torch.opti
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.1, **variant.optimizer_flags())
 
 
-def _reference(built: Any, variant: Variant, steps: int) -> list[_Ref]:
+def _reference(built: Any, variant: Variant, lengths: list[int | None]) -> list[_Ref]:
     """The loop on one device: per step the loss, the total norm, every parameter."""
     model = copy.deepcopy(built.model)
     opt = _make_optimizer(model.parameters(), variant)
     out = []
-    for _ in range(steps):
+    for length in lengths:
         opt.zero_grad(set_to_none=True)
-        loss = built.loss(model, built.inputs)
+        loss = built.loss(model, _at_length(built.inputs, length))
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, foreach=variant.clip_foreach)
         opt.step()
@@ -184,9 +222,8 @@ def _place(parallelism: str, built: Any, model: torch.nn.Module) -> _Placed:
     from torch.distributed.tensor.experimental import implicit_replication
     from torch.distributed.tensor.parallel import parallelize_module
 
-    shape, names = PARALLELISMS[parallelism.removesuffix(COMPILED)]
+    shape, names = PARALLELISMS[parallelism]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    parallelism = parallelism.removesuffix(COMPILED)
     if parallelism == "dp":
         distribute_module(model, mesh)
         inputs = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in built.inputs.items()}
@@ -220,13 +257,13 @@ def _global_loss(loss: Any, placed: _Placed) -> float:
     return float(value)
 
 
-def _step(placed: _Placed, built: Any, opt: torch.optim.Optimizer, variant: Variant) -> tuple[Any, Any]:
+def _step(placed: _Placed, inputs: dict[str, Any], opt: torch.optim.Optimizer, variant: Variant) -> tuple[Any, Any]:
     """One step: forward, loss, backward, clipping, the optimizer's step."""
     from torch.distributed.tensor import DTensor
 
     opt.zero_grad(set_to_none=True)
     with placed.forward_ctx():
-        loss = placed.loss(placed.model, placed.inputs)
+        loss = placed.loss(placed.model, inputs)
         loss.backward()
     if placed.redistribute_grads:  # DTensor DP: a Partial gradient reduced to its parameter's placements
         for p in placed.model.parameters():
@@ -258,7 +295,8 @@ def _compare(loss: float, norm: float, model: torch.nn.Module, ref: _Ref) -> lis
 TOLERANCE = 1e-6
 
 
-def _loop(run: LoopRun, built: Any, placed: _Placed, variant: Variant, refs: list[_Ref], lr: float) -> None:
+def _loop(run: LoopRun, placed: _Placed, variant: Variant, refs: list[_Ref], lr: float,
+          lengths: list[int | None], mark_dynamic: bool) -> None:
     """The steps, each timed and compared; fills `run` in place."""
     from decompshard import clear_caches
     from decompshard._compat import clear_dtensor_caches
@@ -269,8 +307,9 @@ def _loop(run: LoopRun, built: Any, placed: _Placed, variant: Variant, refs: lis
     times, cpu = [], []
     for i, ref in enumerate(refs):
         run.stage, run.step = f"step {i + 1}", i + 1
+        inputs = _at_length(placed.inputs, lengths[i], mark_dynamic)
         t0, c0 = time.perf_counter(), time.process_time()
-        loss, norm = _step(placed, built, opt, variant)
+        loss, norm = _step(placed, inputs, opt, variant)
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
         got_norm = float(_plain(norm))
@@ -289,11 +328,27 @@ def _loop(run: LoopRun, built: Any, placed: _Placed, variant: Variant, refs: lis
 
 @contextlib.contextmanager
 def _recording(run: LoopRun) -> Iterator[None]:
-    """decompshard's warnings during the run, into `run.warnings` (not printed)."""
-    with warnings.catch_warnings(record=True) as caught:
+    """decompshard's warnings during the run, into `run.warnings` (not printed), and
+    the ops it ran replicated into `run.replicated`."""
+    from decompshard.runtime.fallbacks import recording_fallbacks
+
+    with warnings.catch_warnings(record=True) as caught, recording_fallbacks() as log:
         warnings.simplefilter("always")
         yield
     run.warnings = sorted({str(w.message) for w in caught if str(w.message).startswith("decompshard")})
+    run.replicated = sorted(f"{f.op} ({f.kind})" for f in log.events)
+
+
+def graph_collectives(kind: str, gm: torch.fx.GraphModule) -> str:
+    """'forward: all_gather_into_tensor x2, all_reduce x1': the collectives (torch's
+    functional collectives, waits left out) in one graph AOT autograd made."""
+    counts: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        name = str(node.target)
+        if node.op == "call_function" and "_c10d_functional" in name and "wait_tensor" not in name:
+            op = name.split(".")[-2] if name.count(".") >= 2 else name
+            counts[op] = counts.get(op, 0) + 1
+    return f"{kind}: " + (", ".join(f"{k} x{v}" for k, v in sorted(counts.items())) or "none")
 
 
 def run_loop(parallelism: str, variant_name: str, enable: bool, steps: int = STEPS, sabotage: float = 0.0) -> LoopRun:
@@ -305,28 +360,32 @@ def run_loop(parallelism: str, variant_name: str, enable: bool, steps: int = STE
 
     variant = VARIANTS[variant_name]
     run = LoopRun(parallelism, variant_name, "enable" if enable else "torch")
+    base, mode = split_mode(parallelism)
     built = build(LOOP_ENTRY, BATCH, seed=0)
-    refs = _reference(built, variant, steps)
+    lengths = _lengths(mode, steps)
+    refs = _reference(built, variant, lengths)
     with _recording(run), switched(enable):
         try:
             run.stage = "setup"
-            placed = _place(parallelism, built, copy.deepcopy(built.model))
-            placed.loss = _loss_fn(built, parallelism.endswith(COMPILED))
-            _loop(run, built, placed, variant, refs, LR * (1 + sabotage))
+            placed = _place(base, built, copy.deepcopy(built.model))
+            placed.loss = _loss_fn(built, mode, lambda kind, gm: run.graphs.append(graph_collectives(kind, gm)))
+            _loop(run, placed, variant, refs, LR * (1 + sabotage), lengths, mode == "+mark_dynamic")
         except Exception as e:
             run.verdict, run.detail = "ERROR", _named(e)
     return run
 
 
-def _loss_fn(built: Any, compiled: bool) -> Callable[..., Any]:
-    """The model's loss (forward and loss), or it under `torch.compile` with static
-    shapes (aot_eager; dynamo's compiled code dropped first, so each run compiles afresh)."""
-    from decompshard._compat import forget_compiled_code
+def _loss_fn(built: Any, mode: str, see: Callable[[str, torch.fx.GraphModule], None]) -> Callable[..., Any]:
+    """The model's loss (forward and loss), or it under `torch.compile` in `mode`
+    (COMPILE_MODES; aot_eager, each graph shown to `see`; dynamo's compiled code
+    dropped first, so each run compiles afresh)."""
+    from decompshard._compat import aot_eager_seeing, forget_compiled_code
 
-    if not compiled:
+    if not mode:
         return built.loss
     forget_compiled_code()
-    return torch.compile(built.loss, backend="aot_eager", dynamic=False)
+    dynamic = {"+compile": False, "+dynamic": True}.get(mode)  # None: torch's automatic dynamic
+    return torch.compile(built.loss, backend=aot_eager_seeing(see), dynamic=dynamic)
 
 
 def _named(e: BaseException) -> str:
@@ -343,8 +402,12 @@ def _named(e: BaseException) -> str:
 
 def _warm(runs: list[list]) -> None:
     """First-use costs paid before any timed step: one step of the first parallelism
-    and variant on both paths (each path's imports and lazy initializations)."""
+    and variant on both paths (each path's imports and lazy initializations). Not under
+    a compile mode: the first step's time is meant to include the compile, and two
+    extra compiles of DTensor activations on a loaded machine cost minutes."""
     parallelism, variant = runs[0][0], runs[0][1]
+    if split_mode(parallelism)[1]:
+        return
     for on in (True, False):
         run_loop(parallelism, variant, on, steps=1)
 

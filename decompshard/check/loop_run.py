@@ -116,10 +116,11 @@ def run_group(runs: list[list], deadline: float, warm: bool = True) -> list[dict
 def run_matrix(parallelisms: Sequence[str], variants: Sequence[str], *, steps: int, with_torch: bool = True,
                repeat: int = 2, deadline: float = 900.0, on_row: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
     """Every (parallelism, variant) with enable() and, with `with_torch`, torch alone:
-    one gloo group per parallelism, each run `repeat` times (`fold`)."""
-    from decompshard.check.loop import COMPILED, PARALLELISMS, VARIANTS
+    one gloo group per parallelism, each run `repeat` times (`fold`), once under a
+    compile mode."""
+    from decompshard.check.loop import PARALLELISMS, VARIANTS, split_mode
 
-    bases = [p.removesuffix(COMPILED) for p in parallelisms]
+    bases = [split_mode(p)[0] for p in parallelisms]
     for name, known in ((bases, PARALLELISMS), (variants, VARIANTS)):
         unknown = [n for n in name if n not in known]
         if unknown:
@@ -129,7 +130,9 @@ def run_matrix(parallelisms: Sequence[str], variants: Sequence[str], *, steps: i
     for parallelism in parallelisms:
         # each run `repeat` times, the paths' order reversed each time (enable, torch, torch,
         # enable, ...): a shared machine's swings fall on both paths, the faster time kept
-        runs = [[parallelism, v, on, steps, 0.0] for i in range(repeat) for v in variants
+        # under torch.compile each run compiles afresh: once per case and path
+        times = 1 if split_mode(parallelism)[1] else repeat
+        runs = [[parallelism, v, on, steps, 0.0] for i in range(times) for v in variants
                 for on in (paths if i % 2 == 0 else paths[::-1])]
         group = fold(run_group(runs, deadline))
         for row in group:
@@ -204,7 +207,21 @@ def render(rows: Sequence[dict[str, Any]], tablefmt: str = "github") -> str:
             warned.setdefault(w.splitlines()[0][:200], []).append(f"{r['parallelism']} {r['variant']} ({n} ranks)")
     if warned:
         out += ["", "decompshard's warnings:", ""] + [f"- {w}: {', '.join(where)}" for w, where in warned.items()]
-    return "\n".join(out)
+    return "\n".join(out + _seen_lines(rows))
+
+
+def _seen_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Per run, the ops enable() ran replicated and, under compile, each compiled
+    graph's collectives (rank 0's view: every rank compiles the same program)."""
+    lines = []
+    for r in rows:
+        if r.get("replicated"):
+            lines.append(f"- {r['parallelism']} {r['variant']} {r['path']}: ran replicated: "
+                         f"{', '.join(r['replicated'])}")
+        if r.get("graphs"):
+            lines.append(f"- {r['parallelism']} {r['variant']} {r['path']}: compiled graphs: "
+                         f"{'; '.join(r['graphs'])}")
+    return ["", "Ops run replicated and compiled graphs' collectives:", ""] + lines if lines else []
 
 
 def against_us(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
