@@ -7,6 +7,8 @@
     inplace_views    in-place view ops (`transpose_`, `unsqueeze_`) as their twin's view
     partial_fill     `masked_fill_` on a Partial self where the fill keeps it (label-smoothed
                      cross-entropy on class-sharded logits), on each rank's part
+    symbolic_slices  slices to the end of a sharded dim keep the shard under symbolic sizes
+                     (DTensor cannot prove `end > size` for a symbolic size and gathers)
     clip_norms       gradient-norm clipping (`clip_grad_norm_`, `get_total_norm`) over tensors
                      on several meshes or mixed with plain ones: one norm per mesh, combined
     kwarg_routing    keyword tensors (SDPA's `attn_mask`) moved to the placements a derived
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 from decompshard.runtime.records import Support
 from decompshard.runtime.support import (as_strided, clip_norms, data_dependent, inplace, inplace_views, partial_fill,
-                                         uneven_views)
+                                         symbolic_slices, uneven_views)
 
 __all__ = ["SUPPORT"]
 
@@ -34,6 +36,8 @@ SUPPORT: tuple[Support, ...] = (
             inplace_views.entries),
     Support("partial_fill", "masked_fill_ on a Partial self runs on the parts where the fill keeps the Partial",
             partial_fill.entries),
+    Support("symbolic_slices", "a slice to the end of a sharded dim keeps the shard under symbolic sizes, as under "
+            "static ones", symbolic_slices.entries),
     Support("clip_norms", "gradient-norm clipping over several meshes or mixed with plain tensors: one norm per "
             "mesh, reduced once, combined as one device", clip_norms.entries),
 )
