@@ -17,7 +17,7 @@ import warnings
 
 import pytest
 import torch
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import decompshard
 from decompshard._compat import strategy_cost_slots, strategy_selection_slot
@@ -265,3 +265,58 @@ def test_a_gather_is_not_shrunk_by_chunking_what_the_next_op_needs_whole(monkeyp
     right, gathered_unpriced, placements = _routed_rows(False, monkeypatch)
     assert right and placements == (R, Shard(1))
     assert gathered_unpriced > gathered, gathered_unpriced
+
+
+def _vocab_head_block(x, w1, w2, wh):
+    h = torch.relu(x @ w1.T) @ w2.T  # column- then row-parallel
+    if isinstance(h, DTensor):
+        h = h.redistribute(h.device_mesh, [R])  # reduced in forward; its gradient stays as it comes
+    return h @ wh.T  # a vocab-parallel head: h's gradient comes back Partial
+
+
+def _vocab_head_backward(steer_node: bool, monkeypatch):
+    """(gradients right on every rank, backward bytes by collective, backward top) of
+    the block above on a mesh of 2, the head's weight sharded on the vocabulary, the
+    logits' gradient Shard(1)."""
+    import decompshard.runtime.steering.kept_partial as pricing
+
+    if not steer_node:
+        monkeypatch.setattr(pricing, "shared_move", lambda op_schema: None)
+    args = [_t(64, 16, seed=1), _t(32, 16, seed=2), _t(16, 32, seed=3), _t(24, 16, seed=4)]
+    ref = [a.clone().requires_grad_(True) for a in args]
+    cot = _t(64, 24, seed=5)
+    (_vocab_head_block(*ref) * cot).sum().backward()
+    mesh = device_mesh((2,))
+    decompshard.enable()
+    try:
+        with simulation(2), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            d = [distribute_tensor(a, mesh, [pl]).requires_grad_(True)
+                 for a, pl in zip(args, (R, Shard(0), Shard(1), Shard(0)))]
+            loss = (_vocab_head_block(*d) * distribute_tensor(cot, mesh, [Shard(1)])).sum()
+            with CommBytes() as bwd:
+                loss.backward()
+            right = all(torch.allclose(v, r.grad, rtol=1e-10, atol=1e-12)
+                        for a, r in zip(d, ref) for v in a.grad.full_tensor()._local_tensors.values())
+            return right, bwd.bytes_by_kind, bwd.top()
+    finally:
+        decompshard.disable()
+
+
+def test_a_row_parallel_weight_gradient_reduces_the_gradient_its_node_reduces_anyway(monkeypatch):
+    """Llama behind a vocab-parallel lm_head (the zoo's `llama-vocab` tp): the row-parallel
+    layer's gradient arrives Partial. Its node computes the weight gradient first
+    (`grad.t() @ a`, a [64, 32] Shard(1)): alone, gathering `a` (4 KiB) and leaving a
+    [16, 32] Partial is cheaper than all-reducing the [64, 16] gradient (8 KiB). But the
+    input gradient next (`grad @ w2`, w2 Shard(1)) all-reduces that gradient anyway, so
+    the gather buys nothing: asked ahead (`node_reads.shared_move`), the weight gradient
+    reduces it and the input gradient reuses the reduction (`reduce_once`). One
+    all-reduce of the gradient, as Megatron, and no all-gather."""
+    grad = 64 * 16 * 8
+    right, moved, top = _vocab_head_backward(True, monkeypatch)
+    assert right
+    assert moved == {"all_reduce": grad}, top
+    assert [t["op"] for t in top] == ["aten.mm.default([16, 64]P(sum) [64, 32]S(1))"], top
+    right, moved, _ = _vocab_head_backward(False, monkeypatch)
+    assert right
+    assert moved.get("all_gather_into_tensor") == 64 * 16 * 8 and moved.get("all_reduce") == grad, moved

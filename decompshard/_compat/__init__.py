@@ -27,7 +27,7 @@ from decompshard._compat.release import (
 from decompshard._compat.ops import (
     FakeTensorMode, OpOverload, TorchDispatchMode, aten_ops_tagged, clip_grad_slots, current_autograd_node,
     custom_op_implementation, custom_op_overload, custom_op_registry, disable_current_modes,
-    in_backward, is_dispatchable, is_fake, keystr, lazy_attribute, on_backward_end, torch_decomposition,
+    in_backward, is_dispatchable, is_fake, keystr, lazy_attribute, linear_node_operands, on_backward_end, torch_decomposition,
     torch_decomposition_table, tree_flatten, tree_flatten_with_path, tree_leaves, tree_map,
     tree_unflatten,
 )
@@ -45,7 +45,7 @@ from decompshard._compat.dtensor import (
 from decompshard._compat.dispatch import (
     collective_cost_model, dispatch_args_in_flight, dispatch_redistribute_slot,
     dtensor_default_dispatch, dtensor_local_results, dtensor_output_sharding, dtensor_output_spec,
-    dtensor_planned_moves, implicitly_replicated, local_call_sharding, return_and_correct_aliasing, strategy_cost_slots,
+    dtensor_planned_moves, implicitly_replicated, local_call_sharding, planned_input_specs, return_and_correct_aliasing, strategy_cost_slots,
     strategy_selection_slot, wrap_local_results,
 )
 from decompshard._compat.compile import aot_eager_seeing, compile_cache_tag, forget_compiled_code, set_compile_cache_tag
@@ -69,9 +69,9 @@ __all__ = [
     "dtensor_output_spec", "dtensor_planned_moves", "dtensor_spec", "fake_one_rank_mesh", "fake_store",
     "forget_compiled_code",
     "full_mesh_filter_keyword", "generate_redistribute_costs", "guard_divisible", "has_hint", "has_native_strategy", "hint_of", "implicitly_replicated", "in_backward",
-    "inferred_schema_info", "is_dispatchable", "is_fake", "is_symbolic", "keystr", "local_call_sharding", "local_tensor",
+    "inferred_schema_info", "is_dispatchable", "is_fake", "is_symbolic", "keystr", "linear_node_operands", "local_call_sharding", "local_tensor",
     "local_tensor_api", "local_tensor_mode", "make_local_tensor", "on_backward_end", "op_dispatcher",
-    "op_strategy_func", "outside_simulation", "placed_dtensor", "propagation_cache_type", "rank_tensors",
+    "op_strategy_func", "outside_simulation", "placed_dtensor", "planned_input_specs", "propagation_cache_type", "rank_tensors",
     "rebind_dtensor", "redistribute_cost", "redistribute_local_tensor", "return_and_correct_aliasing",
     "same_symbolic", "schema_info_slot", "set_compile_cache_tag", "set_dtensor_layout", "sharding_propagator",
     "simulating_ranks", "single_dim_strategy_info", "slab_index", "spec_dtensor", "strategy_cost_slots",

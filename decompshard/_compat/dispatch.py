@@ -14,7 +14,7 @@ from decompshard._compat.dtensor import DTensor, DTensorSpec, OpSchema, OutputSh
 __all__ = [
     "collective_cost_model", "dispatch_args_in_flight", "dispatch_redistribute_slot", "dtensor_default_dispatch",
     "dtensor_local_results", "dtensor_output_sharding", "dtensor_output_spec", "dtensor_planned_moves",
-    "implicitly_replicated", "local_call_sharding", "return_and_correct_aliasing", "strategy_cost_slots", "strategy_selection_slot",
+    "implicitly_replicated", "local_call_sharding", "planned_input_specs", "return_and_correct_aliasing", "strategy_cost_slots", "strategy_selection_slot",
     "wrap_local_results",
 ]
 
@@ -86,6 +86,20 @@ def dtensor_planned_moves(op_call: Any, args: tuple, kwargs: dict) -> list[tuple
     current = list(op_info.schema.args_spec)
     target = sharding.redistribute_schema.args_spec if sharding.redistribute_schema is not None else current
     return list(zip(current, target))
+
+
+def planned_input_specs(op: Any, arg_specs: Sequence[Any]) -> list[Any] | None:
+    """DTensor's choice for a call not made yet, from its argument specs alone (tensor
+    arguments only, each a DTensorSpec with its tensor meta): the spec each argument is
+    moved to (its own where it stays); None where DTensor has no strategy (it would
+    raise). The answer enters DTensor's propagation cache, where the call itself finds it."""
+    schema = OpSchema(op, tuple(arg_specs), {}, schema_info=DTensor._op_dispatcher.sharding_propagator.op_to_schema_info.get(op))
+    try:
+        sharding = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding(schema)
+    except Exception:  # noqa: BLE001 - whatever DTensor raises, its own path would raise it too
+        return None
+    rs = sharding.redistribute_schema
+    return list(rs.args_spec) if rs is not None else list(arg_specs)
 
 
 def implicitly_replicated(t: Any) -> bool:

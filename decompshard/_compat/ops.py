@@ -22,7 +22,7 @@ from torch.utils._pytree import (
 __all__ = [
     "FakeTensorMode", "OpOverload", "TorchDispatchMode", "aten_ops_tagged", "clip_grad_slots", "current_autograd_node",
     "custom_op_implementation", "custom_op_overload", "custom_op_registry", "disable_current_modes",
-    "in_backward", "is_dispatchable", "is_fake", "keystr", "lazy_attribute", "on_backward_end",
+    "in_backward", "is_dispatchable", "is_fake", "keystr", "lazy_attribute", "linear_node_operands", "on_backward_end",
     "torch_decomposition", "torch_decomposition_table", "tree_flatten", "tree_flatten_with_path", "tree_leaves",
     "tree_map", "tree_unflatten",
 ]
@@ -148,6 +148,22 @@ def is_fake(t: Any) -> bool:
 def current_autograd_node() -> Any:
     """The autograd node whose backward (or hooks) this thread runs now; None outside one."""
     return torch._C._current_autograd_node()
+
+
+def linear_node_operands(node: Any) -> tuple[Any, Any, bool] | None:
+    """A matmul node's saved operands (`mm`'s self and mat2, `addmm`'s mat1 and mat2, as
+    its forward got them) and whether it computes the first one's gradient too (an edge
+    goes out there); None for any other node. Its backward computes mat2's gradient
+    first, then mat1's (`mm_mat2_backward`, then `mm_mat1_backward`: checked on
+    2.13-2.15), both from the same incoming gradient."""
+    first = {"MmBackward0": ("_saved_self", 0), "AddmmBackward0": ("_saved_mat1", 1)}.get(type(node).__name__)
+    if first is None:
+        return None
+    name, edge = first
+    try:
+        return getattr(node, name), node._saved_mat2, node.next_functions[edge][0] is not None
+    except (AttributeError, RuntimeError, IndexError):  # freed saved tensors, or another layout
+        return None
 
 
 def on_backward_end(callback: Any) -> None:

@@ -127,7 +127,7 @@ def _causal_lm(config_cls: str, **kw: Any) -> Callable[[int, int], Built]:
         pos = torch.arange(SEQ).expand(batch, SEQ).contiguous()
         # transformers' own plan: the lm_head replicated. At the zoo's vocabulary (64) a
         # vocab-parallel lm_head (torchtitan's plan, style `vocab_colwise`) moves more
-        # than it saves (Llama tp: 94 KiB against 77 KiB); the `llama-vocab` case runs it
+        # than it saves (Llama tp: 81.5 KiB against 64.5 KiB); the `llama-vocab` case runs it
         # to show the loss computed without gathering the logits
         return Built(model, {"input_ids": ids, "position_ids": pos, "labels": ids.clone()}, _hf_loss,
                      _hf_plan(model))

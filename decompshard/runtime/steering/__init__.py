@@ -7,7 +7,9 @@ reduced once per op that reads it. These add the missing price, or remove the re
 without adding a strategy or a handler of an op's own:
 
     kept_partial     a Partial output priced at the reduction it will cost, per mesh dim;
-                     a gather shrunk by chunking a replicated mesh dim owes the re-gather
+                     a gather shrunk by chunking a replicated mesh dim owes the re-gather;
+                     a weight gradient keeping a Partial gradient its node reduces anyway
+                     owes that reduction (node_reads: what the node's next mm will do)
     strided_blocks   packed projections kept in their `_StridedShard` blocks
     reduce_once      a Partial gradient reduced once per backward node
 

@@ -10,13 +10,15 @@ model), and prices some moves below what they cost later:
   parallel over both mesh dims, and every matmul after it gathers again;
 * a strategy that keeps a Partial input Partial while another input moves hands on a
   Partial that each reader all-reduces (a backward gradient summed from Partials);
+* a weight gradient that keeps a matmul node's Partial gradient Partial (gathering its
+  input beside) where the node's input gradient reduces it next anyway (`node_reads`);
 * `_StridedShard` -> Shard at 0, though DTensor all-gathers it first;
 * a gather shrunk by chunking a replicated mesh dim, which the next reader gathers again.
 
 While `enable()` is on, where DTensor prices candidates and where it chooses among them
 (`_compat.strategy_cost_slots`, `_compat.strategy_selection_slot`), each such move costs
 what it defers: (1 + MARGIN) all-reduces of the tensor (`surcharge`, `kept_partial_price`,
-`strided_partial_price`), an all-gather for a strided move (`strided_floor`), (1 + MARGIN)
+`strided_partial_price`, `shared_reduction_price`), an all-gather for a strided move (`strided_floor`), (1 + MARGIN)
 all-gathers for a chunked one (`chunked_gather_price`). Reducing where the Partial is made
 (Megatron's plan) then wins the tie. Only the choice changes; what a strategy computes and
 the redistributions DTensor then plans are DTensor's own. Decision rules:
@@ -41,10 +43,13 @@ from typing import Any, Callable, Iterator
 
 from decompshard._compat import (TorchStridedShard, in_backward, strategy_cost_slots,
                                  strategy_selection_slot)
+from decompshard.runtime.steering.node_reads import shared_move
+from decompshard.runtime.steering.reduce_once import reduced_dims
 from decompshard.runtime.table_patches import Entry, WarnOnce
 from decompshard.mesh.cost import dtensor_collective_cost_model
 
-__all__ = ["MARGIN", "entries", "kept_partial_price", "strided_floor", "strided_partial_price", "surcharge"]
+__all__ = ["MARGIN", "entries", "kept_partial_price", "shared_reduction_price", "strided_floor", "strided_partial_price",
+           "surcharge"]
 
 MARGIN = 0.01  # over an all-reduce: reducing where the Partial is made wins the tie
 
@@ -232,19 +237,40 @@ def chunked_gather_price(current: list, spec: Any) -> float:
     return owed
 
 
+def shared_reduction_price(current: list, spec: Any, shared: tuple[int, Any] | None) -> float:
+    """What strategy `spec` owes where the op's gradient argument is reduced anyway by the
+    next op of its backward node (`node_reads.shared_move`: `(index, target spec)`): a
+    candidate that moves that argument to the target shares the reduction (`reduce_once`
+    reuses it) and owes nothing; any other keeps a Partial whose reduction it does not
+    save, and owes it: (1 + MARGIN) all-reduces of the argument on each mesh dim the
+    target reduces (a row-parallel weight gradient gathering its input beside it pays
+    the gather for nothing). 0 where nothing is shared."""
+    if shared is None or spec.input_specs is None or len(spec.input_specs) != len(current):
+        return 0.0
+    index, target = shared
+    if tuple(spec.input_specs[index].placements) == tuple(target.placements):
+        return 0.0
+    gb, dims = _local_gb(current[index]), reduced_dims(current[index], target)
+    if not _plain(gb) or dims is None:
+        return 0.0
+    m = dtensor_collective_cost_model()
+    topo = m.MeshTopoInfo.build_from_mesh(current[index].mesh)
+    return sum((1 + MARGIN) * m.allreduce_cost(gb, topo, dim) for dim, _ in dims)
+
+
 def _select(original: Callable) -> Callable:
     """`_select_min_cost_strategy(strategy, op_schema)` choosing with what each candidate
     owes beyond its input moves added to its cost (`kept_partial_price`,
-    `strided_partial_price`, `chunked_gather_price`); the candidate returned is DTensor's
-    own object."""
+    `strided_partial_price`, `chunked_gather_price`, `shared_reduction_price`); the
+    candidate returned is DTensor's own object."""
 
     @functools.wraps(original)
     def select(strategy: Any, op_schema: Any = None) -> Any:
         if op_schema is None or len(strategy.strategies) < 2:
             return original(strategy, op_schema)
-        current = list(op_schema.args_spec)
+        current, shared = list(op_schema.args_spec), shared_move(op_schema)
         owed = [kept_partial_price(current, s) + strided_partial_price(current, s) + chunked_gather_price(current, s)
-                for s in strategy.strategies]
+                + shared_reduction_price(current, s, shared) for s in strategy.strategies]
         if not any(owed):
             return original(strategy, op_schema)
         priced = []
