@@ -150,15 +150,45 @@ def test_a_slice_to_the_end_keeps_the_batch_shard_under_symbolic_sizes():
         torch.testing.assert_close(b.to_local(), (full[:, :-1] + 1).tensor_split(4)[0])
 
 
+@pytest.mark.skipif(TORCH_VERSION < (2, 14), reason="torch 2.13: slice_backward's strategy is not single-dim "
+                    "(support/symbolic_slices.py leaves it alone there)")
+def test_the_backward_of_a_slice_to_the_end_keeps_the_batch_shard():
+    # slice_backward's strategy never keeps the sliced dim's shard; a whole slice's
+    # backward is its gradient, so with enable() it passes through (2.14+: single-dim table)
+    from decompshard._compat import aot_eager_seeing
+    from decompshard.check.loop import graph_collectives
+
+    mesh = device_mesh((4,))
+    graphs = []
+    with decompshard.enabled():
+        torch._dynamo.reset()
+        f = torch.compile(lambda x: x[:, :-1] * 2, dynamic=True,
+                          backend=aot_eager_seeing(lambda kind, gm: graphs.append(graph_collectives(kind, gm))))
+        for n in (16, 10):
+            full = torch.randn(n, 6, generator=torch.Generator().manual_seed(n))
+            x = _rank0(full, mesh, S0).requires_grad_()
+            y = f(x)
+            y.backward(_rank0(torch.ones(n, 5), mesh, S0))
+            expected = torch.zeros(n, 6)
+            expected[:, :-1] = 2
+            assert y.placements == x.grad.placements == (S0,)
+            torch.testing.assert_close(x.grad.to_local(), expected.tensor_split(4)[0])
+    assert set(graphs) == {"forward: none", "backward: none"}, graphs
+
+
 def test_an_end_short_of_int64s_largest_reaches_dtensor_unchanged():
     import sys
 
-    from decompshard.runtime.support.symbolic_slices import to_the_end
+    from decompshard.runtime.support.symbolic_slices import to_the_end, whole_slice_dim
 
     assert to_the_end(("x", 1, 0, sys.maxsize)) == ("x", 1, 0, None)
     assert to_the_end(("x", 1, 0, sys.maxsize, 2)) == ("x", 1, 0, None, 2)
     assert to_the_end(("x", 1, 0, sys.maxsize - 1)) == ("x", 1, 0, sys.maxsize - 1)
     assert to_the_end(("x", 1, 2)) == ("x", 1, 2)
+    g = torch.empty(4, 5)
+    assert whole_slice_dim((g, [4, 6], -1, 0, sys.maxsize, 1)) == 1
+    assert whole_slice_dim((g, [4, 6], 1, 1, sys.maxsize, 1)) is None  # x[:, 1:]: not whole
+    assert whole_slice_dim((g, [4, 6], 1, 0, 5, 1)) is None
 
 
 def _mse_args(mesh):

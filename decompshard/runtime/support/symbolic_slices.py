@@ -16,8 +16,14 @@ gathers none of them; torch alone the same.
 An `end` at int64's largest means "to the end" whatever the size (no dim is larger), so
 the strategy is handed `end=None`, which it reads as the size: the placements it chooses
 are the ones it chooses for the same slice with static sizes. Any other `end` reaches it
-unchanged; the local kernel always gets the original arguments. `slice_backward` is left
-as it is (its strategy never keeps the sliced dim's shard, static or not). Tests:
+unchanged; the local kernel always gets the original arguments.
+
+The backward of such a slice, `slice_backward(grad, input_sizes, dim, 0, end, 1)`, is the
+gradient itself: DTensor's strategy never keeps the sliced dim's shard (it need not with
+static sizes, where the whole slice is elided before it is recorded), so the batch was
+gathered again in backward. Where `end` is "to the end" (as above), `start` 0 and `step`
+1, the sliced dim's shard passes through (2.14 and 2.15, whose strategy is single-dim;
+DTensor localizes `input_sizes` to the output's shard itself). Tests:
 tests/test_symbolic_sizes.py.
 """
 
@@ -29,12 +35,13 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from decompshard._compat import OpSchema, sharding_propagator
+from decompshard._compat import OpSchema, TorchShardingPlaceholder, sharding_propagator
 from decompshard.runtime.table_patches import Entry, WarnOnce
 
-__all__ = ["entries", "to_the_end"]
+__all__ = ["entries", "to_the_end", "whole_slice_dim"]
 
 SLICE = torch.ops.aten.slice.Tensor
+SLICE_BACKWARD = torch.ops.aten.slice_backward.default
 _END = 3  # slice.Tensor(self, dim=0, start=None, end=None, step=1)
 
 
@@ -44,6 +51,28 @@ def to_the_end(args: tuple) -> tuple:
     if isinstance(end, int) and not isinstance(end, bool) and end >= sys.maxsize:
         return args[:_END] + (None,) + args[_END + 1:]
     return args
+
+
+def whole_slice_dim(args: tuple) -> int | None:
+    """The sliced dim of `slice_backward(grad, input_sizes, dim, start, end, step)` where the
+    slice was the whole dim (start 0, step 1, end "to the end"); None otherwise."""
+    if len(args) < 6 or not hasattr(args[0], "shape"):
+        return None
+    dim, start, end, step = args[2:6]
+    whole = start == 0 and step == 1 and isinstance(end, int) and end >= sys.maxsize
+    return dim % len(args[0].shape) if whole and isinstance(dim, int) else None
+
+
+def _backward(func: Callable) -> Callable:
+    def strategy(op: Any, args_schema: Any, kwargs_schema: Any) -> Any:
+        rules = func(op, args_schema, kwargs_schema)
+        dim = whole_slice_dim(tuple(args_schema))
+        if dim is None:
+            return rules
+        return [*rules, [TorchShardingPlaceholder(dim), TorchShardingPlaceholder(dim)]]
+
+    strategy.__wrapped__ = func  # type: ignore[attr-defined]
+    return strategy
 
 
 def _single(func: Callable) -> Callable:
@@ -74,3 +103,6 @@ def entries(warn_once: WarnOnce) -> Iterator[Entry]:
         yield single, SLICE, dataclasses.replace(single[SLICE], func=_single(single[SLICE].func))
     elif SLICE in full:
         yield full, SLICE, _full(full[SLICE])
+    if SLICE_BACKWARD in single:
+        yield single, SLICE_BACKWARD, dataclasses.replace(single[SLICE_BACKWARD],
+                                                          func=_backward(single[SLICE_BACKWARD].func))
