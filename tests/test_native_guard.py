@@ -55,7 +55,8 @@ def _matches(case: C.Case, got: tuple) -> bool:
 def _entries():
     """DTensor's tables as the guard sees them: left out are the view family and the
     handlers `enable()` installs with or without the guard (uneven_views.py,
-    data_dependent.py, inplace.py, inplace_views.py, as_strided.py, partial_fill.py, plans/;
+    data_dependent.py, inplace.py, inplace_views.py, as_strided.py, partial_fill.py,
+    symbolic_slices.py, plans/;
     each tested in its own file)."""
     from decompshard.runtime.support import as_strided
     from decompshard.runtime import plans as collective_plans
@@ -71,10 +72,11 @@ def _entries():
             | {as_strided.OP, as_strided.OUT_OF_PLACE, as_strided.COPY, as_strided.SCATTER}
             | {op for op, _ in inplace_views.in_place_view_ops()}
             | {op for op, _ in collective_plans.plan_ops()}
-            | {aten.masked_fill_.Scalar})  # support/partial_fill.py
+            | {aten.masked_fill_.Scalar}  # support/partial_fill.py
+            | {aten.slice.Tensor, aten.slice_backward.default})  # support/symbolic_slices.py
     return ({op: handlers[op] for op in handlers if op not in ours},
-            {op: sp.op_single_dim_strategy_funcs[op] for op in sp.op_single_dim_strategy_funcs},
-            {op: sp.op_strategy_funcs[op] for op in sp.op_strategy_funcs if op not in views})
+            {op: sp.op_single_dim_strategy_funcs[op] for op in sp.op_single_dim_strategy_funcs if op not in ours},
+            {op: sp.op_strategy_funcs[op] for op in sp.op_strategy_funcs if op not in views | ours})
 
 
 def test_conv_cases_are_wrong_without_the_guard(mesh):
