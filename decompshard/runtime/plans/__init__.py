@@ -14,6 +14,7 @@ or DECOMPSHARD_PLANS=0, independent of the native guard.
     index_put      index_put (accumulate) / scatter_add of values sharded like the index, into a Partial(sum)
     batch_norm     batch norm on a batch-sharded input (SyncBatchNorm's plan)
     conv_channels  convolutions with channel-sharded weights, on their shards
+    bool_reductions  all() / any() of a whole sharded tensor: each rank its own part, one byte moved
 
 `PLANS` is the one registry: `entries()` installs each plan's handler (`Plan.handler`:
 the plan where it pays, else the next handler in the op's chain), and `explain` prices a
@@ -28,14 +29,15 @@ from typing import Any, Iterator
 from decompshard._compat import custom_op_handlers, dtensor_default_dispatch
 from decompshard.op_names import resolve_op
 from decompshard.runtime.collectives import Priced, dtensor_cost
-from decompshard.runtime.plans import batch_norm, conv_channels, index_add, index_put, layer_norm, softmax, vocab_loss
+from decompshard.runtime.plans import (batch_norm, bool_reductions, conv_channels, index_add, index_put, layer_norm, softmax,
+                                      vocab_loss)
 from decompshard.runtime.records import Plan
 from decompshard.runtime.table_patches import Entry
 
 __all__ = ["PLANS", "entries", "plan_for", "plan_ops", "price"]
 
 PLANS: tuple[Plan, ...] = (*softmax.PLANS, *layer_norm.PLANS, *vocab_loss.PLANS, *index_add.PLANS, *index_put.PLANS,
-                           *batch_norm.PLANS, *conv_channels.PLANS)
+                           *batch_norm.PLANS, *conv_channels.PLANS, *bool_reductions.PLANS)
 
 
 @functools.lru_cache(maxsize=None)
