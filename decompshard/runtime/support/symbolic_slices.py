@@ -59,7 +59,8 @@ def whole_slice_dim(args: tuple) -> int | None:
     if len(args) < 6 or not hasattr(args[0], "shape"):
         return None
     dim, start, end, step = args[2:6]
-    whole = start == 0 and step == 1 and isinstance(end, int) and end >= sys.maxsize
+    # plain ints only: comparing a SymInt here would put a guard on it
+    whole = all(isinstance(v, int) for v in (start, end, step)) and start == 0 and step == 1 and end >= sys.maxsize
     return dim % len(args[0].shape) if whole and isinstance(dim, int) else None
 
 
