@@ -212,7 +212,7 @@ def render(rows: Sequence[dict[str, Any]], tablefmt: str = "github") -> str:
 
 def _seen_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
     """Per run, the ops enable() ran replicated and, under compile, each compiled
-    graph's collectives (rank 0's view: every rank compiles the same program)."""
+    graph's collectives (one rank's, the merged row's: every rank compiles the same program)."""
     lines = []
     for r in rows:
         if r.get("replicated"):
