@@ -5,8 +5,10 @@ device. One run per parallelism, the optimizer and clipping variants spread over
 FSDP2 + tensor parallel in torchtitan's order (its clipping spans two meshes: torch
 alone raises), FSDP2 alone, DTensor data parallel (torch alone has no strategy for CPU
 SDPA) and Megatron tensor parallel. The check is shown to fail: the same loop with the
-learning rate off by 1% is WRONG. Even batches: no fence warns. The whole matrix, with
-torch alone beside it and times: `python bench/zoo_loop.py`.
+learning rate off by 1% is WRONG. Even batches: no fence warns. Tensor parallel once more
+with the forward and loss under torch.compile (static shapes), its graphs' collectives
+Megatron's. The whole matrix, with torch alone beside it, times and the symbolic compile
+modes: `python bench/zoo_loop.py`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ RUNS = [
     ["fsdp", "fused/for-loop", True, 3, 0.0],
     ["dp", "for-loop/foreach", True, 3, 0.0],
     ["tp", "foreach/for-loop", True, 3, 0.0],
+    ["tp+compile", "foreach/foreach", True, 3, 0.0],  # the forward and loss compiled (static, aot_eager)
     ["fsdp-tp", "for-loop/for-loop", True, 2, 1e-2],  # sabotaged: the check must fail
 ]
 
@@ -45,6 +48,8 @@ def test_loop_matches_one_device_every_step(rows, i):
     assert row["ranks"] == 4 and row["worst"] < 1e-6, row  # every rank compared every step
     assert row["clipped"], f"the total norm stayed under {MAX_NORM}: clipping was not exercised"
     assert row["first_s"] and row["later_s"], row
+    if row["parallelism"].endswith("+compile"):  # Megatron's all-reduces, in the graphs AOT autograd made
+        assert row["graphs"] == ["forward: all_reduce x4", "backward: all_reduce x10"], row["graphs"]
 
 
 def test_even_batches_warn_of_no_fence(rows):
