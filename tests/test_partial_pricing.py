@@ -13,6 +13,7 @@ the op that issued each collective.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -40,6 +41,20 @@ def _blocks(x, w1, w2, g):
     return h
 
 
+@contextlib.contextmanager
+def _simulated(mesh_shape, on: bool = True):
+    """The mesh of `mesh_shape`, its ranks simulated, decompshard on (or off) and
+    DTensor's warnings quiet inside; decompshard disabled after."""
+    mesh = device_mesh(mesh_shape)
+    (decompshard.enable if on else decompshard.disable)()
+    try:
+        with simulation(mesh.size()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield mesh
+    finally:
+        decompshard.disable()
+
+
 def _run(on: bool):
     """(loss ok, grads ok, forward CommBytes, backward CommBytes, output placements)."""
     args = [_t(4, 6, 16, seed=1), _t(32, 16, seed=2), _t(16, 32, seed=3), _t(16, seed=4)]
@@ -47,25 +62,19 @@ def _run(on: bool):
     cot = _t(4, 6, 16, seed=5)
     (_blocks(*ref) * cot).sum().backward()
     want = _blocks(*args)
-    mesh = device_mesh((2, 2))
     placements = [[Shard(0), R], [R, Shard(0)], [R, Shard(1)], [R, R]]  # x; w1 colwise; w2 rowwise; g
-    (decompshard.enable if on else decompshard.disable)()
-    try:
-        with simulation(4), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            d = [distribute_tensor(a, mesh, pl).requires_grad_(True) for a, pl in zip(args, placements)]
-            dcot = distribute_tensor(cot, mesh, [Shard(0), R])
-            with CommBytes() as fwd:
-                out = _blocks(*d)
-            with CommBytes() as bwd:
-                (out * dcot).sum().backward()
-            out_ok = all(torch.allclose(v, want, rtol=1e-10, atol=1e-12)
-                         for v in out.full_tensor()._local_tensors.values())
-            grads_ok = all(torch.allclose(v, r.grad, rtol=1e-10, atol=1e-12)
-                           for a, r in zip(d, ref) for v in a.grad.full_tensor()._local_tensors.values())
-            return out_ok, grads_ok, fwd, bwd, tuple(out.placements)
-    finally:
-        decompshard.disable()
+    with _simulated((2, 2), on) as mesh:
+        d = [distribute_tensor(a, mesh, pl).requires_grad_(True) for a, pl in zip(args, placements)]
+        dcot = distribute_tensor(cot, mesh, [Shard(0), R])
+        with CommBytes() as fwd:
+            out = _blocks(*d)
+        with CommBytes() as bwd:
+            (out * dcot).sum().backward()
+        out_ok = all(torch.allclose(v, want, rtol=1e-10, atol=1e-12)
+                     for v in out.full_tensor()._local_tensors.values())
+        grads_ok = all(torch.allclose(v, r.grad, rtol=1e-10, atol=1e-12)
+                       for a, r in zip(d, ref) for v in a.grad.full_tensor()._local_tensors.values())
+        return out_ok, grads_ok, fwd, bwd, tuple(out.placements)
 
 
 def test_two_d_blocks_reduce_each_row_parallel_output_once_where_it_is_made():
@@ -116,24 +125,18 @@ def test_one_d_forward_reduces_the_residual_where_it_is_made_and_backward_reads_
     ref = [a.clone().requires_grad_(True) for a in args]
     cot = _t(3, 5, 16, seed=5)
     (_pre_norm_blocks(*ref) * cot).sum().backward()
-    mesh = device_mesh((2,))
     moved = {}
     for on in (True, False):
-        (decompshard.enable if on else decompshard.disable)()
-        try:
-            with simulation(2), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                d = [distribute_tensor(a, mesh, [pl]).requires_grad_(True)
-                     for a, pl in zip(args, (R, Shard(0), Shard(1)))]
-                dcot = distribute_tensor(cot, mesh, [R])
-                with CommBytes() as comm:
-                    (_pre_norm_blocks(*d) * dcot).sum().backward()
-                for a, r in zip(d, ref):
-                    assert all(torch.allclose(v, r.grad, rtol=1e-10, atol=1e-12)
-                               for v in a.grad.full_tensor()._local_tensors.values())
-                moved[on] = comm.bytes_by_kind
-        finally:
-            decompshard.disable()
+        with _simulated((2,), on) as mesh:
+            d = [distribute_tensor(a, mesh, [pl]).requires_grad_(True)
+                 for a, pl in zip(args, (R, Shard(0), Shard(1)))]
+            dcot = distribute_tensor(cot, mesh, [R])
+            with CommBytes() as comm:
+                (_pre_norm_blocks(*d) * dcot).sum().backward()
+            for a, r in zip(d, ref):
+                assert all(torch.allclose(v, r.grad, rtol=1e-10, atol=1e-12)
+                           for v in a.grad.full_tensor()._local_tensors.values())
+            moved[on] = comm.bytes_by_kind
     activation = 3 * 5 * 16 * 8
     # Megatron: per block one all-reduce of the row-parallel output (forward) and one of
     # the column-parallel input's gradient (backward)
@@ -156,23 +159,17 @@ def test_one_d_backward_reduces_a_partial_gradient_before_a_row_parallel_layer()
     ref = [a.clone().requires_grad_(True) for a in args]
     cot = _t(3, 5, 16, seed=5)
     (_shared_input_block(*ref) * cot).sum().backward()
-    mesh = device_mesh((2,))
-    decompshard.enable()
-    try:
-        with simulation(2), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            d = [distribute_tensor(a, mesh, [pl]).requires_grad_(True)
-                 for a, pl in zip(args, (R, Shard(0), Shard(1), Shard(0), Shard(0)))]
-            dcot = distribute_tensor(cot, mesh, [Shard(2)])
-            with CommBytes() as fwd:
-                out = _shared_input_block(*d)
-            with CommBytes() as bwd:
-                (out * dcot).sum().backward()
-            for a, r in zip(d, ref):
-                assert all(torch.allclose(v, r.grad, rtol=1e-10, atol=1e-12)
-                           for v in a.grad.full_tensor()._local_tensors.values())
-    finally:
-        decompshard.disable()
+    with _simulated((2,)) as mesh:
+        d = [distribute_tensor(a, mesh, [pl]).requires_grad_(True)
+             for a, pl in zip(args, (R, Shard(0), Shard(1), Shard(0), Shard(0)))]
+        dcot = distribute_tensor(cot, mesh, [Shard(2)])
+        with CommBytes() as fwd:
+            out = _shared_input_block(*d)
+        with CommBytes() as bwd:
+            (out * dcot).sum().backward()
+        for a, r in zip(d, ref):
+            assert all(torch.allclose(v, r.grad, rtol=1e-10, atol=1e-12)
+                       for v in a.grad.full_tensor()._local_tensors.values())
     activation = 3 * 5 * 16 * 8
     assert fwd.bytes_by_kind == {"all_reduce": activation}, fwd.bytes_by_kind
     # Megatron's backward: two all-reduces (h's gradient once for k and v, x's for w1's
@@ -194,20 +191,14 @@ def _packed_projection(on: bool):
     from decompshard.verify.dtensor_case import make_dtensor
 
     x, w3 = _t(30, 32, seed=1), _t(4, 128, 32, seed=2)
-    mesh = device_mesh((2, 2))
-    (decompshard.enable if on else decompshard.disable)()
-    try:
-        with simulation(4), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            dx = distribute_tensor(x, mesh, [R, Shard(1)])
-            dw = make_dtensor(w3, mesh, [R, _StridedShard(1, split_factor=2)], 0, 0)
-            with CommBytes() as moved:
-                y = torch.nn.functional.linear(dx, dw[1])
-            right = all(torch.allclose(v, x @ w3[1].T, rtol=1e-12, atol=1e-12)
-                        for v in y.full_tensor()._local_tensors.values())
-            return right, moved.bytes_by_kind, tuple(y.placements)
-    finally:
-        decompshard.disable()
+    with _simulated((2, 2), on) as mesh:
+        dx = distribute_tensor(x, mesh, [R, Shard(1)])
+        dw = make_dtensor(w3, mesh, [R, _StridedShard(1, split_factor=2)], 0, 0)
+        with CommBytes() as moved:
+            y = torch.nn.functional.linear(dx, dw[1])
+        right = all(torch.allclose(v, x @ w3[1].T, rtol=1e-12, atol=1e-12)
+                    for v in y.full_tensor()._local_tensors.values())
+        return right, moved.bytes_by_kind, tuple(y.placements)
 
 
 def test_a_packed_weight_is_not_gathered_where_its_input_is_smaller():
@@ -236,22 +227,16 @@ def _routed_rows(price_chunks: bool, monkeypatch):
     x, w, idx = _t(16, 8, seed=1), _t(8, 12, seed=2), torch.tensor([0, 15, 3, 3, 5, 8, 1, 9, 12])
     ref = [x.clone().requires_grad_(True), w.clone().requires_grad_(True)]
     torch.relu(ref[0][idx].mm(ref[1])).sum().backward()
-    mesh = device_mesh((2, 2))
-    decompshard.enable()
-    try:
-        with simulation(4), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            dx = distribute_tensor(x, mesh, [Shard(0), R]).requires_grad_(True)
-            dw = distribute_tensor(w, mesh, [R, Shard(1)]).requires_grad_(True)
-            didx = distribute_tensor(idx, mesh, [R, R])
-            with CommBytes() as moved:
-                rows = dx[didx]
-                torch.relu(rows.mm(dw)).sum().backward()
-            right = all(torch.allclose(v, r.grad, rtol=1e-12, atol=1e-12)
-                        for d, r in zip((dx, dw), ref) for v in d.grad.full_tensor()._local_tensors.values())
-            return right, moved.bytes_by_kind.get("all_gather_into_tensor", 0), tuple(rows.placements)
-    finally:
-        decompshard.disable()
+    with _simulated((2, 2)) as mesh:
+        dx = distribute_tensor(x, mesh, [Shard(0), R]).requires_grad_(True)
+        dw = distribute_tensor(w, mesh, [R, Shard(1)]).requires_grad_(True)
+        didx = distribute_tensor(idx, mesh, [R, R])
+        with CommBytes() as moved:
+            rows = dx[didx]
+            torch.relu(rows.mm(dw)).sum().backward()
+        right = all(torch.allclose(v, r.grad, rtol=1e-12, atol=1e-12)
+                    for d, r in zip((dx, dw), ref) for v in d.grad.full_tensor()._local_tensors.values())
+        return right, moved.bytes_by_kind.get("all_gather_into_tensor", 0), tuple(rows.placements)
 
 
 def test_a_gather_is_not_shrunk_by_chunking_what_the_next_op_needs_whole(monkeypatch):
@@ -286,21 +271,15 @@ def _vocab_head_backward(steer_node: bool, monkeypatch):
     ref = [a.clone().requires_grad_(True) for a in args]
     cot = _t(64, 24, seed=5)
     (_vocab_head_block(*ref) * cot).sum().backward()
-    mesh = device_mesh((2,))
-    decompshard.enable()
-    try:
-        with simulation(2), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            d = [distribute_tensor(a, mesh, [pl]).requires_grad_(True)
-                 for a, pl in zip(args, (R, Shard(0), Shard(1), Shard(0)))]
-            loss = (_vocab_head_block(*d) * distribute_tensor(cot, mesh, [Shard(1)])).sum()
-            with CommBytes() as bwd:
-                loss.backward()
-            right = all(torch.allclose(v, r.grad, rtol=1e-10, atol=1e-12)
-                        for a, r in zip(d, ref) for v in a.grad.full_tensor()._local_tensors.values())
-            return right, bwd.bytes_by_kind, bwd.top()
-    finally:
-        decompshard.disable()
+    with _simulated((2,)) as mesh:
+        d = [distribute_tensor(a, mesh, [pl]).requires_grad_(True)
+             for a, pl in zip(args, (R, Shard(0), Shard(1), Shard(0)))]
+        loss = (_vocab_head_block(*d) * distribute_tensor(cot, mesh, [Shard(1)])).sum()
+        with CommBytes() as bwd:
+            loss.backward()
+        right = all(torch.allclose(v, r.grad, rtol=1e-10, atol=1e-12)
+                    for a, r in zip(d, ref) for v in a.grad.full_tensor()._local_tensors.values())
+        return right, bwd.bytes_by_kind, bwd.top()
 
 
 def test_a_row_parallel_weight_gradient_reduces_the_gradient_its_node_reduces_anyway(monkeypatch):

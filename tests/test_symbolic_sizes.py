@@ -47,13 +47,9 @@ class Recorder:
         self.graphs = []
 
     def backend(self):
-        from functorch.compile import make_boxed_func
-        from torch._dynamo.backends.common import aot_autograd
+        from decompshard._compat import aot_eager_seeing
 
-        def keep(gm, _inputs):
-            self.graphs.append(gm)
-            return make_boxed_func(gm.forward)
-        return aot_autograd(fw_compiler=keep)
+        return aot_eager_seeing(lambda kind, gm: self.graphs.append(gm) if kind == "forward" else None)
 
     def collectives(self) -> list[str]:
         return [str(n.target) for g in self.graphs for n in g.graph.nodes

@@ -9,7 +9,7 @@ import functools
 import sys
 from typing import Any, Sequence
 
-from decompshard._compat.dtensor import DTensor, DTensorSpec, OpSchema, OutputSharding
+from decompshard._compat.dtensor import DTensor, DTensorSpec, OpSchema, OutputSharding, sharding_propagator
 
 __all__ = [
     "collective_cost_model", "dispatch_args_in_flight", "dispatch_redistribute_slot", "dtensor_default_dispatch",
@@ -93,9 +93,10 @@ def planned_input_specs(op: Any, arg_specs: Sequence[Any]) -> list[Any] | None:
     arguments only, each a DTensorSpec with its tensor meta): the spec each argument is
     moved to (its own where it stays); None where DTensor has no strategy (it would
     raise). The answer enters DTensor's propagation cache, where the call itself finds it."""
-    schema = OpSchema(op, tuple(arg_specs), {}, schema_info=DTensor._op_dispatcher.sharding_propagator.op_to_schema_info.get(op))
+    sp = sharding_propagator()
+    schema = OpSchema(op, tuple(arg_specs), {}, schema_info=sp.op_to_schema_info.get(op))
     try:
-        sharding = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding(schema)
+        sharding = sp.propagate_op_sharding(schema)
     except Exception:  # noqa: BLE001 - whatever DTensor raises, its own path would raise it too
         return None
     rs = sharding.redistribute_schema

@@ -21,12 +21,15 @@ wrapping the other's entry) always unwind to the object the slot held before eit
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
-__all__ = ["Entry", "Slot", "TablePatches", "WarnOnce", "locked", "where_none"]
+from decompshard._compat import sharding_propagator
+
+__all__ = ["Entry", "Slot", "TablePatches", "WarnOnce", "locked", "where_none", "wrapped_strategy"]
 
 Entry = tuple[Any, Any, Any]  # (a dict, an object whose attribute is the slot, or a Slot; key; value)
 WarnOnce = Callable[[str, str], None]  # warn_once(key, message)
@@ -81,6 +84,20 @@ def where_none(table: dict, found: Iterable[tuple], make: Callable[..., Any]) ->
     for op, *rest in found:
         if op not in table:
             yield table, op, make(op, *rest)
+
+
+def wrapped_strategy(op: Any, single: Callable[[Callable], Callable] | None = None,
+                     full: Callable[[Callable], Callable] | None = None) -> Iterator[Entry]:
+    """The entry putting `op`'s strategy back wrapped, in whichever of DTensor's two tables
+    holds it: `single(func)` for a single-dim strategy function (its info record kept),
+    `full(fn)` for an op-strategy function; none where that table's wrapper is None or
+    neither table holds the op. The one adapter the fences and support read both with."""
+    sp = sharding_propagator()
+    singles, fulls = sp.op_single_dim_strategy_funcs, sp.op_strategy_funcs
+    if op in singles and single is not None:
+        yield singles, op, dataclasses.replace(singles[op], func=single(singles[op].func))
+    elif op in fulls and full is not None:
+        yield fulls, op, full(fulls[op])
 
 
 class TablePatches:

@@ -18,20 +18,19 @@ what it did. The guard can be installed alone (the native audit does), under
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 from typing import Any, Iterator
 
 import torch
 
-from decompshard._compat import clear_dtensor_caches, custom_op_handlers, sharding_propagator
+from decompshard._compat import clear_dtensor_caches, custom_op_handlers
 from decompshard.op_names import resolve_op
 from decompshard.runtime.compile_keys import forget_compiled, tag_entry
 from decompshard.runtime.fences.table import FENCES
 from decompshard.runtime.fences.wrong_rules import forget_verdicts
 from decompshard.runtime.records import Fence
-from decompshard.runtime.table_patches import Entry, TablePatches, WarnOnce
+from decompshard.runtime.table_patches import Entry, TablePatches, WarnOnce, wrapped_strategy
 
 __all__ = ["ENV", "install", "is_installed", "uninstall", "wanted"]
 
@@ -66,13 +65,8 @@ def fence_entries(op: Any, fence: Fence, warn: WarnOnce) -> Iterator[Entry]:
         handler = fix.handler(op, fence, warn, existing)
         handler.fence = fence  # the mark a plan's chain looks for (plans.entries)
         yield handlers, op, handler
-    if fix.single is not None or fix.full is not None:
-        sp = sharding_propagator()
-        single, full = sp.op_single_dim_strategy_funcs, sp.op_strategy_funcs
-        if op in single and fix.single is not None:
-            yield single, op, dataclasses.replace(single[op], func=fix.single(op, fence, warn, single[op].func))
-        elif op in full and fix.full is not None:
-            yield full, op, fix.full(op, fence, warn, full[op])
+    yield from wrapped_strategy(op, (lambda func: fix.single(op, fence, warn, func)) if fix.single else None,
+                                (lambda fn: fix.full(op, fence, warn, fn)) if fix.full else None)
     if fix.entries is not None:
         yield from fix.entries(op, fence)
 

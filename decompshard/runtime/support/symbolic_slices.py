@@ -29,14 +29,13 @@ tests/test_symbolic_sizes.py.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from typing import Any, Callable, Iterator
 
 import torch
 
-from decompshard._compat import OpSchema, TorchShardingPlaceholder, sharding_propagator
-from decompshard.runtime.table_patches import Entry, WarnOnce
+from decompshard._compat import OpSchema, TorchShardingPlaceholder
+from decompshard.runtime.table_patches import Entry, WarnOnce, wrapped_strategy
 
 __all__ = ["entries", "to_the_end", "whole_slice_dim"]
 
@@ -97,13 +96,6 @@ def _full(fn: Callable) -> Callable:
 
 def entries(warn_once: WarnOnce) -> Iterator[Entry]:
     """The slice strategy, wrapped in whichever table holds it (single-dim from 2.14,
-    op-strategy on 2.13)."""
-    sp = sharding_propagator()
-    single, full = sp.op_single_dim_strategy_funcs, sp.op_strategy_funcs
-    if SLICE in single:
-        yield single, SLICE, dataclasses.replace(single[SLICE], func=_single(single[SLICE].func))
-    elif SLICE in full:
-        yield full, SLICE, _full(full[SLICE])
-    if SLICE_BACKWARD in single:
-        yield single, SLICE_BACKWARD, dataclasses.replace(single[SLICE_BACKWARD],
-                                                          func=_backward(single[SLICE_BACKWARD].func))
+    op-strategy on 2.13), and slice_backward's where it is single-dim."""
+    yield from wrapped_strategy(SLICE, single=_single, full=_full)
+    yield from wrapped_strategy(SLICE_BACKWARD, single=_backward)
