@@ -56,7 +56,7 @@ def _entries():
     """DTensor's tables as the guard sees them: left out are the view family and the
     handlers `enable()` installs with or without the guard (uneven_views.py,
     data_dependent.py, inplace.py, inplace_views.py, as_strided.py, partial_fill.py,
-    symbolic_slices.py, plans/;
+    symbolic_slices.py, symbolic_strides.py (no table entry), plans/;
     each tested in its own file)."""
     from decompshard.runtime.support import as_strided
     from decompshard.runtime import plans as collective_plans

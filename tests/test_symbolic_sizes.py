@@ -187,6 +187,126 @@ def test_an_end_short_of_int64s_largest_reaches_dtensor_unchanged():
     assert whole_slice_dim((g, [4, 6], 1, 0, 5, 1)) is None
 
 
+def _first_column_less_one(x):
+    # transformers' packed-sequence mask: `position_ids[:, :1] - 1`
+    return x[:, :1] - 1
+
+
+def _mark_dynamic_calls(fn, lengths, make, backend):
+    """Call one compiled `fn` on `make(n)` for each length, the inputs' dim 1 marked dynamic."""
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=backend)
+    outs = []
+    for n in lengths:
+        x = make(n)
+        torch._dynamo.mark_dynamic(x, 1)
+        outs.append(compiled(x))
+    return outs
+
+
+def test_a_static_shape_with_a_symbolic_stride_runs_where_dtensor_raised():
+    # x[:, :1] of a DTensor whose dim 1 is symbolic: shape [b, 1] static, stride (s, 1)
+    # symbolic. DTensor's dispatch cache hashes the spec (it checks the shape only for
+    # symbols) and raises; Python reports the TypeError as "unsupported operand"
+    # (torch alone, 2.13 to 2.15). With enable(): one graph for both lengths, no
+    # collective, rank 0's rows right (runtime/support/symbolic_strides.py)
+    mesh = device_mesh((4,))
+
+    def full(n):
+        return torch.arange(8 * n).reshape(8, n)
+
+    def make(n):
+        return _rank0(full(n), mesh, S0)
+
+    with pytest.raises(Exception, match="unhashable type: non-nested SymInt|unsupported operand"):
+        _mark_dynamic_calls(_first_column_less_one, (6,), make, Recorder().backend())
+    rec = Recorder()
+    with decompshard.enabled():
+        outs = _mark_dynamic_calls(_first_column_less_one, (6, 9), make, rec.backend())
+    assert len(rec.graphs) == 1 and rec.collectives() == []
+    for n, out in zip((6, 9), outs):
+        assert out.placements == (S0,)
+        torch.testing.assert_close(out.to_local(), (full(n)[:, :1] - 1).tensor_split(4)[0])
+
+
+def test_dtensors_own_hash_is_kept_wherever_it_can_hash_and_restored_after():
+    from decompshard._compat import DTensorSpec
+
+    mesh = device_mesh((4,))
+    spec = _rank0(torch.randn(8, 3), mesh, S0)._spec
+    before, dtensor_hash = hash(spec), DTensorSpec.__dict__["__hash__"]
+    with decompshard.enabled():
+        assert DTensorSpec.__dict__["__hash__"] is not dtensor_hash
+        spec._hash = None  # recomputed under enable()
+        assert hash(spec) == before
+    assert DTensorSpec.__dict__["__hash__"] is dtensor_hash
+
+
+def test_a_symbols_first_proxy_is_kept_where_torch_wrote_the_latest_over_it():
+    # torch's set_proxy_slot writes each bare-symbol SymInt into the tracer's symbol
+    # table over the entry before it; the wrapper puts the first back (and leaves
+    # tensors, tracers without the table and new symbols as torch has them)
+    from types import SimpleNamespace
+
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from decompshard._compat import first_symbol_proxy_kept
+
+    env = ShapeEnv()
+    s = env.create_unbacked_symint()
+    twin = s + 0  # another SymInt object of the same expression
+
+    def torchs(obj, tracer, proxy):  # what torch does to the table: the latest wins
+        if isinstance(obj, torch.SymInt):
+            tracer.sympy_expr_tracker[obj.node.expr] = proxy
+
+    tracer = SimpleNamespace(sympy_expr_tracker={})
+    kept = first_symbol_proxy_kept(torchs)
+    kept(s, tracer, "input's")
+    kept(twin, tracer, "derived")
+    assert tracer.sympy_expr_tracker == {s.node.expr: "input's"}
+    other = env.create_unbacked_symint()
+    kept(other, tracer, "other's")
+    assert tracer.sympy_expr_tracker[other.node.expr] == "other's"
+    seen = []
+    first_symbol_proxy_kept(lambda *a: seen.append(a))(s, SimpleNamespace(), "p")
+    assert len(seen) == 1
+
+
+def test_the_weight_gradient_steering_compares_sizes_without_a_guard():
+    # node_reads matched the node's shapes with `==`: a size `8*s` against 64 put
+    # `Eq(8*s, 64)` on the graph, specializing the sequence length (mark_dynamic then
+    # raised ConstraintViolationError). Sizes are compared as expressions
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from decompshard.runtime.steering.node_reads import _same
+
+    env = ShapeEnv()
+    s = env.create_symintnode(env.create_symbol(8, ConstantSource("s")), hint=8)
+    assert not _same((8 * s, 3), (64, 3)) and _same((8 * s, 3), (s * 8, 3)) and _same((2, 3), (2, 3))
+    assert len(env.guards) == 0
+    assert (8 * s, 3) == (64, 3) and len(env.guards) == 1  # what `==` does
+
+
+@NEEDS_214
+def test_llama_data_parallel_with_a_dynamic_sequence_compiles_forward_and_backward():
+    # mark_dynamic on the sequence dim: torch alone raises at transformers' mask
+    # (`position_ids[:, :1] - 1`, symbolic_strides.py), and past it AOT autograd's trace
+    # recursed without end (symbol_proxies.py). With enable(): the forward and backward
+    # graphs compile with the static compile's collectives (forward: the mask's two
+    # all-gathers and the loss's all-reduce; backward: none). Numbers need real ranks:
+    # bench/zoo_loop.py --parallelisms dp+mark_dynamic (docs/results.md)
+    from decompshard.check.loop import run_loop
+
+    alone = run_loop("dp+mark_dynamic", "foreach/foreach", False, steps=1)
+    assert alone.verdict == "ERROR" and alone.graphs == [], alone.detail
+    run = run_loop("dp+mark_dynamic", "foreach/foreach", True, steps=1)
+    assert run.verdict in ("OK", "WRONG"), run.detail  # WRONG at most: a fake group's collectives
+    assert run.graphs == ["forward: all_gather_into_tensor x2, all_reduce x1", "backward: none"], run.graphs
+    assert run.replicated == [] and run.warnings == []
+
+
 def _mse_args(mesh):
     def make(n):
         g = torch.Generator().manual_seed(n)

@@ -48,7 +48,8 @@ from decompshard._compat.dispatch import (
     dtensor_planned_moves, implicitly_replicated, local_call_sharding, planned_input_specs, return_and_correct_aliasing, strategy_cost_slots,
     strategy_selection_slot, wrap_local_results,
 )
-from decompshard._compat.compile import aot_eager_seeing, compile_cache_tag, forget_compiled_code, set_compile_cache_tag
+from decompshard._compat.compile import (aot_eager_seeing, compile_cache_tag, first_symbol_proxy_kept, forget_compiled_code,
+                                        set_compile_cache_tag, symbol_proxy_slot)
 from decompshard._compat.symbolic import (
     guard_divisible, has_hint, hint_of, is_symbolic, same_symbolic, symbol_hints, symbols_of, value_at,
 )
@@ -67,7 +68,7 @@ __all__ = [
     "custom_op_registry", "decomp_strategy_parameters", "disable_current_modes", "dispatch_args_in_flight",
     "dispatch_redistribute_slot", "dtensor_default_dispatch", "dtensor_local_results", "dtensor_output_sharding",
     "dtensor_output_spec", "dtensor_planned_moves", "dtensor_spec", "fake_one_rank_mesh", "fake_store",
-    "forget_compiled_code",
+    "first_symbol_proxy_kept", "forget_compiled_code",
     "full_mesh_filter_keyword", "generate_redistribute_costs", "guard_divisible", "has_hint", "has_native_strategy", "hint_of", "implicitly_replicated", "in_backward",
     "inferred_schema_info", "is_dispatchable", "is_fake", "is_symbolic", "keystr", "linear_node_operands", "local_call_sharding", "local_tensor",
     "local_tensor_api", "local_tensor_mode", "make_local_tensor", "on_backward_end", "op_dispatcher",
@@ -75,7 +76,7 @@ __all__ = [
     "rebind_dtensor", "redistribute_cost", "redistribute_local_tensor", "return_and_correct_aliasing",
     "same_symbolic", "schema_info_slot", "set_compile_cache_tag", "set_dtensor_layout", "sharding_propagator",
     "simulating_ranks", "single_dim_strategy_info", "slab_index", "spec_dtensor", "strategy_cost_slots",
-    "strategy_reused_from", "strategy_selection_slot", "symbol_hints", "symbols_of", "torch_decomposition",
+    "strategy_reused_from", "strategy_selection_slot", "symbol_hints", "symbol_proxy_slot", "symbols_of", "torch_decomposition",
     "torch_decomposition_table", "tree_flatten", "tree_flatten_with_path", "tree_leaves", "tree_map", "tree_unflatten",
     "unsharded_dtensor", "value_at", "view_family_ops",
     "view_shape_arg_index", "widened_schema_info", "wrap_local_results",

@@ -16,7 +16,8 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["aot_eager_seeing", "compile_cache_tag", "forget_compiled_code", "set_compile_cache_tag"]
+__all__ = ["aot_eager_seeing", "compile_cache_tag", "first_symbol_proxy_kept", "forget_compiled_code", "set_compile_cache_tag",
+           "symbol_proxy_slot"]
 
 
 def compile_cache_tag() -> str:
@@ -57,3 +58,33 @@ def aot_eager_seeing(see: Callable[[str, torch.fx.GraphModule], None]) -> Callab
         return aot_eager(gm, example_inputs, fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
                          **kwargs)
     return backend
+
+
+def symbol_proxy_slot() -> tuple[Any, str, Callable[..., Any]]:
+    """The slot of proxy_tensor's `set_proxy_slot` (module, name, what it holds), through
+    which make_fx (AOT autograd's trace) records each SymInt's proxy. Its symbol table
+    (`tracer.sympy_expr_tracker`, bare symbol -> proxy) is how a SymInt the trace never
+    saw made (DTensor keeps sizes from an earlier trace in its specs) finds its value:
+    the same on 2.13 to 2.15."""
+    from torch.fx.experimental import proxy_tensor
+
+    return proxy_tensor, "set_proxy_slot", proxy_tensor.set_proxy_slot
+
+
+def first_symbol_proxy_kept(set_proxy_slot: Callable[..., Any]) -> Callable[..., Any]:
+    """`set_proxy_slot` that leaves a bare symbol's entry in the tracer's symbol table as
+    the first SymInt recorded for it set it (an input's size, normally): torch's writes
+    the latest over it."""
+    from torch.fx.experimental.proxy_tensor import py_sym_types
+
+    def kept(obj: Any, tracer: Any, proxy: Any) -> None:
+        table = getattr(tracer, "sympy_expr_tracker", None)
+        if table is None or not isinstance(obj, py_sym_types):
+            return set_proxy_slot(obj, tracer, proxy)
+        first = table.get(obj.node.expr)
+        set_proxy_slot(obj, tracer, proxy)
+        if first is not None:
+            table[obj.node.expr] = first
+
+    kept.__wrapped__ = set_proxy_slot  # type: ignore[attr-defined]
+    return kept

@@ -9,6 +9,10 @@
                      cross-entropy on class-sharded logits), on each rank's part
     symbolic_slices  slices to the end of a sharded dim keep the shard under symbolic sizes
                      (DTensor cannot prove `end > size` for a symbolic size and gathers)
+    symbolic_strides a static shape with a symbolic stride (`x[:, :1]` of a symbolic length)
+                     runs: DTensor's dispatch cache hashed its stride and raised
+    symbol_proxies   AOT autograd's trace keeps a symbol's first proxy (torch writes the
+                     latest over it, and a size DTensor kept resolved to itself, recursing)
     clip_norms       gradient-norm clipping (`clip_grad_norm_`, `get_total_norm`) over tensors
                      on several meshes or mixed with plain ones: one norm per mesh, combined
     kwarg_routing    keyword tensors (SDPA's `attn_mask`) moved to the placements a derived
@@ -22,7 +26,8 @@ from __future__ import annotations
 
 from decompshard.runtime.records import Support
 from decompshard.runtime.support import (as_strided, clip_norms, data_dependent, inplace, inplace_views, partial_fill,
-                                         symbolic_slices, uneven_views)
+                                         symbol_proxies, symbolic_slices, symbolic_strides,
+                                         uneven_views)
 
 __all__ = ["SUPPORT"]
 
@@ -38,6 +43,10 @@ SUPPORT: tuple[Support, ...] = (
             partial_fill.entries),
     Support("symbolic_slices", "a slice to the end of a sharded dim keeps the shard under symbolic sizes, as under "
             "static ones", symbolic_slices.entries),
+    Support("symbolic_strides", "a DTensor of static shape and symbolic stride runs under torch.compile where "
+            "DTensor's dispatch cache raised hashing its stride", symbolic_strides.entries),
+    Support("symbol_proxies", "AOT autograd's trace resolves a size DTensor kept from an earlier trace to the "
+            "input it came from, where torch's recursed without end", symbol_proxies.entries),
     Support("clip_norms", "gradient-norm clipping over several meshes or mixed with plain tensors: one norm per "
             "mesh, reduced once, combined as one device", clip_norms.entries),
 )
