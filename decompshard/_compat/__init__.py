@@ -48,8 +48,9 @@ from decompshard._compat.dispatch import (
     dtensor_planned_moves, implicitly_replicated, local_call_sharding, planned_input_specs, return_and_correct_aliasing, strategy_cost_slots,
     strategy_selection_slot, wrap_local_results,
 )
-from decompshard._compat.compile import (aot_eager_seeing, compile_cache_tag, first_symbol_proxy_kept, forget_compiled_code,
-                                        set_compile_cache_tag, symbol_proxy_slot)
+from decompshard._compat.compile import (aot_eager_seeing, binary_sym_exprs, compile_cache_tag, first_symbol_proxy_kept,
+                                        forget_compiled_code, set_compile_cache_tag, sym_expr_builder_slot,
+                                        symbol_proxy_slot)
 from decompshard._compat.symbolic import (
     guard_divisible, has_hint, hint_of, is_symbolic, same_symbolic, symbol_hints, symbols_of, value_at,
 )
@@ -62,7 +63,7 @@ __all__ = [
     "DTensor", "DTensorSpec", "DecompShardingStrategy", "FakeTensorMode", "OpOverload", "OpSchema", "OpSpec",
     "OpStrategy", "OutputSharding", "SIMULATED_SCRIPT_IMPORTS", "SUPPORTED", "TORCH_RELEASE", "TORCH_VERSION",
     "TensorMeta", "TorchDispatchMode", "TorchPartial", "TorchReplicate", "TorchShard", "TorchShardingPlaceholder",
-    "TorchStridedShard", "TupleStrategy", "aot_eager_seeing", "aten_ops_tagged", "block_spec", "chunk_split_points", "clip_grad_slots",
+    "TorchStridedShard", "TupleStrategy", "aot_eager_seeing", "aten_ops_tagged", "binary_sym_exprs", "block_spec", "chunk_split_points", "clip_grad_slots",
     "clear_dtensor_caches", "collective_cost_model", "compile_cache_tag", "contiguous_spec", "cpp_sharding_cache_clearable",
     "current_autograd_node", "custom_op_handlers", "custom_op_implementation", "custom_op_overload",
     "custom_op_registry", "decomp_strategy_parameters", "disable_current_modes", "dispatch_args_in_flight",
@@ -76,7 +77,7 @@ __all__ = [
     "rebind_dtensor", "redistribute_cost", "redistribute_local_tensor", "return_and_correct_aliasing",
     "same_symbolic", "schema_info_slot", "set_compile_cache_tag", "set_dtensor_layout", "sharding_propagator",
     "simulating_ranks", "single_dim_strategy_info", "slab_index", "spec_dtensor", "strategy_cost_slots",
-    "strategy_reused_from", "strategy_selection_slot", "symbol_hints", "symbol_proxy_slot", "symbols_of", "torch_decomposition",
+    "strategy_reused_from", "strategy_selection_slot", "sym_expr_builder_slot", "symbol_hints", "symbol_proxy_slot", "symbols_of", "torch_decomposition",
     "torch_decomposition_table", "tree_flatten", "tree_flatten_with_path", "tree_leaves", "tree_map", "tree_unflatten",
     "unsharded_dtensor", "value_at", "view_family_ops",
     "view_shape_arg_index", "widened_schema_info", "wrap_local_results",

@@ -16,8 +16,10 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["aot_eager_seeing", "compile_cache_tag", "first_symbol_proxy_kept", "forget_compiled_code", "set_compile_cache_tag",
-           "symbol_proxy_slot"]
+from decompshard._compat.release import TORCH_VERSION
+
+__all__ = ["aot_eager_seeing", "binary_sym_exprs", "compile_cache_tag", "first_symbol_proxy_kept", "forget_compiled_code",
+           "set_compile_cache_tag", "sym_expr_builder_slot", "symbol_proxy_slot"]
 
 
 def compile_cache_tag() -> str:
@@ -88,3 +90,32 @@ def first_symbol_proxy_kept(set_proxy_slot: Callable[..., Any]) -> Callable[...,
 
     kept.__wrapped__ = set_proxy_slot  # type: ignore[attr-defined]
     return kept
+
+
+def sym_expr_builder_slot() -> tuple[Any, str, Callable[..., Any]] | None:
+    """The slot of proxy_tensor's `_build_proxy_for_sym_expr` (module, name, what it
+    holds), where make_fx rebuilds an unseen SymInt from its expression's pieces, on the
+    releases whose builder passes an n-ary product or sum (`4*s0*s1`) to the two-argument
+    `operator.mul` as one node with three arguments: the graph computes `4*s0` (2.13,
+    2.14). None from 2.15, which folds them into a chain itself."""
+    if TORCH_VERSION >= (2, 15):
+        return None
+    from torch.fx.experimental import proxy_tensor
+
+    return proxy_tensor, "_build_proxy_for_sym_expr", proxy_tensor._build_proxy_for_sym_expr
+
+
+def binary_sym_exprs(build: Callable[..., Any]) -> Callable[..., Any]:
+    """`_build_proxy_for_sym_expr` that first writes an n-ary product or sum as its
+    first term and the rest (`4*(s0*s1)`, unevaluated), so each node it makes has two
+    arguments; the rest is rebuilt the same way (the builder calls itself through the
+    slot)."""
+    import sympy
+
+    def binary(tracer: Any, expr: Any, out: Any = None) -> Any:
+        if isinstance(expr, (sympy.Mul, sympy.Add)) and len(expr.args) > 2:
+            expr = expr.func(expr.args[0], expr.func(*expr.args[1:]), evaluate=False)
+        return build(tracer, expr, out)
+
+    binary.__wrapped__ = build  # type: ignore[attr-defined]
+    return binary

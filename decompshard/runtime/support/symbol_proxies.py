@@ -13,6 +13,13 @@ RecursionError, with or without decompshard.
 
 The table's first entry for a symbol (the input size it was made from) is kept: every
 later SymInt of that expression has the same value, so reading the first one is exact.
+
+A size with no entry is rebuilt from its expression's pieces. On 2.13 and 2.14 the
+builder hands an n-ary product (`4*s0*s1`, a batch-sharded DTensor's rows flattened) to
+`operator.mul` as one node of three arguments, and the graph computes `4*s0`: the
+data-parallel Llama compiled with `dynamic=True` raised "shape '[2, 32]' is invalid for
+input of size 384" at a view (an error there; a wrong size where nothing checks it).
+Such an expression is built as a chain of two-argument nodes, as 2.15 does itself.
 Tests: tests/test_symbolic_sizes.py.
 """
 
@@ -20,13 +27,18 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from decompshard._compat import first_symbol_proxy_kept, symbol_proxy_slot
+from decompshard._compat import binary_sym_exprs, first_symbol_proxy_kept, sym_expr_builder_slot, symbol_proxy_slot
 from decompshard.runtime.table_patches import Entry, WarnOnce
 
 __all__ = ["entries"]
 
 
 def entries(warn_once: WarnOnce) -> Iterator[Entry]:
-    """proxy_tensor's `set_proxy_slot`, keeping each bare symbol's first proxy."""
+    """proxy_tensor's `set_proxy_slot`, keeping each bare symbol's first proxy; before
+    2.15 its expression builder, making two-argument nodes."""
     module, name, set_proxy_slot = symbol_proxy_slot()
     yield module, name, first_symbol_proxy_kept(set_proxy_slot)
+    builder = sym_expr_builder_slot()
+    if builder is not None:
+        module, name, build = builder
+        yield module, name, binary_sym_exprs(build)
