@@ -108,13 +108,16 @@ def sym_expr_builder_slot() -> tuple[Any, str, Callable[..., Any]] | None:
 def binary_sym_exprs(build: Callable[..., Any]) -> Callable[..., Any]:
     """`_build_proxy_for_sym_expr` that first writes an n-ary product or sum as its
     first term and the rest (`4*(s0*s1)`, unevaluated), so each node it makes has two
-    arguments; the rest is rebuilt the same way (the builder calls itself through the
-    slot)."""
+    arguments, and a whole power as a product (`s*s`: 2.13 has no handler for powers:
+    "s72**2 is not tracked with proxy"); the rest is rebuilt the same way (the builder
+    calls itself through the slot)."""
     import sympy
 
     def binary(tracer: Any, expr: Any, out: Any = None) -> Any:
         if isinstance(expr, (sympy.Mul, sympy.Add)) and len(expr.args) > 2:
             expr = expr.func(expr.args[0], expr.func(*expr.args[1:]), evaluate=False)
+        elif isinstance(expr, sympy.Pow) and expr.exp.is_Integer and int(expr.exp) >= 2:
+            expr = sympy.Mul(expr.base, expr.base ** (int(expr.exp) - 1), evaluate=False)
         return build(tracer, expr, out)
 
     binary.__wrapped__ = build  # type: ignore[attr-defined]
