@@ -13,7 +13,9 @@ Such a spec is hashed here by its identity. The cache then finds an entry only f
 very same spec object, which the cache itself keeps alive (its id is not reused), so
 within one trace an op met twice on it reuses the decision, and nothing crosses to
 another trace or another size; two equal specs hash apart, which costs a cache miss,
-never a wrong decision. Every spec whose hash DTensor can compute keeps DTensor's hash.
+never a wrong decision. The cache holds such specs (with their sizes' symbols) until
+DTensor's caches are cleared, as `enable()` and `disable()` do: one entry per op met on
+one in a trace. Every spec whose hash DTensor can compute keeps DTensor's hash.
 Tests: tests/test_symbolic_sizes.py.
 """
 
