@@ -9,7 +9,8 @@ Per case (parallelism, adamw/clip) and path: the verdict (OK / WRONG / ERROR), t
 relative error with enable(), the first step's time (decompshard's and DTensor's sharding
 caches cleared; each group of processes first runs one untimed step on both paths) and
 the ratio enable()/torch alone where both match one device, the later steps' ratio (each
-case run --repeat times, the paths' order alternating, the fastest times kept), and
+case run --repeat times, the paths' order alternating, the fastest times kept; under a
+compile mode once, each path in fresh processes of its own), and
 how many distinct warnings of decompshard's fired (a fence warns only where it changed a
 number: an even batch should give none). Under the table: every failure and each warning.
 Exit 3 when a case with enable() is WRONG or an ERROR; torch alone's errors are the

@@ -128,13 +128,20 @@ def run_matrix(parallelisms: Sequence[str], variants: Sequence[str], *, steps: i
     paths = (True, False) if with_torch else (True,)
     rows = []
     for parallelism in parallelisms:
-        # each run `repeat` times, the paths' order reversed each time (enable, torch, torch,
-        # enable, ...): a shared machine's swings fall on both paths, the faster time kept
-        # under torch.compile each run compiles afresh: once per case and path
-        times = 1 if split_mode(parallelism)[1] else repeat
-        runs = [[parallelism, v, on, steps, 0.0] for i in range(times) for v in variants
-                for on in (paths if i % 2 == 0 else paths[::-1])]
-        group = fold(run_group(runs, deadline))
+        if split_mode(parallelism)[1]:
+            # under torch.compile each run compiles afresh, once per case and path, and each
+            # path in processes of its own: a compile fills process-wide caches (sympy's
+            # simplifications, dynamo's) that a second compile in the same process reuses
+            # (tp+dynamic's first step, 2.15: 2.17x with enable() run first in the same processes,
+            # 0.87x in processes of its own)
+            group = [row for on in paths for row in run_group([[parallelism, v, on, steps, 0.0] for v in variants],
+                                                               deadline)]
+        else:
+            # each run `repeat` times, the paths' order reversed each time (enable, torch, torch,
+            # enable, ...): a shared machine's swings fall on both paths, the faster time kept
+            runs = [[parallelism, v, on, steps, 0.0] for i in range(repeat) for v in variants
+                    for on in (paths if i % 2 == 0 else paths[::-1])]
+            group = fold(run_group(runs, deadline))
         for row in group:
             if on_row:
                 on_row(row)
