@@ -135,11 +135,9 @@ def test_a_slice_to_the_end_keeps_the_batch_shard_under_symbolic_sizes():
         torch.testing.assert_close(b.to_local(), (full[:, :-1] + 1).tensor_split(4)[0])
 
 
-@pytest.mark.skipif(TORCH_VERSION < (2, 14), reason="torch 2.13: slice_backward's strategy is not single-dim "
-                    "(support/symbolic_slices.py leaves it alone there)")
 def test_the_backward_of_a_slice_to_the_end_keeps_the_batch_shard():
     # slice_backward's strategy never keeps the sliced dim's shard; a whole slice's
-    # backward is its gradient, so with enable() it passes through (2.14+: single-dim table)
+    # backward is its gradient, so with enable() it passes through (either strategy table)
     from decompshard._compat import aot_eager_seeing
     from decompshard.check.loop import graph_collectives
 
@@ -159,6 +157,54 @@ def test_the_backward_of_a_slice_to_the_end_keeps_the_batch_shard():
             assert y.placements == x.grad.placements == (S0,)
             torch.testing.assert_close(x.grad.to_local(), expected.tensor_split(4)[0])
     assert set(graphs) == {"forward: none", "backward: none"}, graphs
+
+
+def _placed(full, mesh, placements, seed=1):
+    """`full` as a DTensor of `placements` on simulated ranks (torch.chunk layout), a
+    Partial's parts random (they sum to the value)."""
+    import itertools
+
+    from decompshard._compat import make_local_tensor
+
+    shape = tuple(mesh.shape)
+    per_rank = {}
+    for rank, coord in enumerate(itertools.product(*map(range, shape))):
+        x = full
+        for md, p in enumerate(placements):
+            n, c = shape[md], coord[md]
+            if isinstance(p, Shard):
+                pieces = x.chunk(n, p.dim)
+                x = pieces[c] if c < len(pieces) else x.narrow(p.dim, x.size(p.dim), 0)
+            elif p.is_partial():
+                noise = [torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 10 * md + k))
+                         for k in range(n - 1)]
+                x = noise[c] if c < n - 1 else x - sum(noise)
+        per_rank[rank] = x.clone()
+    return DTensor.from_local(make_local_tensor(per_rank), mesh, placements, run_check=False,
+                              shape=full.shape, stride=full.stride())
+
+
+@pytest.mark.parametrize("mesh_shape,placements", [
+    ((4,), [S0]), ((4,), [Partial()]), ((4,), [Shard(1)]),
+    ((2, 2), [S0, Partial()]), ((2, 2), [Shard(1), S0]), ((2, 2), [R, S0]), ((2, 2), [Partial(), Shard(1)]),
+])
+def test_a_whole_slices_backward_run_directly_matches_one_device(mesh_shape, placements):
+    # the pass-through strategy on real DTensors (simulated ranks, 7 rows: uneven on 4 and
+    # 2), the sliced dim sharded or not, Partial gradients with random parts: the full
+    # tensor is the one-device result, at each dim sliced
+    import sys
+
+    from decompshard.verify.dtensor_case import simulation
+
+    full = torch.randn(7, 5, generator=torch.Generator().manual_seed(0))
+    mesh = device_mesh(mesh_shape)
+    for dim in (0, 1):
+        want = torch.ops.aten.slice_backward(full, [7, 5], dim, 0, sys.maxsize, 1)
+        with decompshard.enabled(), simulation(mesh.size()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = torch.ops.aten.slice_backward(_placed(full, mesh, placements), [7, 5], dim, 0, sys.maxsize, 1)
+            assert got.placements == tuple(placements)  # nothing moved: the gradient passed through
+            torch.testing.assert_close(got.full_tensor(), want)
 
 
 def test_an_end_short_of_int64s_largest_reaches_dtensor_unchanged():

@@ -22,8 +22,8 @@ The backward of such a slice, `slice_backward(grad, input_sizes, dim, 0, end, 1)
 gradient itself: DTensor's strategy never keeps the sliced dim's shard (it need not with
 static sizes, where the whole slice is elided before it is recorded), so the batch was
 gathered again in backward. Where `end` is "to the end" (as above), `start` 0 and `step`
-1, the sliced dim's shard passes through (2.14 and 2.15, whose strategy is single-dim;
-DTensor localizes `input_sizes` to the output's shard itself). Tests:
+1, the sliced dim's shard passes through (DTensor localizes `input_sizes` to the output's
+shard itself, 2.13 to 2.15). Tests:
 tests/test_symbolic_sizes.py.
 """
 
@@ -34,7 +34,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from decompshard._compat import OpSchema, TorchShardingPlaceholder
+from decompshard._compat import (DTensorSpec, OpSchema, OpSpec, OpStrategy, TorchShardingPlaceholder,
+                                 generate_redistribute_costs)
 from decompshard.runtime.table_patches import Entry, WarnOnce, wrapped_strategy
 
 __all__ = ["entries", "to_the_end", "whole_slice_dim"]
@@ -75,6 +76,24 @@ def _backward(func: Callable) -> Callable:
     return strategy
 
 
+def _full_backward(fn: Callable) -> Callable:
+    """2.13's op-strategy form of `_backward`: beside DTensor's strategies (the sliced dim
+    replicated), each input placement passed through as it is, at no cost (the whole
+    slice's backward is its gradient; DTensor localizes `input_sizes` on 2.13 too)."""
+    def strategy(op_schema: Any) -> Any:
+        found = fn(op_schema)
+        grad = op_schema.args_schema[0]
+        if whole_slice_dim(tuple(op_schema.args_schema)) is None or not isinstance(grad, OpStrategy):
+            return found
+        kept = [OpSpec(output_specs=DTensorSpec(s.output_spec.mesh, s.output_spec.placements),
+                       redistribute_cost=[generate_redistribute_costs(grad, s.output_spec)])
+                for s in grad.strategies]
+        return OpStrategy([*found.strategies, *kept])
+
+    strategy.__wrapped__ = fn  # type: ignore[attr-defined]
+    return strategy
+
+
 def _single(func: Callable) -> Callable:
     def strategy(op: Any, args_schema: Any, kwargs_schema: Any) -> Any:
         return func(op, to_the_end(tuple(args_schema)), kwargs_schema)
@@ -95,7 +114,7 @@ def _full(fn: Callable) -> Callable:
 
 
 def entries(warn_once: WarnOnce) -> Iterator[Entry]:
-    """The slice strategy, wrapped in whichever table holds it (single-dim from 2.14,
-    op-strategy on 2.13), and slice_backward's where it is single-dim."""
+    """The slice strategy and slice_backward's, each wrapped in whichever table holds it
+    (single-dim from 2.14, op-strategy on 2.13)."""
     yield from wrapped_strategy(SLICE, single=_single, full=_full)
-    yield from wrapped_strategy(SLICE_BACKWARD, single=_backward)
+    yield from wrapped_strategy(SLICE_BACKWARD, single=_backward, full=_full_backward)
