@@ -349,6 +349,32 @@ def test_a_stride_holding_a_size_squared_compiles():
         torch.testing.assert_close(out.full_tensor(), _outer_sum(make(n)[0].to_local()))
 
 
+def test_max_and_min_are_rebuilt_as_operators_inductor_lowers():
+    # torch rebuilds an unseen Max/Min with its own n-ary wrappers, functions inductor cannot
+    # lower ("_nary_sym_max is not an OpOverload": the tensor-parallel Llama under
+    # dynamic=True and inductor, torch alone too); under enable() torch.sym_max/sym_min,
+    # an n-ary one folded into two-argument ones; torch's put back after
+    import sympy
+    from torch._inductor.lowering import lowerings
+    from torch.fx.experimental import proxy_tensor
+
+    from decompshard._compat import binary_sym_exprs, sym_max_min_entries
+
+    table = proxy_tensor._sympy_handlers()
+    keys = {key for _, key, _ in sym_max_min_entries()}
+    before = {k: table[k] for k in keys}
+    assert keys and not any(f in lowerings for f in before.values())
+    with decompshard.enabled():
+        assert {table[k] for k in keys} == {torch.sym_max, torch.sym_min}
+        assert all(table[k] in lowerings for k in keys)
+    assert {k: table[k] for k in keys} == before
+    seen = []
+    build = binary_sym_exprs(lambda tracer, expr, out=None: seen.append(expr) or expr, folded=tuple(keys))
+    a, b, c = sympy.symbols("a b c", positive=True, integer=True)
+    got = build(None, sympy.Max(a, b, c))
+    assert len(got.args) == 2 and got.subs({a: 1, b: 5, c: 3}) == 5
+
+
 def test_the_weight_gradient_steering_compares_sizes_without_a_guard():
     # node_reads matched the node's shapes with `==`: a size `8*s` against 64 put
     # `Eq(8*s, 64)` on the graph, specializing the sequence length (mark_dynamic then

@@ -50,7 +50,7 @@ from decompshard._compat.dispatch import (
 )
 from decompshard._compat.compile import (aot_eager_seeing, binary_sym_exprs, compile_cache_tag, first_symbol_proxy_kept,
                                         forget_compiled_code, set_compile_cache_tag, sym_expr_builder_slot,
-                                        symbol_proxy_slot)
+                                        sym_max_min_entries, symbol_proxy_slot)
 from decompshard._compat.symbolic import (
     guard_divisible, has_hint, hint_of, is_symbolic, same_symbolic, symbol_hints, symbols_of, value_at,
 )
@@ -77,7 +77,7 @@ __all__ = [
     "rebind_dtensor", "redistribute_cost", "redistribute_local_tensor", "return_and_correct_aliasing",
     "same_symbolic", "schema_info_slot", "set_compile_cache_tag", "set_dtensor_layout", "sharding_propagator",
     "simulating_ranks", "single_dim_strategy_info", "slab_index", "spec_dtensor", "strategy_cost_slots",
-    "strategy_reused_from", "strategy_selection_slot", "sym_expr_builder_slot", "symbol_hints", "symbol_proxy_slot", "symbols_of", "torch_decomposition",
+    "strategy_reused_from", "strategy_selection_slot", "sym_expr_builder_slot", "sym_max_min_entries", "symbol_hints", "symbol_proxy_slot", "symbols_of", "torch_decomposition",
     "torch_decomposition_table", "tree_flatten", "tree_flatten_with_path", "tree_leaves", "tree_map", "tree_unflatten",
     "unsharded_dtensor", "value_at", "view_family_ops",
     "view_shape_arg_index", "widened_schema_info", "wrap_local_results",

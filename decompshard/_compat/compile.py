@@ -16,10 +16,8 @@ from typing import Any, Callable
 
 import torch
 
-from decompshard._compat.release import TORCH_VERSION
-
 __all__ = ["aot_eager_seeing", "binary_sym_exprs", "compile_cache_tag", "first_symbol_proxy_kept", "forget_compiled_code",
-           "set_compile_cache_tag", "sym_expr_builder_slot", "symbol_proxy_slot"]
+           "set_compile_cache_tag", "sym_expr_builder_slot", "sym_max_min_entries", "symbol_proxy_slot"]
 
 
 def compile_cache_tag() -> str:
@@ -92,29 +90,44 @@ def first_symbol_proxy_kept(set_proxy_slot: Callable[..., Any]) -> Callable[...,
     return kept
 
 
-def sym_expr_builder_slot() -> tuple[Any, str, Callable[..., Any]] | None:
+def sym_expr_builder_slot() -> tuple[Any, str, Callable[..., Any]]:
     """The slot of proxy_tensor's `_build_proxy_for_sym_expr` (module, name, what it
-    holds), where make_fx rebuilds an unseen SymInt from its expression's pieces, on the
-    releases whose builder passes an n-ary product or sum (`4*s0*s1`) to the two-argument
-    `operator.mul` as one node with three arguments: the graph computes `4*s0` (2.13,
-    2.14). None from 2.15, which folds them into a chain itself."""
-    if TORCH_VERSION >= (2, 15):
-        return None
+    holds), where make_fx rebuilds an unseen SymInt from its expression's pieces, one node
+    per sympy operation: 2.13 and 2.14 hand an n-ary product or sum (`4*s0*s1`) to the
+    two-argument `operator.mul` as one node of three arguments (the graph computes
+    `4*s0`); 2.15 folds those itself. The same slot on 2.13 to 2.15."""
     from torch.fx.experimental import proxy_tensor
 
     return proxy_tensor, "_build_proxy_for_sym_expr", proxy_tensor._build_proxy_for_sym_expr
 
 
-def binary_sym_exprs(build: Callable[..., Any]) -> Callable[..., Any]:
-    """`_build_proxy_for_sym_expr` that first writes an n-ary product or sum as its
-    first term and the rest (`4*(s0*s1)`, unevaluated), so each node it makes has two
-    arguments, and a whole power as a product (`s*s`: 2.13 has no handler for powers:
-    "s72**2 is not tracked with proxy"); the rest is rebuilt the same way (the builder
-    calls itself through the slot)."""
+def sym_max_min_entries() -> list[tuple[dict, Any, Callable[..., Any]]]:
+    """(table, key, binary op) for each Max/Min in make_fx's table of what rebuilds a
+    sympy operation: torch maps them to its own n-ary wrappers (`_nary_sym_max`), which
+    become the graph node's target, and inductor lowers no such function ("is not an
+    OpOverload": the tensor-parallel Llama under `dynamic=True`, torch alone too);
+    `torch.sym_max`/`sym_min` it lowers (2.13 to 2.15; `_sympy_handlers` is cached, so
+    its dict is the table every rebuild reads)."""
+    from torch.fx.experimental import proxy_tensor
+
+    handlers = proxy_tensor._sympy_handlers()
+    binary = {"_nary_sym_max": torch.sym_max, "_nary_sym_min": torch.sym_min}
+    return [(handlers, k, binary[v.__name__]) for k, v in handlers.items()
+            if getattr(v, "__name__", None) in binary]
+
+
+def binary_sym_exprs(build: Callable[..., Any], folded: Any = ()) -> Callable[..., Any]:
+    """`_build_proxy_for_sym_expr` that first writes an n-ary product, sum or one of
+    `folded` (Max, Min) as its first term and the rest (`4*(s0*s1)`, unevaluated), so each
+    node it makes has two arguments, and a whole power as a product (`s*s`: 2.13 has no
+    handler for powers: "s72**2 is not tracked with proxy"); the rest is rebuilt the same
+    way (the builder calls itself through the slot)."""
     import sympy
 
+    nary = (sympy.Mul, sympy.Add, *folded)
+
     def binary(tracer: Any, expr: Any, out: Any = None) -> Any:
-        if isinstance(expr, (sympy.Mul, sympy.Add)) and len(expr.args) > 2:
+        if isinstance(expr, nary) and len(expr.args) > 2:
             expr = expr.func(expr.args[0], expr.func(*expr.args[1:]), evaluate=False)
         elif isinstance(expr, sympy.Pow) and expr.exp.is_Integer and int(expr.exp) >= 2:
             expr = sympy.Mul(expr.base, expr.base ** (int(expr.exp) - 1), evaluate=False)

@@ -19,7 +19,10 @@ builder hands an n-ary product (`4*s0*s1`, a batch-sharded DTensor's rows flatte
 `operator.mul` as one node of three arguments, and the graph computes `4*s0`: the
 data-parallel Llama compiled with `dynamic=True` raised "shape '[2, 32]' is invalid for
 input of size 384" at a view (an error there; a wrong size where nothing checks it).
-Such an expression is built as a chain of two-argument nodes, as 2.15 does itself.
+Such an expression is built as a chain of two-argument nodes, as 2.15 does itself. A Max or
+Min is rebuilt as `torch.sym_max`/`sym_min` (torch's own n-ary wrappers, the nodes' targets,
+are functions inductor cannot lower: the tensor-parallel Llama under `dynamic=True` failed to
+compile with inductor, torch alone too).
 Tests: tests/test_symbolic_sizes.py.
 """
 
@@ -27,18 +30,19 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from decompshard._compat import binary_sym_exprs, first_symbol_proxy_kept, sym_expr_builder_slot, symbol_proxy_slot
+from decompshard._compat import (binary_sym_exprs, first_symbol_proxy_kept, sym_expr_builder_slot, sym_max_min_entries,
+                                 symbol_proxy_slot)
 from decompshard.runtime.table_patches import Entry, WarnOnce
 
 __all__ = ["entries"]
 
 
 def entries(warn_once: WarnOnce) -> Iterator[Entry]:
-    """proxy_tensor's `set_proxy_slot`, keeping each bare symbol's first proxy; before
-    2.15 its expression builder, making two-argument nodes."""
+    """proxy_tensor's `set_proxy_slot`, keeping each bare symbol's first proxy; its
+    expression builder, making two-argument nodes; Max and Min rebuilt as sym_max/sym_min."""
     module, name, set_proxy_slot = symbol_proxy_slot()
     yield module, name, first_symbol_proxy_kept(set_proxy_slot)
-    builder = sym_expr_builder_slot()
-    if builder is not None:
-        module, name, build = builder
-        yield module, name, binary_sym_exprs(build)
+    binary_ops = sym_max_min_entries()
+    yield from binary_ops
+    module, name, build = sym_expr_builder_slot()
+    yield module, name, binary_sym_exprs(build, folded=tuple({key for _, key, _ in binary_ops}))
