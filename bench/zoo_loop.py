@@ -38,8 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parallelisms", default=",".join(PARALLELISMS), help="comma-separated (default: all); "
                         "NAME+MODE: the forward and loss under torch.compile (aot_eager); MODE is compile (static "
-                        "shapes), dynamic (dynamic=True), mark_dynamic (the sequence dim) or seqlen (the sequence "
-                        "shorter at each step: torch recompiles with a symbolic length)")
+                        "shapes), dynamic (dynamic=True), mark_dynamic (the sequence dim), seqlen (the sequence "
+                        "shorter at each step: torch recompiles with a symbolic length) or inductor "
+                        "(dynamic=True under inductor)")
     parser.add_argument("--variants", default="all", help="'all' or comma-separated adamw/clip names "
                         f"({', '.join(VARIANTS)})")
     parser.add_argument("--steps", type=int, default=STEPS, help=f"training steps per case (default {STEPS})")

@@ -80,6 +80,7 @@ COMPILE_MODES: dict[str, str] = {
     "+mark_dynamic": "torch._dynamo.mark_dynamic on every input's sequence dim",
     "+seqlen": "torch's default: the sequence shorter at each step (SEQ_LENGTHS), so the second "
                "step recompiles with a symbolic length and the third reuses that graph",
+    "+inductor": "dynamic=True under inductor (its graphs' collectives are not listed)",
 }
 SEQ_LENGTHS = (8, 6, 4)  # the zoo's sequence (zoo.SEQ), then shorter
 
@@ -377,13 +378,15 @@ def run_loop(parallelism: str, variant_name: str, enable: bool, steps: int = STE
 
 def _loss_fn(built: Any, mode: str, see: Callable[[str, torch.fx.GraphModule], None]) -> Callable[..., Any]:
     """The model's loss (forward and loss), or it under `torch.compile` in `mode`
-    (COMPILE_MODES; aot_eager, each graph shown to `see`; dynamo's compiled code
-    dropped first, so each run compiles afresh)."""
+    (COMPILE_MODES; aot_eager, each graph shown to `see`, or inductor; dynamo's compiled
+    code dropped first, so each run compiles afresh)."""
     from decompshard._compat import aot_eager_seeing, forget_compiled_code
 
     if not mode:
         return built.loss
     forget_compiled_code()
+    if mode == "+inductor":
+        return torch.compile(built.loss, backend="inductor", dynamic=True)
     dynamic = {"+compile": False, "+dynamic": True}.get(mode)  # None: torch's automatic dynamic
     return torch.compile(built.loss, backend=aot_eager_seeing(see), dynamic=dynamic)
 
