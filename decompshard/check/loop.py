@@ -163,14 +163,18 @@ def _make_optimizer(params: Any, variant: Variant, lr: float = LR) -> torch.opti
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.1, **variant.optimizer_flags())
 
 
-def _reference(built: Any, variant: Variant, lengths: list[int | None]) -> list[_Ref]:
-    """The loop on one device: per step the loss, the total norm, every parameter."""
+def _reference(built: Any, variant: Variant, lengths: list[int | None], loss_fn: Any = None) -> list[_Ref]:
+    """The loop on one device: per step the loss, the total norm, every parameter.
+    `loss_fn`: the loss compiled as the distributed run compiles it (inductor's kernels
+    round otherwise than eager: one device under inductor differs from eager by 5e-5 in
+    lm_head's weight after one AdamW step, whose update amplifies near-zero gradients)."""
     model = copy.deepcopy(built.model)
     opt = _make_optimizer(model.parameters(), variant)
+    loss_fn = loss_fn or built.loss
     out = []
     for length in lengths:
         opt.zero_grad(set_to_none=True)
-        loss = built.loss(model, _at_length(built.inputs, length))
+        loss = loss_fn(model, _at_length(built.inputs, length))
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, foreach=variant.clip_foreach)
         opt.step()
@@ -364,7 +368,8 @@ def run_loop(parallelism: str, variant_name: str, enable: bool, steps: int = STE
     base, mode = split_mode(parallelism)
     built = build(LOOP_ENTRY, BATCH, seed=0)
     lengths = _lengths(mode, steps)
-    refs = _reference(built, variant, lengths)
+    inductor = mode == "+inductor" and torch.compile(built.loss, backend="inductor", dynamic=True)
+    refs = _reference(built, variant, lengths, inductor or None)
     with _recording(run), switched(enable):
         try:
             run.stage = "setup"
