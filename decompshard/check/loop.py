@@ -368,8 +368,8 @@ def run_loop(parallelism: str, variant_name: str, enable: bool, steps: int = STE
     base, mode = split_mode(parallelism)
     built = build(LOOP_ENTRY, BATCH, seed=0)
     lengths = _lengths(mode, steps)
-    inductor = mode == "+inductor" and torch.compile(built.loss, backend="inductor", dynamic=True)
-    refs = _reference(built, variant, lengths, inductor or None)
+    same_kernels = torch.compile(built.loss, backend="inductor", dynamic=True) if mode == "+inductor" else None
+    refs = _reference(built, variant, lengths, same_kernels)
     with _recording(run), switched(enable):
         try:
             run.stage = "setup"
