@@ -51,15 +51,20 @@ def _rank0(t: torch.Tensor, mesh, placement) -> DTensor:
     return DTensor.from_local(local, mesh, [placement], run_check=False, shape=t.shape, stride=t.stride())
 
 
-def _compiled_calls(fn, sizes, make_args, backend):
-    """Call one compiled `fn` at each size; (outputs, decompshard's warnings)."""
+def _compiled_calls(fn, sizes, make_args, backend, mark_dim=None):
+    """Call one compiled `fn` at each size; (outputs, decompshard's warnings). Every size
+    symbolic (`dynamic=True`), or with `mark_dim` only that dim of each input
+    (`mark_dynamic`)."""
     torch._dynamo.reset()
-    compiled = torch.compile(fn, backend=backend, dynamic=True, fullgraph=True)
+    compiled = torch.compile(fn, backend=backend, dynamic=True if mark_dim is None else None, fullgraph=True)
     outs = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for n in sizes:
-            outs.append(compiled(*make_args(n)))
+            args = make_args(n)
+            for a in args if mark_dim is not None else ():
+                torch._dynamo.mark_dynamic(a, mark_dim)
+            outs.append(compiled(*args))
     return outs, [str(w.message) for w in caught if "decompshard" in str(w.message)]
 
 
@@ -159,31 +164,6 @@ def test_the_backward_of_a_slice_to_the_end_keeps_the_batch_shard():
     assert set(graphs) == {"forward: none", "backward: none"}, graphs
 
 
-def _placed(full, mesh, placements, seed=1):
-    """`full` as a DTensor of `placements` on simulated ranks (torch.chunk layout), a
-    Partial's parts random (they sum to the value)."""
-    import itertools
-
-    from decompshard._compat import make_local_tensor
-
-    shape = tuple(mesh.shape)
-    per_rank = {}
-    for rank, coord in enumerate(itertools.product(*map(range, shape))):
-        x = full
-        for md, p in enumerate(placements):
-            n, c = shape[md], coord[md]
-            if isinstance(p, Shard):
-                pieces = x.chunk(n, p.dim)
-                x = pieces[c] if c < len(pieces) else x.narrow(p.dim, x.size(p.dim), 0)
-            elif p.is_partial():
-                noise = [torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 10 * md + k))
-                         for k in range(n - 1)]
-                x = noise[c] if c < n - 1 else x - sum(noise)
-        per_rank[rank] = x.clone()
-    return DTensor.from_local(make_local_tensor(per_rank), mesh, placements, run_check=False,
-                              shape=full.shape, stride=full.stride())
-
-
 @pytest.mark.parametrize("mesh_shape,placements", [
     ((4,), [S0]), ((4,), [Partial()]), ((4,), [Shard(1)]),
     ((2, 2), [S0, Partial()]), ((2, 2), [Shard(1), S0]), ((2, 2), [R, S0]), ((2, 2), [Partial(), Shard(1)]),
@@ -194,15 +174,17 @@ def test_a_whole_slices_backward_run_directly_matches_one_device(mesh_shape, pla
     # tensor is the one-device result, at each dim sliced
     import sys
 
-    from decompshard.verify.dtensor_case import simulation
+    from decompshard.verify.dtensor_case import make_dtensor, simulation
 
-    full = torch.randn(7, 5, generator=torch.Generator().manual_seed(0))
+    # float64, as the project's Partial checks: make_dtensor's random parts are large
+    full = torch.randn(7, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     mesh = device_mesh(mesh_shape)
     for dim in (0, 1):
         want = torch.ops.aten.slice_backward(full, [7, 5], dim, 0, sys.maxsize, 1)
         with decompshard.enabled(), simulation(mesh.size()), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            got = torch.ops.aten.slice_backward(_placed(full, mesh, placements), [7, 5], dim, 0, sys.maxsize, 1)
+            grad = make_dtensor(full, mesh, placements, seed=1, salt=dim)
+            got = torch.ops.aten.slice_backward(grad, [7, 5], dim, 0, sys.maxsize, 1)
             assert got.placements == tuple(placements)  # nothing moved: the gradient passed through
             torch.testing.assert_close(got.full_tensor(), want)
 
@@ -227,18 +209,6 @@ def _first_column_less_one(x):
     return x[:, :1] - 1
 
 
-def _mark_dynamic_calls(fn, lengths, make, backend):
-    """Call one compiled `fn` on `make(n)` for each length, the inputs' dim 1 marked dynamic."""
-    torch._dynamo.reset()
-    compiled = torch.compile(fn, backend=backend)
-    outs = []
-    for n in lengths:
-        x = make(n)
-        torch._dynamo.mark_dynamic(x, 1)
-        outs.append(compiled(x))
-    return outs
-
-
 def test_a_static_shape_with_a_symbolic_stride_runs_where_dtensor_raised():
     # x[:, :1] of a DTensor whose dim 1 is symbolic: shape [b, 1] static, stride (s, 1)
     # symbolic. DTensor's dispatch cache hashes the spec (it checks the shape only for
@@ -251,13 +221,13 @@ def test_a_static_shape_with_a_symbolic_stride_runs_where_dtensor_raised():
         return torch.arange(8 * n).reshape(8, n)
 
     def make(n):
-        return _rank0(full(n), mesh, S0)
+        return (_rank0(full(n), mesh, S0),)
 
     with pytest.raises(Exception, match="unhashable type: non-nested SymInt|unsupported operand"):
-        _mark_dynamic_calls(_first_column_less_one, (6,), make, Recorder().backend())
+        _compiled_calls(_first_column_less_one, (6,), make, Recorder().backend(), mark_dim=1)
     rec = Recorder()
     with decompshard.enabled():
-        outs = _mark_dynamic_calls(_first_column_less_one, (6, 9), make, rec.backend())
+        outs, _ = _compiled_calls(_first_column_less_one, (6, 9), make, rec.backend(), mark_dim=1)
     assert len(rec.graphs) == 1 and rec.collectives() == []
     for n, out in zip((6, 9), outs):
         assert out.placements == (S0,)
@@ -382,11 +352,11 @@ def test_the_weight_gradient_steering_compares_sizes_without_a_guard():
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from decompshard.runtime.steering.node_reads import _same
+    from decompshard._compat import same_sizes  # what node_reads compares shapes with
 
     env = ShapeEnv()
     s = env.create_symintnode(env.create_symbol(8, ConstantSource("s")), hint=8)
-    assert not _same((8 * s, 3), (64, 3)) and _same((8 * s, 3), (s * 8, 3)) and _same((2, 3), (2, 3))
+    assert not same_sizes((8 * s, 3), (64, 3)) and same_sizes((8 * s, 3), (s * 8, 3)) and same_sizes((2, 3), (2, 3))
     assert len(env.guards) == 0
     assert (8 * s, 3) == (64, 3) and len(env.guards) == 1  # what `==` does
 
@@ -505,7 +475,7 @@ def _llama_dp(mesh):
 def test_tiny_llama_data_parallel_recompiled_at_a_second_sequence_length_matches_one_device():
     # A second sequence length recompiles. A DTensor input is not made dynamic
     # automatically (2.15), so this second graph has static shapes; `mark_dynamic` on the
-    # sequence dim is the next test's subject (symbolic_strides.py, symbol_proxies.py).
+    # sequence dim: test_llama_data_parallel_with_a_dynamic_sequence_compiles_forward_and_backward.
     # Here: attention keeps the batch sharded at both lengths, the same 4 all-gathers per
     # graph as one static compile (transformers' mask indexes the position ids with plain
     # tensors under implicit_replication), rank 0's logits those of one device.

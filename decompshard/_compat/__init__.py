@@ -52,7 +52,7 @@ from decompshard._compat.compile import (aot_eager_seeing, binary_sym_exprs, com
                                         forget_compiled_code, set_compile_cache_tag, sym_expr_builder_slot,
                                         sym_max_min_entries, symbol_proxy_slot)
 from decompshard._compat.symbolic import (
-    guard_divisible, has_hint, hint_of, is_symbolic, same_symbolic, symbol_hints, symbols_of, value_at,
+    guard_divisible, has_hint, hint_of, is_symbolic, same_sizes, same_symbolic, symbol_hints, symbols_of, value_at,
 )
 from decompshard._compat.simulation import (
     SIMULATED_SCRIPT_IMPORTS, chunk_split_points, fake_store, local_tensor_api, local_tensor_mode,
@@ -75,7 +75,7 @@ __all__ = [
     "local_tensor_api", "local_tensor_mode", "make_local_tensor", "on_backward_end", "op_dispatcher",
     "op_strategy_func", "outside_simulation", "placed_dtensor", "planned_input_specs", "propagation_cache_type", "rank_tensors",
     "rebind_dtensor", "redistribute_cost", "redistribute_local_tensor", "return_and_correct_aliasing",
-    "same_symbolic", "schema_info_slot", "set_compile_cache_tag", "set_dtensor_layout", "sharding_propagator",
+    "same_sizes", "same_symbolic", "schema_info_slot", "set_compile_cache_tag", "set_dtensor_layout", "sharding_propagator",
     "simulating_ranks", "single_dim_strategy_info", "slab_index", "spec_dtensor", "strategy_cost_slots",
     "strategy_reused_from", "strategy_selection_slot", "sym_expr_builder_slot", "sym_max_min_entries", "symbol_hints", "symbol_proxy_slot", "symbols_of", "torch_decomposition",
     "torch_decomposition_table", "tree_flatten", "tree_flatten_with_path", "tree_leaves", "tree_map", "tree_unflatten",

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import torch
 
 __all__ = ["guard_divisible", "has_hint", "hint_of", "is_symbolic", "symbol_hints", "symbols_of", "value_at",
-           "same_symbolic"]
+           "same_sizes", "same_symbolic"]
 
 
 def is_symbolic(v: Any) -> bool:
@@ -66,6 +66,13 @@ def same_symbolic(a: Any, b: Any) -> bool:
     ka = a.node.expr if isinstance(a, torch.SymInt) else a
     kb = b.node.expr if isinstance(b, torch.SymInt) else b
     return bool(ka == kb)
+
+
+def same_sizes(a: Any, b: Any) -> bool:
+    """Whether two size (or stride) sequences are the same expressions, element by element:
+    no guard, where `tuple(a) == tuple(b)` would add one per symbolic element (and, against
+    a number, specialize the graph to it)."""
+    return len(a) == len(b) and all(map(same_symbolic, a, b))
 
 
 def guard_divisible(v: Any, n: int) -> bool:

@@ -368,7 +368,7 @@ def run_loop(parallelism: str, variant_name: str, enable: bool, steps: int = STE
     base, mode = split_mode(parallelism)
     built = build(LOOP_ENTRY, BATCH, seed=0)
     lengths = _lengths(mode, steps)
-    same_kernels = torch.compile(built.loss, backend="inductor", dynamic=True) if mode == "+inductor" else None
+    same_kernels = _loss_fn(built, mode, lambda kind, gm: None) if mode == "+inductor" else None
     refs = _reference(built, variant, lengths, same_kernels)
     with _recording(run), switched(enable):
         try:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from decompshard._compat import (DTensorSpec, FakeTensorMode, OpSpec, OpStrategy, TensorMeta, TorchReplicate, hint_of, is_symbolic,
-                                 same_symbolic,
+                                 same_sizes, same_symbolic,
                                  inferred_schema_info, tree_flatten, tree_unflatten)
 from decompshard.dispatch_modes.clean import clean_dispatch_state
 from decompshard.dispatch_modes.reference import check_reference, reference_of
@@ -392,7 +392,7 @@ def _local_output_strides(op_schema: Any, moved: list[bool]) -> list | None:
 def _same_layouts(a: list, b: list) -> bool:
     """Equal stride lists, symbolic strides compared as expressions (no guard)."""
     return len(a) == len(b) and all(
-        (x is None) == (y is None) and (x is None or (len(x) == len(y) and all(map(same_symbolic, x, y))))
+        (x is None) == (y is None) and (x is None or same_sizes(x, y))
         for x, y in zip(a, b))
 
 

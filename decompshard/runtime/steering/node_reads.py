@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from decompshard._compat import (DTensor, DTensorSpec, TensorMeta, TorchShard, current_autograd_node, dtensor_spec,
-                                 in_backward, linear_node_operands, planned_input_specs, same_symbolic)
+                                 in_backward, linear_node_operands, planned_input_specs, same_sizes)
 from decompshard.runtime.steering.reduce_once import reduced_dims
 
 __all__ = ["shared_move", "transposed"]
@@ -57,31 +57,26 @@ def transposed(spec: Any) -> Any:
     return DTensorSpec(spec.mesh, tuple(placements), tensor_meta=meta_t)
 
 
-def _same(x: Any, y: Any) -> bool:
-    """Sizes equal as expressions: a symbolic size (torch.compile) is compared without
-    adding a guard, which `==` would (and, against a number, specialize the graph to it);
-    sizes equal only at this compile's values count as different (the steering steps aside)."""
-    return len(x) == len(y) and all(map(same_symbolic, x, y))
-
-
 def _gradient_arg(args: list, mat1: Any, mat2: Any) -> tuple[int, Any] | None:
     """Which argument of the weight gradient's mm is the node's gradient, and the
     gradient's own spec: (0, grad) for `grad.t() @ mat1`, (1, grad) for
-    `mat1.t() @ grad`; None where this mm is not the node's weight gradient."""
+    `mat1.t() @ grad`; None where this mm is not the node's weight gradient. Shapes are
+    compared as expressions (`same_sizes`: no guard under torch.compile); shapes equal only
+    at this compile's sizes count as different, and the steering steps aside."""
     a, b = args
     grad_shape = (mat1.shape[0], mat2.shape[1])
     mat1_t = transposed(mat1)
-    if _same(b.shape, mat1.shape) and b.placements == mat1.placements and _same(a.shape, grad_shape[::-1]):
+    if same_sizes(b.shape, mat1.shape) and b.placements == mat1.placements and same_sizes(a.shape, grad_shape[::-1]):
         return 0, transposed(a)
-    if mat1_t is not None and _same(a.shape, mat1_t.shape) and a.placements == mat1_t.placements \
-            and _same(b.shape, grad_shape):
+    if mat1_t is not None and same_sizes(a.shape, mat1_t.shape) and a.placements == mat1_t.placements \
+            and same_sizes(b.shape, grad_shape):
         return 1, b
     return None
 
 
 def _column_major(meta: Any) -> bool:
     """`mm_mat1_backward`'s test for a transposed input (2-D, strides (1, rows))."""
-    return len(meta.shape) == 2 and _same(meta.stride, (1, meta.shape[0]))
+    return len(meta.shape) == 2 and same_sizes(meta.stride, (1, meta.shape[0]))
 
 
 def shared_move(op_schema: Any) -> tuple[int, Any] | None:
